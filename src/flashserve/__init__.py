@@ -1,0 +1,3 @@
+"""flashserve: an OpenAI-compatible LLM inference server."""
+
+__version__ = "0.1.0"

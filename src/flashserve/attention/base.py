@@ -1,0 +1,85 @@
+"""The attention backend interface and the batch layout every backend plans from.
+
+A step's batch is packed as one sequence of new tokens (prefill chunks and decode tokens mixed);
+`BatchLayout` says which tokens belong to which request and where each request's K/V pages are,
+in FlashInfer's CSR vocabulary. It is built on the CPU once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from flashserve.engine.outputs import ScheduledRequest
+
+
+def last_page_len(kv_len: int, page_size: int) -> int:
+    """Tokens in the last page, in [1, page_size]: a page-aligned length fills its last page."""
+    if kv_len <= 0:
+        raise ValueError(f"a request in a batch holds at least one token, got kv_len={kv_len}")
+    return (kv_len - 1) % page_size + 1
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    page_size: int
+    qo_indptr: list[int]  # [B+1] new tokens per request (a prefill chunk, or 1 for decode)
+    kv_indptr: list[int]  # [B+1] pages per request, after this step's append
+    kv_indices: list[int]  # page ids of all requests, concatenated
+    kv_last_page_len: list[int]  # [B] always in [1, page_size]
+    positions: list[int]  # [T] absolute position of every new token (RoPE and the append)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.qo_indptr) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.qo_indptr[-1]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_tokens == self.batch_size
+
+    def kv_lens(self) -> list[int]:
+        """Tokens in the cache per request after the append."""
+        return [
+            (self.kv_indptr[i + 1] - self.kv_indptr[i] - 1) * self.page_size + self.kv_last_page_len[i]
+            for i in range(self.batch_size)
+        ]
+
+    @classmethod
+    def build(cls, requests: Sequence[ScheduledRequest], page_size: int) -> BatchLayout:
+        qo_indptr, kv_indptr, kv_indices, last, positions = [0], [0], [], [], []
+        for r in requests:
+            kv_len = r.kv_len
+            n_pages = (kv_len + page_size - 1) // page_size
+            if len(r.page_ids) < n_pages:
+                raise ValueError(f"request {r.request_id}: {kv_len} tokens need {n_pages} pages, has {len(r.page_ids)}")
+            qo_indptr.append(qo_indptr[-1] + r.num_new_tokens)
+            kv_indices.extend(r.page_ids[:n_pages])
+            kv_indptr.append(len(kv_indices))
+            last.append(last_page_len(kv_len, page_size))
+            positions.extend(range(r.num_computed_tokens, kv_len))
+        return cls(page_size, qo_indptr, kv_indptr, kv_indices, last, positions)
+
+
+class AttentionBackend(Protocol):
+    """Owns the paged KV cache of every layer; attends one layer at a time.
+
+    `plan` runs once per step on the CPU index arrays; `forward` runs once per layer and must not
+    synchronise with the device.
+    """
+
+    def plan(self, layout: BatchLayout) -> None: ...
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for the step's T new tokens (packed as `layout`).
+
+        Appends k/v to the layer's pages at `layout.positions`, then attends causally over each
+        request's cached prefix plus its new tokens. Returns [T, Hq, D] in q's dtype.
+        """
+        ...

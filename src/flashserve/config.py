@@ -1,0 +1,43 @@
+"""Frozen configuration, built once from the command line (every flag also an env variable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = ""  # hf id, local dir, .gguf file, config.json or built-in shape name; "" = embedded
+    tokenizer: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    attention_dtype: str = "auto"  # for float32 models on CUDA: float16 | bfloat16
+    load_format: str = "auto"  # auto | dummy
+    max_model_len: int | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    model_impl: str = "auto"  # auto | native | hf
+    seed: int = 0
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from memory (GPU) or cpu_kv_cache_gb (CPU)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 1.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    api_keys: tuple[str, ...] = field(default=())

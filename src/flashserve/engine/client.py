@@ -1,0 +1,33 @@
+"""What the API layer sees of the engine. API tests use a fake that satisfies this protocol."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from flashserve.engine.outputs import RequestOutput
+from flashserve.sampling_params import SamplingParams
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class EngineClient(Protocol):
+    max_model_len: int
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs step by step; the last one has finished=True.
+
+        Stop strings in `params.stop` are matched on the detokenized text by the engine, so
+        `RequestOutput.new_text` never contains them. Closing the iterator early (a client that
+        disconnected) aborts the request and frees its pages.
+        """
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; safe to call for unknown or finished ids."""
+        ...
+
+    def is_healthy(self) -> bool: ...

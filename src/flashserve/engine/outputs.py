@@ -1,0 +1,74 @@
+"""The objects that cross the engine's boundaries: scheduler -> runner, engine -> API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flashserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: a prefill chunk or one decode token."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens whose K/V this step computes
+    num_computed_tokens: int  # tokens already cached = position of new_token_ids[0]
+    page_ids: list[int]  # the request's pages, enough for num_computed_tokens + len(new_token_ids)
+    # True when the chunk ends at the request's last known token, so the step samples its next one.
+    sample: bool
+    params: SamplingParams
+    # Read-only views for the sampler (penalties, min_tokens, per-step seeds); not copies.
+    prompt_token_ids: list[int] = field(repr=False, default_factory=list)
+    output_token_ids: list[int] = field(repr=False, default_factory=list)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.new_token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens in the cache after this step's append."""
+        return self.num_computed_tokens + len(self.new_token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    # Requests that left the running set since the last step (finished, aborted, preempted):
+    # a runner that keeps per-request state drops it.
+    released_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+# Runner -> scheduler: one entry per ScheduledRequest, in order. A sampled token id, NO_TOKEN for a
+# chunk that does not sample, or a SampleError when this request's sampling failed (it fails alone).
+NO_TOKEN = -1
+
+
+@dataclass(frozen=True)
+class SampleError:
+    message: str
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What the engine tells the API about one request after a step (engine -> API)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # "" without a tokenizer
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None
+    # Seconds on the monotonic clock; lets the API and metrics compute TTFT and latency.
+    arrival_time: float = 0.0

@@ -1,0 +1,71 @@
+"""Per-request generation parameters, validated once at the API boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidParameter(ValueError):
+    """A request parameter is out of range; `param` names it (OpenAI's error `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF rule, over prompt and output tokens
+    frequency_penalty: float = 0.0  # OpenAI rule, over output tokens
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    # Ids that end generation unless ignore_eos; filled from the model's generation config.
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidParameter("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidParameter("temperature", f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidParameter("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise InvalidParameter("top_k", f"top_k must be -1 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParameter("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            raise InvalidParameter(
+                "repetition_penalty", f"repetition_penalty must be positive, got {self.repetition_penalty}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidParameter(name, f"{name} must be in [-2, 2], got {value}")
+        if self.min_tokens < 0:
+            raise InvalidParameter("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidParameter("min_tokens", "min_tokens must not exceed max_tokens")
+        if any(not s for s in self.stop):
+            raise InvalidParameter("stop", "stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidParameter("stop_token_ids", "stop_token_ids must be non-negative")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        )
