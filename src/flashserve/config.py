@@ -16,7 +16,6 @@ class ModelConfig:
     max_model_len: int | None = None
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flashinfer
-    model_impl: str = "auto"  # auto | native | hf
     seed: int = 0
     trust_remote_code: bool = False
 

@@ -1,0 +1,20 @@
+"""Entry point: `flashserve serve [options]` (or `python -m flashserve serve`)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashserve.cli import build_parser, to_configs
+
+    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if ns.command == "serve":
+        from flashserve.serve import run_serve
+
+        run_serve(to_configs(ns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

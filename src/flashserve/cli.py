@@ -1,0 +1,117 @@
+"""Command-line options. Every flag is also an environment variable FLASHSERVE_<FLAG>."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str  # "--max-num-seqs"
+    type: Callable[[str], Any] | None
+    default: Any
+    help: str
+    choices: Sequence[str] | None = None
+    multiple: bool = False  # several values: space-separated on the command line, comma-separated in env
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "FLASHSERVE_" + self.dest.upper()
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+SERVE_OPTIONS: tuple[Option, ...] = (
+    Option("--model", str, "", "HF model id, local directory, .gguf file, config.json or built-in shape "
+           "name (with --load-format dummy); empty: the embedded SmolLM2-135M-Instruct"),
+    Option("--tokenizer", str, None, "tokenizer to use instead of the model's"),
+    Option("--served-model-name", str, None, "model id(s) the API answers to (default: the model name)", multiple=True),
+    Option("--host", str, "127.0.0.1", "address to bind"),
+    Option("--port", int, 8000, "port to bind"),
+    Option("--dtype", str, "auto", "model weights dtype", ["auto", "float32", "float16", "bfloat16"]),
+    Option("--attention-dtype", str, "auto", "attention dtype for float32 models on CUDA",
+           ["auto", "float16", "bfloat16"]),
+    Option("--load-format", str, "auto", "dummy: random weights in the model's shape", ["auto", "dummy"]),
+    Option("--max-model-len", int, None, "context length (default: the model's)"),
+    Option("--device", str, "auto", "where to run", ["auto", "cpu", "cuda"]),
+    Option("--attention-backend", str, "auto", "attention kernels (auto: flashinfer on CUDA, torch on CPU)",
+           ["auto", "torch", "flashinfer"]),
+    Option("--page-size", int, 16, "tokens per KV cache page"),
+    Option("--num-pages", int, None, "KV cache pages (default: sized from memory)"),
+    Option("--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV cache"),
+    Option("--cpu-kv-cache-gb", float, 1.0, "KV cache size on CPU, in GB"),
+    Option("--max-num-seqs", int, 256, "most requests in one step"),
+    Option("--max-num-batched-tokens", int, 2048, "most tokens in one step (prefill chunks + decode tokens)"),
+    Option("--cuda-graph", _bool, True, "capture decode steps in CUDA graphs (--no-cuda-graph or --enforce-eager to disable)"),
+    Option("--seed", int, 0, "seed of the sampler for requests without a seed"),
+    Option("--log-level", str, "info", "log level", ["debug", "info", "warning", "error"]),
+)
+
+
+def add_options(parser: argparse.ArgumentParser, options: Sequence[Option], environ: dict[str, str]) -> None:
+    for opt in options:
+        default = opt.default
+        if opt.env in environ:
+            raw = environ[opt.env]
+            if opt.multiple:
+                default = [opt.type(v) if opt.type else v for v in raw.split(",") if v.strip()]
+            else:
+                default = opt.type(raw) if opt.type else raw
+        shown = "" if opt.default is None else f" (default: {opt.default})"
+        help_text = f"{opt.help}{shown} [env: {opt.env}]"
+        if opt.type is _bool:
+            parser.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction,
+                                default=default, help=help_text)
+            continue
+        parser.add_argument(opt.flag, dest=opt.dest, type=opt.type, default=default, choices=opt.choices,
+                            nargs="+" if opt.multiple else None, help=help_text)
+
+
+def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    environ = dict(os.environ if environ is None else environ)
+    parser = argparse.ArgumentParser(prog="flashserve", description="OpenAI-compatible LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over HTTP", formatter_class=argparse.HelpFormatter)
+    add_options(serve, SERVE_OPTIONS, environ)
+    serve.add_argument("--enforce-eager", dest="cuda_graph", action="store_false",
+                       help="alias of --no-cuda-graph")
+    return parser
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    server: ServerConfig
+    cuda_graph: bool
+
+
+def to_configs(ns: argparse.Namespace) -> ServeArgs:
+    model = ModelConfig(
+        model=ns.model, tokenizer=ns.tokenizer, served_model_names=tuple(ns.served_model_name or ()),
+        dtype=ns.dtype, attention_dtype=ns.attention_dtype, load_format=ns.load_format,
+        max_model_len=ns.max_model_len, device=ns.device, attention_backend=ns.attention_backend,
+        seed=ns.seed,
+    )
+    cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,
+                        gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb)
+    scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens)
+    server = ServerConfig(host=ns.host, port=ns.port, log_level=ns.log_level)
+    return ServeArgs(model, cache, scheduler, server, ns.cuda_graph)

@@ -1,0 +1,120 @@
+"""The synchronous engine: one step = schedule, execute, update, then text and stop strings.
+
+`LLMEngine` is driven by exactly one thread (the engine loop of `AsyncEngine`, or the caller of
+the offline API); nothing in it is thread-safe and nothing in it needs to be.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from flashserve.engine.detokenizer import IncrementalDetokenizer
+from flashserve.engine.outputs import RequestOutput, SampleError, SchedulerOutput
+from flashserve.engine.request import FinishReason, Request
+from flashserve.engine.scheduler import Scheduler
+from flashserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    def execute(self, out: SchedulerOutput) -> list[int | SampleError]: ...
+
+
+@dataclass(eq=False)
+class _Live:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    num_emitted_tokens: int = 0
+    new_text: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self._live: dict[str, _Live] = {}
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already running")
+        request = Request(request_id, list(prompt_token_ids), params)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+        self._live[request_id] = _Live(request, detok)
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request now (its pages are free when this returns); None if unknown."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._output(live)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that got tokens or finished."""
+        out = self.scheduler.schedule()
+        touched: list[Request] = []
+        if not out.is_empty:
+            sampled = self.executor.execute(out)
+            touched = self.scheduler.update(out, sampled)
+        outputs = [self._process(self._live[r.request_id]) for r in touched if r.request_id in self._live]
+        # Requests the scheduler ended without running them (e.g. too long to ever fit).
+        for live in [lv for lv in self._live.values() if lv.request.is_finished]:
+            outputs.append(self._process(live))
+        return outputs
+
+    def _process(self, live: _Live) -> RequestOutput:
+        req = live.request
+        new_ids = req.output_token_ids[live.num_emitted_tokens :]
+        live.num_emitted_tokens = req.num_output_tokens
+        if live.detokenizer is not None:
+            try:
+                self._detokenize(live, new_ids)
+            except Exception as exc:  # a failed request fails alone
+                logger.exception("detokenizing request %s failed", req.request_id)
+                self.scheduler.finish(req.request_id, FinishReason.ERROR, f"detokenization failed: {exc}")
+        if req.is_finished:
+            self._live.pop(req.request_id, None)
+        return self._output(live, new_ids)
+
+    def _detokenize(self, live: _Live, new_ids: list[int]) -> None:
+        detok = live.detokenizer
+        assert detok is not None
+        for token_id in new_ids:
+            live.new_text.append(detok.add(token_id))
+            if detok.stopped:
+                self.scheduler.finish(live.request.request_id, FinishReason.STOP)
+                return
+        if live.request.is_finished and not detok.stopped:
+            live.new_text.append(detok.flush())
+
+    def _output(self, live: _Live, new_ids: list[int] | None = None) -> RequestOutput:
+        req = live.request
+        text = "".join(live.new_text)
+        live.new_text.clear()
+        reason = req.finish_reason.value if req.finish_reason is not None else None
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=list(new_ids or []),
+            new_text=text,
+            finished=req.is_finished or reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            error=req.error,
+            arrival_time=req.arrival_time,
+        )
