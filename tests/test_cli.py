@@ -1,0 +1,43 @@
+"""Command-line options: flags, environment variables, --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from flashserve.cli import SERVE_OPTIONS, build_parser, to_configs
+
+
+def test_defaults_serve_the_embedded_model_on_localhost_8000():
+    args = to_configs(build_parser({}).parse_args(["serve"]))
+    assert args.model.model == ""
+    assert (args.server.host, args.server.port) == ("127.0.0.1", 8000)
+    assert args.cache.page_size == 16
+
+
+def test_environment_variables_set_defaults():
+    env = {"FLASHSERVE_PORT": "9001", "FLASHSERVE_MAX_NUM_SEQS": "7", "FLASHSERVE_SERVED_MODEL_NAME": "a,b",
+           "FLASHSERVE_CUDA_GRAPH": "false"}
+    args = to_configs(build_parser(env).parse_args(["serve"]))
+    assert args.server.port == 9001
+    assert args.scheduler.max_num_seqs == 7
+    assert args.model.served_model_names == ("a", "b")
+    assert args.cuda_graph is False
+
+
+def test_flags_override_environment_variables():
+    args = to_configs(build_parser({"FLASHSERVE_PORT": "9001"}).parse_args(["serve", "--port", "9002"]))
+    assert args.server.port == 9002
+
+
+def test_enforce_eager_disables_cuda_graphs():
+    args = to_configs(build_parser({}).parse_args(["serve", "--enforce-eager"]))
+    assert args.cuda_graph is False
+
+
+def test_help_lists_every_flag_with_its_environment_variable():
+    out = subprocess.run([sys.executable, "-m", "flashserve", "serve", "--help"], capture_output=True, text=True,
+                         env={"COLUMNS": "200", "PATH": ""}, check=True).stdout
+    for opt in SERVE_OPTIONS:
+        assert opt.flag in out
+        assert opt.env in out
