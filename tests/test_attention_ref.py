@@ -1,0 +1,143 @@
+"""The reference paged attention equals dense causal attention computed from scratch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashserve.attention import torch_ref
+from flashserve.attention.base import BatchLayout
+from flashserve.attention.torch_ref import TorchAttentionBackend
+from flashserve.engine.outputs import ScheduledRequest
+from flashserve.sampling_params import SamplingParams
+
+PAGE = 16
+HEAD_DIM = 64
+KV_HEADS = 2
+NUM_PAGES = 64
+
+
+class Sequence:
+    """One request's full q/k/v, its shuffled pages, and its dense causal attention output."""
+
+    def __init__(self, length: int, q_heads: int, pages: list[int], gen: torch.Generator) -> None:
+        self.q = torch.randn(length, q_heads, HEAD_DIM, generator=gen)
+        self.k = torch.randn(length, KV_HEADS, HEAD_DIM, generator=gen)
+        self.v = torch.randn(length, KV_HEADS, HEAD_DIM, generator=gen)
+        self.pages = pages
+        self.expected = dense_causal_attention(self.q, self.k, self.v)
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Token p attends to tokens 0..p; kv heads repeated to the query heads."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).double()
+    v = v.repeat_interleave(group, dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
+    n = q.shape[0]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).float()
+
+
+def make_sequences(lengths: list[int], q_heads: int, seed: int = 0) -> list[Sequence]:
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(NUM_PAGES, generator=gen).tolist()  # non-contiguous, shuffled pages
+    seqs = []
+    for length in lengths:
+        n_pages = (length + PAGE - 1) // PAGE
+        seqs.append(Sequence(length, q_heads, [pool.pop() for _ in range(n_pages)], gen))
+    return seqs
+
+
+def run_step(backend: TorchAttentionBackend, seqs: list[Sequence], chunks: list[tuple[int, int]]) -> None:
+    """Runs one step over chunk [start, end) of each sequence on every layer; checks the output."""
+    params = SamplingParams()
+    requests = [
+        ScheduledRequest(str(i), list(range(a, b)), a, s.pages, True, params)
+        for i, (s, (a, b)) in enumerate(zip(seqs, chunks))
+    ]
+    backend.plan(BatchLayout.build(requests, PAGE))
+    q = torch.cat([s.q[a:b] for s, (a, b) in zip(seqs, chunks)])
+    k = torch.cat([s.k[a:b] for s, (a, b) in zip(seqs, chunks)])
+    v = torch.cat([s.v[a:b] for s, (a, b) in zip(seqs, chunks)])
+    expected = torch.cat([s.expected[a:b] for s, (a, b) in zip(seqs, chunks)])
+    for layer in range(backend.num_layers):
+        out = backend.forward(layer, q, k, v)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def make_backend(dtype: torch.dtype = torch.float32, num_layers: int = 1) -> TorchAttentionBackend:
+    return TorchAttentionBackend(num_layers, NUM_PAGES, PAGE, KV_HEADS, HEAD_DIM, dtype, "cpu", None)
+
+
+@pytest.mark.parametrize("length", [1, 7, 16, 21, 32, 33])
+def test_single_prefill_matches_dense_at_aligned_and_unaligned_lengths(length: int) -> None:
+    seqs = make_sequences([length], q_heads=KV_HEADS * 4)
+    run_step(make_backend(), seqs, [(0, length)])
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_mixed_prefill_and_decode_batch_matches_dense(group: int) -> None:
+    # Prefixes of 16 and 32 (page-aligned), 5 and 37 (unaligned), and one request new this step.
+    prefixes = [16, 32, 5, 37, 0]
+    new = [1, 9, 1, 12, 20]
+    seqs = make_sequences([p + n + 3 for p, n in zip(prefixes, new)], q_heads=KV_HEADS * group)
+    backend = make_backend(num_layers=2)
+    run_step(backend, seqs[:4], [(0, p) for p in prefixes[:4]])
+    run_step(backend, seqs, [(p, p + n) for p, n in zip(prefixes, new)])
+    for step in range(3):  # decode steps for everyone after the mixed step
+        run_step(backend, seqs, [(p + n + step, p + n + step + 1) for p, n in zip(prefixes, new)])
+
+
+def test_chunked_prefill_across_steps_matches_dense() -> None:
+    seqs = make_sequences([50, 20], q_heads=KV_HEADS * 3)
+    backend = make_backend()
+    run_step(backend, seqs, [(0, 16), (0, 7)])
+    run_step(backend, seqs, [(16, 33), (7, 20)])
+    run_step(backend, seqs[:1], [(33, 50)])
+
+
+def test_decode_at_page_boundary_attends_to_the_full_prefix() -> None:
+    # kv_len 16 and 32 fill their last page exactly (last_page_len == page_size, never 0).
+    seqs = make_sequences([17, 33], q_heads=KV_HEADS)
+    backend = make_backend()
+    run_step(backend, seqs, [(0, 15), (0, 31)])
+    run_step(backend, seqs, [(15, 16), (31, 32)])
+    run_step(backend, seqs, [(16, 17), (32, 33)])
+
+
+def test_append_writes_kv_into_the_slots_of_the_request_pages() -> None:
+    seqs = make_sequences([21], q_heads=KV_HEADS)
+    backend = make_backend()
+    run_step(backend, seqs, [(0, 21)])
+    k_cache, v_cache = backend.kv_cache[0]
+    pages = seqs[0].pages
+    torch.testing.assert_close(k_cache[pages[0]], seqs[0].k[:16])
+    torch.testing.assert_close(k_cache[pages[1], :5], seqs[0].k[16:21])
+    torch.testing.assert_close(v_cache[pages[1], :5], seqs[0].v[16:21])
+
+
+def test_small_group_budget_splits_the_batch_without_changing_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_ref, "_MAX_PAIRS_PER_GROUP", 64)
+    seqs = make_sequences([10, 31, 3, 18], q_heads=KV_HEADS * 4)
+    backend = make_backend()
+    run_step(backend, seqs, [(0, 9), (0, 30), (0, 2), (0, 17)])
+    assert len(backend._plan.groups) > 1
+    run_step(backend, seqs, [(9, 10), (30, 31), (2, 3), (17, 18)])
+
+
+def test_bfloat16_cache_stays_close_to_dense() -> None:
+    seqs = make_sequences([24, 5], q_heads=KV_HEADS * 2)
+    backend = make_backend(dtype=torch.bfloat16)
+    requests = [
+        ScheduledRequest(str(i), list(range(len(s.q))), 0, s.pages, True, SamplingParams()) for i, s in enumerate(seqs)
+    ]
+    backend.plan(BatchLayout.build(requests, PAGE))
+    q = torch.cat([s.q for s in seqs]).bfloat16()
+    out = backend.forward(0, q, torch.cat([s.k for s in seqs]), torch.cat([s.v for s in seqs]))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), torch.cat([s.expected for s in seqs]), atol=5e-2, rtol=5e-2)
