@@ -74,7 +74,7 @@ class BlockManager:
         for _ in range(missing):
             page = self._free.popleft()
             if self._ref_counts[page] != 0:
-                raise BlockManagerError(f"page {page} is on the free list but has {self._ref_counts[page]} owners")
+                raise BlockManagerError(f"page {page} is on the free list but has an owner")
             self._ref_counts[page] = 1
             table.append(page)
         return True

@@ -1,0 +1,245 @@
+"""Continuous batching with chunked prefill over a paged KV cache; preemption by recompute.
+
+One step is `schedule()` (what runs now) then `update()` (what came out). All request state changes
+happen in these two calls and in `add_request` / `abort` / `finish`, all made from the engine loop.
+
+Policy (like vLLM v1): running requests first, oldest first, each gets one decode token or its next
+prefill chunk; then waiting requests are admitted first-come first-served while the token budget,
+the sequence cap and the free pages allow. When a running request needs a page and none is free,
+the newest running request is preempted: its pages are freed and it later recomputes its prompt
+and output so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from flashserve.config import SchedulerConfig
+from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.outputs import NO_TOKEN, SampleError, ScheduledRequest, SchedulerOutput
+from flashserve.engine.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be positive: {config}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is the newest
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._released: list[str] = []  # left the running set since the last schedule()
+        # Finished by the scheduler itself outside update() (invalid or impossible requests);
+        # the next update() reports them so the engine has one place to emit outputs.
+        self._finished_unreported: list[Request] = []
+        self._in_flight: dict[str, Request] = {}  # the last schedule()'s requests, for update()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._finished_unreported)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get(self, request_id: str) -> Request | None:
+        """An unfinished request by id; None once it has finished."""
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. One that can never run is finished with ERROR and reported by update()."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        error = None
+        if request.num_prompt_tokens == 0:
+            error = "the prompt is empty"
+        elif request.num_prompt_tokens > self.max_model_len:
+            error = (
+                f"the prompt has {request.num_prompt_tokens} tokens, "
+                f"more than the maximum context length of {self.max_model_len}"
+            )
+        else:
+            error = self._capacity_error(request)
+        if error is not None:
+            request.finish(FinishReason.ERROR, error)
+            self._finished_unreported.append(request)
+            return
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request now (the client went away) and free its pages; None if unknown/finished."""
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
+        """Finish a request now and free its pages (the engine's stop strings and errors).
+
+        The caller reports it; update() does not return it again. None if unknown or finished.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, reason, error)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens and allocate their pages; the next call must be update(out, ...).
+
+        Can be empty while requests the scheduler finished on its own wait to be reported: call
+        update(out, []) anyway.
+        """
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            error = self._capacity_error(request)
+            if error is not None:
+                self._finish(request, FinishReason.ERROR, error)
+                self._finished_unreported.append(request)
+                continue  # running[i] is now the next request
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate(request.request_id, request.num_computed_tokens + n):
+                victim = self.running[-1]  # never one already scheduled: those are older
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # it was the newest, so no running request is left to look at
+            scheduled.append((request, n))
+            budget -= n
+            i += 1
+
+        # Admitting right after a preemption would only take the pages back from older requests.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            error = self._capacity_error(request)
+            if error is not None:
+                self.waiting.popleft()
+                self._finish(request, FinishReason.ERROR, error)
+                self._finished_unreported.append(request)
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + n):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, n))
+            budget -= n
+
+        self._in_flight = {r.request_id: r for r, _ in scheduled}
+        released, self._released = self._released, []
+        return SchedulerOutput([self._scheduled_request(r, n) for r, n in scheduled], released)
+
+    def update(self, out: SchedulerOutput, sampled: Sequence[int | SampleError]) -> list[Request]:
+        """Apply a step's results; `sampled[i]` belongs to `out.requests[i]`.
+
+        Returns the requests that got a token or finished in this step, in schedule order, after
+        those the scheduler finished on its own since the last update (invalid or impossible).
+        Requests finished with abort()/finish() in the meantime are skipped: their token is dropped.
+        """
+        if len(sampled) != len(out.requests):
+            raise ValueError(f"{len(sampled)} sampled entries for {len(out.requests)} scheduled requests")
+        touched, self._finished_unreported = self._finished_unreported, []
+        for scheduled, token in zip(out.requests, sampled):
+            request = self._in_flight.get(scheduled.request_id)
+            if request is None or request.is_finished:
+                continue
+            request.num_computed_tokens = scheduled.kv_len
+            if isinstance(token, SampleError):
+                self._finish(request, FinishReason.ERROR, token.message)
+                touched.append(request)
+                continue
+            if not scheduled.sample:
+                continue
+            if token == NO_TOKEN or token < 0:
+                self._finish(request, FinishReason.ERROR, f"the sampler returned no token (got {token})")
+                touched.append(request)
+                continue
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            touched.append(request)
+        self._in_flight = {}
+        return touched
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        # The sampler masks EOS and stop ids until min_tokens tokens exist; the token that may
+        # stop is the one after them, so stopping needs more than min_tokens outputs.
+        if request.num_output_tokens > params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in params.eos_token_ids):
+                return FinishReason.STOP  # before LENGTH: the model ended on its own
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _capacity_error(self, request: Request) -> str | None:
+        """Why the request can never run even alone in the cache, or None."""
+        needed = self.block_manager.num_pages_needed(request.num_tokens)
+        if needed <= self.block_manager.capacity:
+            return None
+        return (
+            f"request {request.request_id} needs {needed} KV cache pages for {request.num_tokens} tokens, "
+            f"but the cache has only {self.block_manager.capacity} pages of "
+            f"{self.block_manager.page_size} tokens"
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop its K/V and queue it first, to be recomputed in full."""
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._released.append(request.request_id)
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._released.append(request.request_id)
+        elif request.status is RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request.request_id)
+        self._requests.pop(request.request_id, None)
+        request.finish(reason, error)
+
+    def _scheduled_request(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            new_token_ids=_token_slice(request, start, start + n),
+            num_computed_tokens=start,
+            # A snapshot: the live table grows in place in later steps.
+            page_ids=list(self.block_manager.pages(request.request_id)),
+            sample=start + n == request.num_tokens,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+
+def _token_slice(request: Request, start: int, end: int) -> list[int]:
+    """all_token_ids[start:end] without concatenating prompt and output on every decode step."""
+    p = request.num_prompt_tokens
+    if start >= p:
+        return request.output_token_ids[start - p : end - p]
+    if end <= p:
+        return request.prompt_token_ids[start:end]
+    return request.prompt_token_ids[start:] + request.output_token_ids[: end - p]
