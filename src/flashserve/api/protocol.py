@@ -1,0 +1,242 @@
+"""OpenAI request and response schemas, and the request -> SamplingParams conversion.
+
+Requests are validated strictly (no "5" for 5, no 1 for true) and unknown fields are ignored, the
+way OpenAI treats them. Fields we know but do not implement (logprobs, tools, ...) are declared
+loosely so that `unsupported_field` can answer them with a clear 400 instead of silently ignoring
+something that changes the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any, Literal, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic_core import PydanticCustomError
+
+from flashserve.sampling_params import SamplingParams
+
+# Upper bound on choices per request; each choice is a full engine request.
+MAX_N = 128
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+def _one_of(expected: str) -> WrapValidator:
+    """Replace a union's one-error-per-member list with a single readable message."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", "Input should be {expected}", {"expected": expected}) from None
+
+    return WrapValidator(validate)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class GenerationRequest(_Request):
+    """Fields shared by chat and text completions. None means "the default"."""
+
+    model: str | None = None  # None: the first served name
+    max_tokens: int | None = None  # None: the rest of the context
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: Annotated[str | list[str] | None, _one_of("a string or a list of strings")] = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Any] | None = None  # accepted only when empty
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[
+        str | list[TextPart] | None, _one_of('a string or a list of {"type": "text", "text": ...} parts')
+    ] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # the current name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Prompt = Annotated[
+    Union[str, list[TokenId], list[str], list[list[TokenId]]],
+    _one_of("a string, a list of token ids, or a list of strings or of token-id lists"),
+]
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: Prompt
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+def unsupported_field(req: GenerationRequest) -> str | None:
+    """The first field set to something this server does not implement, or None."""
+    checks: list[tuple[str, Any]] = [
+        ("logit_bias", bool(req.logit_bias)),
+        ("stream_options", req.stream_options is not None and not req.stream),
+    ]
+    if isinstance(req, ChatCompletionRequest):
+        checks += [
+            ("logprobs", bool(req.logprobs)),
+            ("top_logprobs", bool(req.top_logprobs)),
+            ("tools", bool(req.tools)),
+            ("tool_choice", req.tool_choice not in (None, "none", "auto")),
+            ("functions", bool(req.functions)),
+            ("function_call", req.function_call not in (None, "none", "auto")),
+            ("response_format", (req.response_format or {}).get("type", "text") != "text"),
+        ]
+    elif isinstance(req, CompletionRequest):
+        checks += [
+            ("logprobs", req.logprobs is not None),
+            ("echo", req.echo),
+            ("best_of", req.best_of not in (None, req.n)),
+            ("suffix", bool(req.suffix)),
+        ]
+    return next((name for name, bad in checks if bad), None)
+
+
+def to_sampling_params(
+    req: GenerationRequest, max_tokens: int, eos_token_ids: Sequence[int]
+) -> SamplingParams:
+    """SamplingParams for choice 0; raises InvalidParameter for out-of-range values."""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_or(req.temperature, 1.0),  # OpenAI's default
+        top_p=_or(req.top_p, 1.0),
+        top_k=_or(req.top_k, -1),
+        min_p=_or(req.min_p, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        seed=req.seed,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        skip_special_tokens=req.skip_special_tokens,
+        eos_token_ids=tuple(eos_token_ids),
+    )
+
+
+def for_choice(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of a seeded request uses seed + i, so choices differ yet stay reproducible."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "flashserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
