@@ -1,0 +1,282 @@
+"""The OpenAI-compatible app: validate, tokenize, hand token ids to the engine, shape the answer.
+
+Handlers never touch scheduling: they build SamplingParams, open one engine request per choice
+(`EngineStreams`) and either collect the outputs or stream them as SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, Awaitable, Sequence, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+
+from flashserve.api import protocol as p
+from flashserve.api.errors import APIError, engine_dead, install_error_handlers, invalid
+from flashserve.api.streaming import (
+    EngineStreams,
+    chat_choice,
+    chat_opening,
+    completion_choice,
+    sse_chunks,
+    usage,
+)
+from flashserve.engine.client import EngineClient
+from flashserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+# nginx's code for "client closed request": nobody reads it, but logs show what happened.
+CLIENT_CLOSED = 499
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # The body has been read already, so the next ASGI message is the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it and raising _ClientGone if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise _ClientGone
+    finally:
+        task.cancel()
+        watch.cancel()
+
+
+def _message_text(content: str | list[p.TextPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in content:
+        if part.type != "text":
+            raise invalid(f"content parts of type {part.type!r} are not supported; only text", "messages")
+        if part.text is None:
+            raise invalid("a text content part needs a text field", "messages")
+    return "\n".join(part.text or "" for part in content)
+
+
+def _as_ids(encoded: Any) -> list[int]:
+    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True) by default.
+    if isinstance(encoded, Mapping):
+        encoded = encoded["input_ids"]
+    return [int(t) for t in encoded]
+
+
+class _OpenAIServing:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any,
+        served_model_names: Sequence[str],
+        max_model_len: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        if not served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.names = list(served_model_names)
+        self.max_model_len = max_model_len
+        # Without explicit ids, fall back to the tokenizer's so that generation still ends at EOS.
+        fallback = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(eos_token_ids) or ((fallback,) if isinstance(fallback, int) else ())
+        self.created = int(time.time())
+        self.vocab_size = len(tokenizer) if tokenizer is not None else None
+
+    # ---- endpoints -----------------------------------------------------------------------------
+    async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
+        model = self._check(body)
+        if self.tokenizer is None:
+            raise invalid("chat completions need a tokenizer; this server runs without one", "messages")
+        conversation = [
+            {"role": m.role, "content": _message_text(m.content), **({"name": m.name} if m.name else {})}
+            for m in body.messages
+        ]
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # templates raise on shapes they refuse (roles out of order, ...)
+            raise invalid(f"the chat template rejected these messages: {exc}", "messages") from exc
+        prompt = _as_ids(encoded)
+        return await self._generate(raw, body, f"chatcmpl-{uuid.uuid4().hex}", model, [prompt], chat=True)
+
+    async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
+        model = self._check(body)
+        prompts = [self._tokenize(item) for item in self._prompt_items(body.prompt)]
+        return await self._generate(raw, body, f"cmpl-{uuid.uuid4().hex}", model, prompts, chat=False)
+
+    async def models(self) -> JSONResponse:
+        cards = [p.ModelCard(id=n, created=self.created, max_model_len=self.max_model_len) for n in self.names]
+        return JSONResponse(p.ModelList(data=cards).model_dump())
+
+    async def health(self) -> JSONResponse:
+        if not self.engine.is_healthy():
+            raise engine_dead()
+        return JSONResponse({})
+
+    # ---- validation ----------------------------------------------------------------------------
+    def _check(self, body: p.GenerationRequest) -> str:
+        model = body.model if body.model is not None else self.names[0]
+        if model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        field = p.unsupported_field(body)
+        if field == "stream_options":
+            raise invalid("stream_options is only allowed when stream is true", field)
+        if field is not None:
+            raise invalid(f"{field} is not supported by this server", field, code="unsupported_parameter")
+        return model
+
+    @staticmethod
+    def _prompt_items(prompt: p.Prompt) -> list[str | list[int]]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def _tokenize(self, item: str | list[int]) -> list[int]:
+        if isinstance(item, str):
+            if self.tokenizer is None:
+                raise invalid("text prompts need a tokenizer; send token ids instead", "prompt")
+            ids = _as_ids(self.tokenizer.encode(item))
+        else:
+            ids = list(item)
+        if not ids:
+            raise invalid("prompt must not be empty", "prompt")
+        if self.vocab_size is not None and max(ids) >= self.vocab_size:
+            raise invalid(f"prompt token ids must be below the vocabulary size {self.vocab_size}", "prompt")
+        return ids
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        """The request's max_tokens, defaulting to the rest of the context; rejects overflow.
+        A requested value below 1 is passed on for SamplingParams to reject."""
+        limit = self.max_model_len
+        if requested is None:
+            if prompt_len >= limit:
+                raise invalid(
+                    f"This model's maximum context length is {limit} tokens. However, your {param} "
+                    f"has {prompt_len} tokens, which leaves no room for a completion.",
+                    param, code="context_length_exceeded",
+                )
+            return limit - prompt_len
+        if requested >= 1 and prompt_len + requested > limit:
+            raise invalid(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the {param}, {requested} in the "
+                "completion). Please reduce the length of the prompt or of the completion.",
+                param, code="context_length_exceeded",
+            )
+        return requested
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def _generate(
+        self, raw: Request, body: p.GenerationRequest, request_id: str, model: str,
+        prompts: list[list[int]], chat: bool,
+    ) -> Response:
+        streams = self._open(body, request_id, prompts, param="messages" if chat else "prompt")
+        try:
+            await _unless_disconnected(raw, streams.start())
+        except _ClientGone:
+            streams.close()
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException:
+            streams.close()
+            raise
+
+        created = int(time.time())
+        num_prompt_tokens = sum(len(prompt) for prompt in prompts)
+        if body.stream:
+            kind = "chat.completion.chunk" if chat else "text_completion"
+            chunks = sse_chunks(
+                streams,
+                head={"id": request_id, "object": kind, "created": created, "model": model},
+                make_choice=chat_choice if chat else completion_choice,
+                opening=[chat_opening(i) for i in range(streams.num_choices)] if chat else [],
+                num_prompt_tokens=num_prompt_tokens,
+                include_usage=body.include_usage,
+                emit_empty=self.tokenizer is None,
+            )
+            # The background close covers a client that leaves before the body iterator starts.
+            return EventSourceResponse(chunks, ping=0, sep="\n", background=BackgroundTask(streams.aclose))
+
+        try:
+            results = await _unless_disconnected(raw, streams.collect())
+        except _ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            streams.close()
+        info = p.UsageInfo(**usage(num_prompt_tokens, [r.num_output_tokens for r in results]))
+        response: p.ChatCompletionResponse | p.CompletionResponse
+        if chat:
+            messages = [
+                p.ChatChoice(index=i, message=p.AssistantMessage(content=r.text), finish_reason=r.finish_reason)
+                for i, r in enumerate(results)
+            ]
+            response = p.ChatCompletionResponse(
+                id=request_id, created=created, model=model, choices=messages, usage=info
+            )
+        else:
+            texts = [
+                p.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)
+            ]
+            response = p.CompletionResponse(id=request_id, created=created, model=model, choices=texts, usage=info)
+        return JSONResponse(response.model_dump())
+
+    def _open(
+        self, body: p.GenerationRequest, request_id: str, prompts: list[list[int]], param: str
+    ) -> EngineStreams:
+        """One engine request per choice: n per prompt, numbered across prompts."""
+        ids: list[str] = []
+        choice_prompts: list[list[int]] = []
+        params: list[SamplingParams] = []
+        for prompt in prompts:
+            max_tokens = self._max_tokens(len(prompt), body.requested_max_tokens, param)
+            base = p.to_sampling_params(body, max_tokens, self.eos_token_ids)
+            for _ in range(body.n):
+                index = len(ids)
+                ids.append(f"{request_id}-{index}")
+                choice_prompts.append(prompt)
+                params.append(p.for_choice(base, index))
+        if not self.engine.is_healthy():
+            raise engine_dead()
+        return EngineStreams(self.engine, ids, choice_prompts, params)
+
+
+def build_app(
+    engine: EngineClient,
+    tokenizer: Any,
+    served_model_names: Sequence[str],
+    max_model_len: int,
+    eos_token_ids: Sequence[int] = (),
+) -> FastAPI:
+    """The OpenAI-compatible app. `tokenizer` is an HF tokenizer, or None for token-id prompts
+    only; `eos_token_ids` end generation unless a request sets ignore_eos (empty: the tokenizer's
+    eos_token_id). `max_model_len` bounds prompt + max_tokens."""
+    serving = _OpenAIServing(engine, tokenizer, served_model_names, max_model_len, eos_token_ids)
+    app = FastAPI(title="flashserve", version="0.1.0")
+    install_error_handlers(app)
+    for prefix in ("/v1", ""):
+        app.add_api_route(f"{prefix}/chat/completions", serving.chat, methods=["POST"], response_model=None)
+        app.add_api_route(f"{prefix}/completions", serving.completions, methods=["POST"], response_model=None)
+        app.add_api_route(f"{prefix}/models", serving.models, methods=["GET"], response_model=None)
+    app.add_api_route("/health", serving.health, methods=["GET"], response_model=None)
+    return app

@@ -1,0 +1,213 @@
+"""The engine requests behind one API request, and their OpenAI SSE chunks.
+
+One API request fans out into one engine request per choice (n choices per prompt). A pump task per
+choice reads that choice's engine iterator into one shared queue, so choices interleave in the
+order the engine produces them and closing never races an iterator that another task is inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError
+from flashserve.engine.client import EngineClient, EngineDead
+from flashserve.engine.outputs import RequestOutput
+from flashserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    text: str
+    finish_reason: str  # "stop" | "length"
+    num_output_tokens: int
+
+
+def _failed(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id, [], "", True, "error", 0, 0, error=message)
+
+
+class EngineStreams:
+    """Owns the engine iterators of one API request: start them, merge them, close them."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        request_ids: Sequence[str],
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+    ) -> None:
+        self._engine = engine
+        self._ids = list(request_ids)
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._buffer: deque[tuple[int, RequestOutput]] = deque()
+        self._finished = [False] * len(self._ids)
+        self._engine_dead = False
+        self.num_output_tokens = [0] * len(self._ids)
+        self._pumps = [
+            asyncio.ensure_future(self._pump(i, prompt, p))
+            for i, (prompt, p) in enumerate(zip(prompts, params))
+        ]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._ids)
+
+    async def _pump(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+        request_id = self._ids[index]
+        stream = self._engine.generate(request_id, prompt, params)
+        finished = False
+        try:
+            async for out in stream:
+                finished = out.finished
+                self._queue.put_nowait((index, out))
+                if finished:
+                    return
+            self._queue.put_nowait((index, _failed(request_id, "the engine stream ended early")))
+        except EngineDead as exc:
+            self._queue.put_nowait((index, exc))
+        except Exception as exc:
+            logger.exception("engine request %s failed", request_id)
+            self._queue.put_nowait((index, exc))
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if not finished and aclose is not None:  # the engine aborts a request on close
+                try:
+                    await aclose()
+                except Exception:
+                    logger.exception("closing engine stream %s failed", request_id)
+
+    async def _next(self) -> tuple[int, RequestOutput]:
+        index, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._engine_dead |= isinstance(item, EngineDead)
+            item = _failed(self._ids[index], str(item) or type(item).__name__)
+        if item.finished:
+            self._finished[index] = True
+        self.num_output_tokens[index] = max(self.num_output_tokens[index], item.num_output_tokens)
+        return index, item
+
+    def failure(self, out: RequestOutput) -> APIError | None:
+        """The HTTP error an output stands for, or None for an ordinary output."""
+        if out.finish_reason == "abort":
+            return APIError(503, "the request was aborted by the server", UNAVAILABLE, code="aborted")
+        if out.finish_reason != "error" and out.error is None:
+            return None
+        if self._engine_dead or not self._engine.is_healthy():
+            return APIError(503, out.error or "the engine is not running", UNAVAILABLE, code="engine_dead")
+        return APIError(500, out.error or "generation failed", SERVER_ERROR)
+
+    async def start(self) -> None:
+        """Wait for every choice's first output, so a failure before the first token is still an
+        HTTP error status rather than an event inside a 200 stream. Raises APIError."""
+        seen = [False] * len(self._ids)
+        while not all(seen):
+            index, out = await self._next()
+            err = self.failure(out)
+            if err is not None:
+                raise err
+            seen[index] = True
+            self._buffer.append((index, out))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) pairs until every choice has finished; failures included."""
+        while self._buffer:
+            yield self._buffer.popleft()
+        while not all(self._finished):
+            yield await self._next()
+
+    async def collect(self) -> list[ChoiceResult]:
+        texts: list[list[str]] = [[] for _ in self._ids]
+        reasons = ["stop"] * len(self._ids)
+        async for index, out in self.outputs():
+            err = self.failure(out)
+            if err is not None:
+                raise err
+            texts[index].append(out.new_text)
+            if out.finished:
+                reasons[index] = finish_reason(out)
+        return [ChoiceResult("".join(t), r, n) for t, r, n in zip(texts, reasons, self.num_output_tokens)]
+
+    def close(self) -> None:
+        """Abort whatever has not finished. Synchronous on purpose: it runs in `finally` blocks of
+        cancelled tasks, where an await could be cancelled again before the aborts go out."""
+        for pump in self._pumps:
+            pump.cancel()
+        for request_id, finished in zip(self._ids, self._finished):
+            if not finished:
+                self._engine.abort(request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+def finish_reason(out: RequestOutput) -> str:
+    return "length" if out.finish_reason == "length" else "stop"
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: Sequence[int]) -> dict[str, int]:
+    completion = sum(num_output_tokens)
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": num_prompt_tokens + completion,
+    }
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def chat_choice(index: int, text: str | None, finish: str | None) -> dict[str, Any]:
+    delta = {} if text is None else {"content": text}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def chat_opening(index: int) -> dict[str, Any]:
+    """A chat choice's first delta names the role, as OpenAI's does."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+def completion_choice(index: int, text: str | None, finish: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+
+async def sse_chunks(
+    streams: EngineStreams,
+    *,
+    head: dict[str, Any],  # id, object, created, model: the same on every chunk
+    make_choice: Callable[[int, str | None, str | None], dict[str, Any]],
+    opening: Sequence[dict[str, Any]] = (),  # choices sent before any token (chat's role deltas)
+    num_prompt_tokens: int,
+    include_usage: bool,
+    emit_empty: bool,  # tokenizer-free mode: a chunk per step even though its text is ""
+) -> AsyncIterator[bytes]:
+    """OpenAI's `data: {chunk}` stream ending in `data: [DONE]`; closes the engine streams on exit,
+    including when the client disconnects and the response task is cancelled."""
+    extra = {"usage": None} if include_usage else {}
+    try:
+        for choice in opening:
+            yield encode({**head, "choices": [choice], **extra})
+        async for index, out in streams.outputs():
+            err = streams.failure(out)
+            if err is not None:
+                yield encode(err.body())
+                break
+            if out.new_text or (emit_empty and out.new_token_ids):
+                yield encode({**head, "choices": [make_choice(index, out.new_text, None)], **extra})
+            if out.finished:
+                yield encode({**head, "choices": [make_choice(index, None, finish_reason(out))], **extra})
+        else:
+            if include_usage:
+                yield encode({**head, "choices": [], "usage": usage(num_prompt_tokens, streams.num_output_tokens)})
+        yield DONE
+    finally:
+        streams.close()
