@@ -41,12 +41,8 @@ def build_engine(
 ) -> EngineStack:
     from flashserve.model.runner import build_runner  # torch is imported here, not at package import
 
-    runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph)
-    # A request never needs more pages than the whole cache holds.
-    max_model_len = min(loaded.max_model_len, (num_pages - 1) * cache.page_size)
-    if max_model_len < loaded.max_model_len:
-        logger.warning("max_model_len capped to %d tokens by the KV cache size", max_model_len)
-        loaded.max_model_len = max_model_len
+    runner, loaded, num_pages = build_runner(model, cache, seed=model.seed)
+    max_model_len = loaded.max_model_len  # already capped by the KV cache size
     block_manager = BlockManager(num_pages, cache.page_size)
     sched = Scheduler(scheduler, block_manager, max_model_len)
     engine = LLMEngine(sched, runner, loaded.tokenizer)

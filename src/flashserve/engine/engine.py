@@ -67,15 +67,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that got tokens or finished."""
         out = self.scheduler.schedule()
-        touched: list[Request] = []
-        if not out.is_empty:
-            sampled = self.executor.execute(out)
-            touched = self.scheduler.update(out, sampled)
-        outputs = [self._process(self._live[r.request_id]) for r in touched if r.request_id in self._live]
-        # Requests the scheduler ended without running them (e.g. too long to ever fit).
-        for live in [lv for lv in self._live.values() if lv.request.is_finished]:
-            outputs.append(self._process(live))
-        return outputs
+        sampled = self.executor.execute(out) if not out.is_empty else []
+        # update() also reports requests the scheduler failed on its own (e.g. too long to fit).
+        touched = self.scheduler.update(out, sampled)
+        return [self._process(self._live[r.request_id]) for r in touched if r.request_id in self._live]
 
     def _process(self, live: _Live) -> RequestOutput:
         req = live.request

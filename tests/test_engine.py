@@ -1,0 +1,166 @@
+"""LLMEngine and AsyncEngine with a fake executor: lifecycle, stop strings, aborts, failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flashserve.config import SchedulerConfig
+from flashserve.engine.async_engine import AsyncEngine
+from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.client import EngineDead
+from flashserve.engine.engine import LLMEngine
+from flashserve.engine.outputs import NO_TOKEN, SchedulerOutput
+from flashserve.engine.scheduler import Scheduler
+from flashserve.sampling_params import SamplingParams
+
+
+class ScriptedExecutor:
+    """Emits the i-th token of `script` as a request's i-th output token."""
+
+    def __init__(self, script: list[int], fail_with: BaseException | None = None) -> None:
+        self.script = script
+        self.fail_with = fail_with
+        self.steps = 0
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        self.steps += 1
+        if self.fail_with is not None:
+            raise self.fail_with
+        return [
+            self.script[len(r.output_token_ids) % len(self.script)] if r.sample else NO_TOKEN
+            for r in out.requests
+        ]
+
+
+def make_engine(script: list[int], num_pages: int = 64, tokenizer=None, **kw) -> LLMEngine:
+    bm = BlockManager(num_pages, 16)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm, max_model_len=512)
+    return LLMEngine(sched, ScriptedExecutor(script, **kw), tokenizer)
+
+
+def run_to_end(engine: LLMEngine, max_steps: int = 1000) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished:
+            break
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert not engine.has_unfinished
+    return outs
+
+
+def test_every_request_finishes_with_its_tokens_and_all_pages_return():
+    engine = make_engine([5, 6, 7], num_pages=12)
+    for i in range(10):
+        engine.add_request(f"r{i}", list(range(1, 40 + i)), SamplingParams(max_tokens=20))
+    outs = run_to_end(engine)
+    assert len(outs) == 10
+    for rid, seq in outs.items():
+        assert [t for o in seq for t in o.new_token_ids] == ([5, 6, 7] * 7)[:20], rid
+        assert seq[-1].finished and seq[-1].finish_reason == "length"
+        assert seq[-1].num_output_tokens == 20
+    assert engine.scheduler.block_manager.num_used_pages == 0
+
+
+def test_stop_string_ends_request_and_is_never_emitted(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    script = tok.encode("The answer is 42. END of story, more text follows here")
+    engine = make_engine(script, tokenizer=tok)
+    engine.add_request("a", tok.encode("Q"), SamplingParams(max_tokens=50, stop=("END",)))
+    outs = run_to_end(engine)["a"]
+    text = "".join(o.new_text for o in outs)
+    assert text == "The answer is 42. "
+    assert outs[-1].finish_reason == "stop"
+    assert engine.scheduler.block_manager.num_used_pages == 0
+
+
+def test_text_of_a_length_finished_request_equals_full_decode(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    script = tok.encode("Zürich — 東京 🙂 café")
+    engine = make_engine(script, tokenizer=tok)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=len(script)))
+    outs = run_to_end(engine)["a"]
+    assert "".join(o.new_text for o in outs) == tok.decode(script, skip_special_tokens=True)
+
+
+def test_abort_frees_pages_now_and_reports_abort():
+    engine = make_engine([9])
+    engine.add_request("a", list(range(100)), SamplingParams(max_tokens=100))
+    engine.step()
+    assert engine.scheduler.block_manager.num_used_pages > 0
+    out = engine.abort("a")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert engine.scheduler.block_manager.num_used_pages == 0
+    assert not engine.has_unfinished
+
+
+def test_duplicate_request_id_is_rejected():
+    engine = make_engine([9])
+    engine.add_request("a", [1], SamplingParams())
+    with pytest.raises(ValueError):
+        engine.add_request("a", [1], SamplingParams())
+
+
+# ---- AsyncEngine -----------------------------------------------------------------------------
+
+async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> list:
+    return [o async for o in engine.generate(rid, prompt, params)]
+
+
+def test_async_engine_serves_concurrent_streams_in_order():
+    async def main():
+        engine = AsyncEngine(make_engine([3, 4]), max_model_len=512)
+        engine.start()
+        try:
+            results = await asyncio.gather(
+                *[_collect(engine, f"r{i}", [1] * (5 + i), SamplingParams(max_tokens=6)) for i in range(16)]
+            )
+        finally:
+            engine.shutdown()
+        return results
+
+    for outs in asyncio.run(main()):
+        assert [t for o in outs for t in o.new_token_ids] == [3, 4, 3, 4, 3, 4]
+        assert outs[-1].finish_reason == "length"
+
+
+def test_closing_a_stream_early_aborts_its_request_and_frees_pages():
+    async def main():
+        llm = make_engine([3])
+        engine = AsyncEngine(llm, max_model_len=512)
+        engine.start()
+        try:
+            stream = engine.generate("a", [1] * 40, SamplingParams(max_tokens=400))
+            await stream.__anext__()
+            await stream.aclose()
+            for _ in range(200):
+                if not llm.has_unfinished:
+                    break
+                await asyncio.sleep(0.01)
+            return llm
+        finally:
+            engine.shutdown()
+
+    llm = asyncio.run(main())
+    assert not llm.has_unfinished
+    assert llm.scheduler.block_manager.num_used_pages == 0
+
+
+def test_engine_loop_failure_fails_streams_and_reports_unhealthy():
+    async def main():
+        engine = AsyncEngine(make_engine([3], fail_with=RuntimeError("device lost")), max_model_len=512)
+        engine.start()
+        try:
+            outs = await asyncio.wait_for(_collect(engine, "a", [1, 2], SamplingParams()), 5)
+            healthy = engine.is_healthy()
+            with pytest.raises(EngineDead):
+                await _collect(engine, "b", [1], SamplingParams())
+            return outs, healthy
+        finally:
+            engine.shutdown()
+
+    outs, healthy = asyncio.run(main())
+    assert outs[-1].finish_reason == "error" and "device lost" in outs[-1].error
+    assert not healthy
