@@ -1,0 +1,163 @@
+"""Native forward for the Llama family: Llama 2/3.x, SmolLM, Mistral, Qwen2/2.5, Qwen3.
+
+A step's tokens arrive packed as one sequence (`input_ids`, `positions` [T]); attention goes
+through the step's planned `AttentionBackend`. Per layer: add + RMSNorm, one fused qkv matmul,
+RoPE in place on the qkv slices, paged attention, o_proj, add + RMSNorm, one fused gate_up
+matmul, SiLU-and-mul, down_proj. The residual stream stays in the model dtype, as in HF.
+
+Weights come from the HF model the loader built (safetensors, GGUF or dummy alike), mapped by
+name in `weights.py`. The runner's seam:
+
+    model = LlamaModel.from_hf(loaded.model, loaded.hf_config, loaded.dtype, loaded.device)
+    hidden = model(input_ids, positions, backend)        # backend.plan(layout) already ran
+    logits = model.compute_logits(hidden[sample_rows])   # float32 [N, V]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashserve.model.layers import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops
+from flashserve.model.weights import (
+    SUPPORTED_ARCHITECTURES,
+    LlamaSpec,
+    UnsupportedModelError,
+    WeightMismatchError,
+    convert_hf_state_dict,
+)
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaModel", "LlamaSpec", "UnsupportedModelError", "WeightMismatchError"]
+
+# Positions covered by the RoPE table when neither the caller nor the config bounds them.
+_DEFAULT_MAX_POSITIONS = 8192
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Built on the meta device by `from_hf`; real tensors arrive with load_state_dict(assign=True).
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec) -> None:
+        super().__init__()
+        h, i_size = spec.hidden_size, spec.intermediate_size
+        qkv = spec.q_size + 2 * spec.kv_size
+        self.input_layernorm = nn.ParameterDict({"weight": _param(h)})
+        self.post_attention_layernorm = nn.ParameterDict({"weight": _param(h)})
+        self.qkv_proj = nn.ParameterDict({"weight": _param(qkv, h), **({"bias": _param(qkv)} if spec.qkv_bias else {})})
+        self.o_proj = nn.ParameterDict({"weight": _param(h, spec.q_size), **({"bias": _param(h)} if spec.o_bias else {})})
+        self.gate_up_proj = nn.ParameterDict(
+            {"weight": _param(2 * i_size, h), **({"bias": _param(2 * i_size)} if spec.mlp_bias else {})}
+        )
+        self.down_proj = nn.ParameterDict({"weight": _param(h, i_size), **({"bias": _param(h)} if spec.mlp_bias else {})})
+        if spec.qk_norm:
+            self.q_norm = nn.ParameterDict({"weight": _param(spec.head_dim)})
+            self.k_norm = nn.ParameterDict({"weight": _param(spec.head_dim)})
+
+
+def _linear(x: torch.Tensor, p: nn.ParameterDict) -> torch.Tensor:
+    return F.linear(x, p["weight"], p["bias"] if "bias" in p else None)
+
+
+class LlamaModel(nn.Module):
+    """The decoder and its LM head, with fused weights. See the module docstring for the seam."""
+
+    def __init__(self, spec: LlamaSpec, ops: Ops) -> None:
+        super().__init__()
+        self.spec = spec
+        self.ops = ops
+        self.embed_tokens = nn.ParameterDict({"weight": _param(spec.vocab_size, spec.hidden_size)})
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = nn.ParameterDict({"weight": _param(spec.hidden_size)})
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.ParameterDict({"weight": _param(spec.vocab_size, spec.hidden_size)})
+        # float32 [max_positions, head_dim], set by from_hf; a buffer so that .to(device) moves it.
+        self.cos_sin_cache: torch.Tensor | None
+        self.register_buffer("cos_sin_cache", None, persistent=False)
+
+    @classmethod
+    def from_hf(
+        cls,
+        source: nn.Module | Mapping[str, torch.Tensor],
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        max_positions: int | None = None,
+        consume: bool = True,
+        ops: Ops | str = "auto",
+    ) -> LlamaModel:
+        """Builds the native model from an HF CausalLM module or its state dict.
+
+        consume: when `source` is a module, its parameters move to the meta device as they are
+            converted, so its memory is freed instead of doubled (pass False to keep it usable).
+        max_positions: rows of the RoPE table (default: the config's max_position_embeddings).
+        ops: an `Ops` set, or "auto" | "flashinfer" | "torch" for `select_ops`.
+        Raises UnsupportedModelError (fall back to the generic path) or WeightMismatchError.
+        """
+        device = torch.device(device)
+        architecture = type(source).__name__ if isinstance(source, nn.Module) else None
+        spec = LlamaSpec.from_hf_config(hf_config, architecture)
+        if isinstance(source, nn.Module):
+            state: dict[str, torch.Tensor] = dict(source.state_dict())
+            if consume:
+                # The state dict's tensors keep the storage alive; the module lets go of it, and
+                # conversion pops each tensor as it goes.
+                source.to("meta")
+        else:
+            state = dict(source)
+        weights = convert_hf_state_dict(state, spec, dtype, device)
+        del state
+        ops = ops if isinstance(ops, Ops) else select_ops(device, ops)
+        with torch.device("meta"):
+            model = cls(spec, ops)
+        model.load_state_dict(weights, strict=True, assign=True)
+        model.eval()
+        positions = max_positions or spec.max_position_embeddings or _DEFAULT_MAX_POSITIONS
+        model.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(spec.rope, spec.head_dim), positions, device)
+        return model
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens["weight"] if self.spec.tie_word_embeddings else self.lm_head["weight"]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any) -> torch.Tensor:
+        """input_ids, positions: int64 [T] (the step's packed tokens; `backend.plan` already ran).
+
+        Returns the final-normed hidden states [T, hidden_size] in the model dtype. No host sync,
+        so the whole call can be captured in a CUDA graph.
+        """
+        spec, ops = self.spec, self.ops
+        cos_sin = self.cos_sin_cache
+        if cos_sin is None:
+            raise RuntimeError("LlamaModel has no RoPE table: build it with LlamaModel.from_hf")
+        eps, d, t = spec.rms_norm_eps, spec.head_dim, input_ids.shape[0]
+        q_size, kv_size = spec.q_size, spec.kv_size
+        residual = F.embedding(input_ids, self.embed_tokens["weight"])
+        hidden = ops.rmsnorm(residual, self.layers[0].input_layernorm["weight"], eps) if len(self.layers) else residual
+        for i, layer in enumerate(self.layers):
+            if i > 0:
+                ops.fused_add_rmsnorm(hidden, residual, layer.input_layernorm["weight"], eps)
+            qkv = _linear(hidden, layer.qkv_proj)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            if spec.qk_norm:
+                q = ops.rmsnorm(q.view(t, spec.num_heads, d), layer.q_norm["weight"], eps).view(t, q_size)
+                k = ops.rmsnorm(k.view(t, spec.num_kv_heads, d), layer.k_norm["weight"], eps).view(t, kv_size)
+            ops.apply_rope(positions, q, k, d, cos_sin)
+            attn = backend.forward(i, q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d))
+            hidden = _linear(attn.reshape(t, q_size), layer.o_proj)
+            ops.fused_add_rmsnorm(hidden, residual, layer.post_attention_layernorm["weight"], eps)
+            hidden = _linear(ops.silu_and_mul(_linear(hidden, layer.gate_up_proj)), layer.down_proj)
+        if len(self.layers):
+            ops.fused_add_rmsnorm(hidden, residual, self.norm["weight"], eps)
+        else:
+            hidden = ops.rmsnorm(residual, self.norm["weight"], eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] (the rows to sample) -> float32 logits [N, vocab_size]."""
+        return F.linear(hidden, self.lm_head_weight).float()
