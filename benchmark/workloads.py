@@ -1,0 +1,175 @@
+"""The workloads of PERFORMANCE.md, generated from fixed seeds.
+
+Every generator returns plain `BenchRequest`s, so the same prompts can be sent over HTTP
+(`benchmark.serve_bench`) or handed to an in-process offline runner. Token-id prompts have exact
+lengths; text prompts are runs of common English words (about one token per word in the usual BPE
+vocabularies), so their real length is whatever the server reports in `usage.prompt_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+PromptKind = Literal["token_ids", "text"]
+WORKLOAD_NAMES: tuple[str, ...] = ("latency", "random", "goodput", "concurrency", "offline")
+
+# Words that are a single token (with their leading space) in the Llama, GPT and SmolLM vocabularies.
+COMMON_WORDS: tuple[str, ...] = tuple(
+    "the of and to in is that for it as was with be by on not he this are or his from at which "
+    "but have an they you were her she there one all we their has been if more when will would "
+    "who so no time people year way day man thing woman life child world school state family "
+    "student group country problem hand part place case week company system program question work "
+    "number night point home water room mother area money story fact month lot right study book".split()
+)
+CHAT_PROMPT = "Write a long story about a lighthouse keeper who finds a door at the bottom of the sea."
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request. `prompt` is token ids or text; lengths are in tokens."""
+
+    prompt: str | list[int]
+    prompt_len: int  # exact for token ids, approximate for text
+    output_len: int  # sent as max_tokens, with ignore_eos
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One measured run of a workload: its requests and how they are offered to the server.
+
+    `concurrency` caps the streams in flight; `request_rate` (req/s) spaces arrivals (Poisson unless
+    the run says otherwise); neither means all at once. `rounds` > 1 splits the requests into that
+    many equal batches sent one after another (the latency workload's repeated batches).
+    """
+
+    name: str
+    requests: list[BenchRequest]
+    concurrency: int | None = None
+    request_rate: float | None = None
+    rounds: int = 1
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """How prompts are made. `tokenizer` (optional, with `encode`/`decode`) makes text lengths exact."""
+
+    kind: PromptKind = "token_ids"
+    token_id_low: int = 100  # inclusive; above the special tokens of common vocabularies
+    token_id_high: int = 10_000  # exclusive; inside every common vocabulary
+    tokenizer: Any = None
+
+
+def make_prompt(rng: np.random.Generator, length: int, spec: PromptSpec) -> tuple[str | list[int], int]:
+    """A prompt of about `length` tokens and its length as far as the client knows it."""
+    if spec.kind == "token_ids":
+        ids = rng.integers(spec.token_id_low, spec.token_id_high, size=length)
+        return [int(i) for i in ids], length
+    words = rng.choice(len(COMMON_WORDS), size=length)
+    text = " ".join(COMMON_WORDS[i] for i in words)
+    if spec.tokenizer is not None:
+        ids = spec.tokenizer.encode(text, add_special_tokens=False)[:length]
+        text = spec.tokenizer.decode(ids)
+        return text, len(ids)
+    return text, length
+
+
+def fixed_requests(num: int, input_len: int, output_len: int, spec: PromptSpec, seed: int) -> list[BenchRequest]:
+    """`num` distinct prompts of `input_len` tokens, each asking for `output_len` tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num):
+        prompt, plen = make_prompt(rng, input_len, spec)
+        out.append(BenchRequest(prompt, plen, output_len))
+    return out
+
+
+def random_requests(
+    num: int, input_len: int, output_len: int, range_ratio: float, spec: PromptSpec, seed: int
+) -> list[BenchRequest]:
+    """Lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)], inclusive."""
+    lo_hi = [(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))) for n in (input_len, output_len)]
+    return uniform_requests(num, lo_hi[0], lo_hi[1], spec, seed)
+
+
+def uniform_requests(
+    num: int, input_range: tuple[int, int], output_range: tuple[int, int], spec: PromptSpec, seed: int
+) -> list[BenchRequest]:
+    """Input and output lengths drawn independently and uniformly from inclusive ranges."""
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(input_range[0], input_range[1] + 1, size=num)
+    out_lens = rng.integers(output_range[0], output_range[1] + 1, size=num)
+    out = []
+    for n_in, n_out in zip(in_lens, out_lens):
+        prompt, plen = make_prompt(rng, int(n_in), spec)
+        out.append(BenchRequest(prompt, plen, int(n_out)))
+    return out
+
+
+def chat_requests(num: int, output_len: int, spec: PromptSpec, seed: int) -> list[BenchRequest]:
+    """The concurrency workload's short chat prompt (24 random ids when prompts are token ids)."""
+    if spec.kind == "token_ids":
+        return fixed_requests(num, 24, output_len, spec, seed)
+    plen = len(CHAT_PROMPT.split()) + 2
+    return [BenchRequest(CHAT_PROMPT, plen, output_len) for _ in range(num)]
+
+
+def latency_phases(spec: PromptSpec, seed: int = 0, repeats: int = 5) -> list[Phase]:
+    """Batch 1 (128 in / 128 out) and batch 8 (32 in / 128 out), each batch repeated `repeats` times."""
+    return [
+        Phase("bs1", fixed_requests(repeats, 128, 128, spec, seed), concurrency=1, rounds=repeats),
+        Phase("bs8", fixed_requests(8 * repeats, 32, 128, spec, seed + 1), concurrency=8, rounds=repeats),
+    ]
+
+
+def random_phases(
+    spec: PromptSpec,
+    seed: int = 0,
+    num_requests: int = 256,
+    request_rates: Sequence[float] = (8.0,),
+    concurrencies: Sequence[int] = (),
+) -> list[Phase]:
+    """In 2048 +-25%, out 256 +-25%: one phase per request rate, or per concurrency if given."""
+    reqs = random_requests(num_requests, 2048, 256, 0.25, spec, seed)
+    if concurrencies:
+        return [Phase(f"c{c}", reqs, concurrency=c) for c in concurrencies]
+    return [Phase(f"rate{r:g}", reqs, request_rate=r) for r in request_rates]
+
+
+def concurrency_phases(
+    spec: PromptSpec, seed: int = 0, levels: Sequence[int] = (5, 10, 25, 50, 100), repeats: int = 3
+) -> list[Phase]:
+    """Short chat prompt, 384 out, at each number of concurrent streams (`repeats` requests per stream)."""
+    return [Phase(f"c{c}", chat_requests(c * repeats, 384, spec, seed + c), concurrency=c) for c in levels]
+
+
+def offline_phases(spec: PromptSpec, seed: int = 0, num_requests: int = 256) -> list[Phase]:
+    """`num_requests` x 512 in / 128 out, and `num_requests` with in/out uniform in [100, 1024]; all at once."""
+    return [
+        Phase("fixed512x128", fixed_requests(num_requests, 512, 128, spec, seed)),
+        Phase("uniform100to1024", uniform_requests(num_requests, (100, 1024), (100, 1024), spec, seed + 1)),
+    ]
+
+
+def build_phases(
+    workload: str,
+    spec: PromptSpec,
+    seed: int = 0,
+    *,
+    num_requests: int | None = None,
+    request_rates: Sequence[float] = (),
+    concurrencies: Sequence[int] = (),
+    repeats: int | None = None,
+) -> list[Phase]:
+    """The phases of a named workload (all but `goodput`, which searches over rates instead)."""
+    if workload == "latency":
+        return latency_phases(spec, seed, repeats or 5)
+    if workload == "random":
+        return random_phases(spec, seed, num_requests or 256, request_rates or (8.0,), concurrencies)
+    if workload == "concurrency":
+        return concurrency_phases(spec, seed, concurrencies or (5, 10, 25, 50, 100), repeats or 3)
+    if workload == "offline":
+        return offline_phases(spec, seed, num_requests or 256)
+    raise ValueError(f"unknown workload {workload!r}; expected one of {WORKLOAD_NAMES}")
