@@ -1,0 +1,313 @@
+"""Paged attention on CUDA through FlashInfer: one plan per step, one append + one kernel per layer.
+
+Steps with any prefill chunk go through `BatchPrefillWithPagedKVCacheWrapper` (fa2, causal,
+bottom-right aligned, so a chunk attends to its cached prefix); decode-only steps through the
+tensor-core `BatchDecodeWithPagedKVCacheWrapper` (any GQA group size, faster than the CUDA-core
+kernel on Hopper). A step's index arrays are packed into one pinned buffer and go up in one copy.
+
+CUDA graphs (decode only): `init_cuda_graph` builds one graph-mode decode wrapper per batch size
+over static index buffers; `plan_cuda_graph` pads a batch to such a size with dummy one-token
+requests on the scratch page and re-plans before each replay. `model/cuda_graph.py` drives it.
+
+`flashinfer` is imported in the constructor only, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flashserve.attention.base import BatchLayout
+
+_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+# FA2 prefill reads out of bounds (or computes garbage) for other head sizes (FLASHINFER.md §8).
+_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class _StepIndices:
+    """What `forward` needs on the device for the planned step (views, no copies)."""
+
+    wrapper: Any  # the planned prefill or decode wrapper
+    batch_indices: torch.Tensor  # [T] int32: request of each new token
+    positions: torch.Tensor  # [T] int32: position of each new token in its request
+    kv_indices: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+
+class _Staging:
+    """A pinned int32 host buffer and its device twin: a step's index arrays go up in one copy.
+
+    The wrappers' plan() also copies asynchronously from pinned memory (ours and their own), so
+    before the host writes pinned memory again the previous plan's copies must have run: `begin`
+    waits on the event that `end` recorded (FLASHINFER.md §8, the pinned staging race).
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
+        self.device = device
+        self._done: torch.cuda.Event | None = None
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self.host = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
+
+    def begin(self) -> None:
+        if self._done is not None:
+            self._done.synchronize()
+
+    def upload(self, arrays: Sequence[Sequence[int] | np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Writes `arrays` back to back, copies them up once; returns (host views, device views)."""
+        sizes = [len(a) for a in arrays]
+        total = sum(sizes)
+        if total > self.host.numel():
+            self._allocate(max(total, 2 * self.host.numel()))
+        offset = 0
+        for a, n in zip(arrays, sizes):
+            self.host_np[offset : offset + n] = a
+            offset += n
+        self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        host_views, dev_views, offset = [], [], 0
+        for n in sizes:
+            host_views.append(self.host[offset : offset + n])
+            dev_views.append(self.dev[offset : offset + n])
+            offset += n
+        return host_views, dev_views
+
+    def end(self) -> None:
+        if self._done is None:
+            self._done = torch.cuda.Event()
+        self._done.record()
+
+
+class FlashInferAttentionBackend:
+    """Owns per-layer K/V pages `[num_pages, page_size, Hkv, D]` (NHD) in `dtype` and attends.
+
+    Same positional constructor as `TorchAttentionBackend`. `dtype` is the cache and attention
+    dtype (float16 or bfloat16: FlashInfer has no float32 kernels); q/k/v of another dtype (a
+    float32 model) are cast to it and the output is cast back to q's dtype. `num_qo_heads`, when
+    not given, is read from the first q this backend sees (the first step's plan waits for it).
+    `scratch_page` is a page no request owns (the block manager's page 0): CUDA-graph padding
+    rows write their K/V there.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        sm_scale: float | None = None,
+        *,
+        num_qo_heads: int | None = None,
+        workspace_bytes: int = 256 << 20,
+        scratch_page: int = 0,
+    ) -> None:
+        if dtype not in _ATTENTION_DTYPES:
+            raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {dtype}")
+        if head_dim not in _HEAD_DIMS:
+            raise ValueError(f"FlashInfer attention supports head_dim {_HEAD_DIMS}, not {head_dim}")
+        if num_qo_heads is not None and num_qo_heads % num_kv_heads:
+            raise ValueError(f"{num_qo_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+        if not 0 <= scratch_page < num_pages:
+            raise ValueError(f"scratch page {scratch_page} is outside [0, {num_pages})")
+        import flashinfer
+
+        self._fi = flashinfer
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.num_qo_heads = num_qo_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.scratch_page = scratch_page
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(num_layers)
+        ]
+        # One float workspace for every wrapper: only one of them runs at a time, in stream order.
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=True, backend="fa2"
+        )
+        self._staging = _Staging(self.device)
+        self._step: _StepIndices | None = None
+        # (wrapper, plan args) of a plan that waits for num_qo_heads from the first forward.
+        self._pending: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
+        self._graph: _GraphBuffers | None = None
+
+    # ---- eager steps -------------------------------------------------------------------------
+
+    def plan(self, layout: BatchLayout) -> None:
+        """Once per step: uploads the index arrays and plans the prefill or decode wrapper."""
+        if layout.page_size != self.page_size:
+            raise ValueError(f"layout page_size {layout.page_size} != cache page_size {self.page_size}")
+        qo_indptr = np.asarray(layout.qo_indptr, dtype=np.int32)
+        batch_indices = np.repeat(np.arange(layout.batch_size, dtype=np.int32), np.diff(qo_indptr))
+        self._staging.begin()
+        host, dev = self._staging.upload(
+            [qo_indptr, layout.kv_indptr, layout.kv_last_page_len, layout.kv_indices, batch_indices, layout.positions]
+        )
+        qo_h, kv_indptr_h, last_h = host[:3]
+        kv_indptr_d, last_d, indices_d, batch_d, pos_d = dev[1:]
+        if layout.is_decode_only:
+            wrapper, args = self._decode, (kv_indptr_h, indices_d, last_h)
+            kwargs = self._plan_kwargs()
+        else:
+            wrapper, args = self._prefill, (qo_h, kv_indptr_h, indices_d, last_h)
+            kwargs = {**self._plan_kwargs(), "causal": True}
+        self._step = _StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d)
+        self._pending = None
+        if self.num_qo_heads is None:
+            # Planned by the first forward, once q shows the head count; the upload is fenced now.
+            self._pending = (wrapper, args, kwargs)
+            self._staging.end()
+            return
+        self._plan_wrapper(wrapper, args, kwargs)
+
+    def _plan_kwargs(self) -> dict[str, Any]:
+        # Keywords only after page_size (positional ones are deprecated); the dtypes explicitly,
+        # since they default to float16.
+        return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.sm_scale, "non_blocking": True}
+
+    def _plan_wrapper(self, wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        assert self.num_qo_heads is not None
+        wrapper.plan(*args, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, **kwargs)
+        self._staging.end()
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D] in q's dtype. See `AttentionBackend`."""
+        step = self._step
+        if step is None:
+            raise RuntimeError("plan() must run before forward()")
+        if self._pending is not None:
+            self._learn_num_qo_heads(q.shape[1])
+        out_dtype = q.dtype
+        if q.dtype != self.dtype:
+            q = q.to(self.dtype)
+        # append_paged_kv_cache reinterprets its input as the cache dtype without checking it.
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        cache = self.kv_cache[layer]
+        self._fi.append_paged_kv_cache(
+            k, v, step.batch_indices, step.positions, cache,
+            step.kv_indices, step.kv_indptr, step.kv_last_page_len, kv_layout="NHD",
+        )
+        out = step.wrapper.run(q, cache)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    def _learn_num_qo_heads(self, num_qo_heads: int) -> None:
+        if num_qo_heads % self.num_kv_heads:
+            raise ValueError(f"{num_qo_heads} query heads are not a multiple of {self.num_kv_heads} kv heads")
+        self.num_qo_heads = num_qo_heads
+        assert self._pending is not None
+        wrapper, args, kwargs = self._pending
+        self._pending = None
+        self._plan_wrapper(wrapper, args, kwargs)
+
+    # ---- CUDA-graph decode -------------------------------------------------------------------
+
+    def init_cuda_graph(self, batch_sizes: Sequence[int], max_total_pages: int | None = None) -> None:
+        """Builds a graph-mode decode wrapper per batch size over shared static index buffers.
+
+        `max_total_pages` bounds the pages of one graph step (default: every page once, plus one
+        scratch page per padding row); a step with more runs eagerly.
+        """
+        sizes = sorted(set(batch_sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"batch sizes must be positive, got {list(batch_sizes)}")
+        capacity = max_total_pages if max_total_pages is not None else self.num_pages + sizes[-1]
+        self._graph = _GraphBuffers(self, sizes, capacity)
+
+    def cuda_graph_batch_size(self, layout: BatchLayout) -> int | None:
+        """The captured batch size this step pads to, or None when it must run eagerly."""
+        g = self._graph
+        if g is None or not layout.is_decode_only or self.num_qo_heads is None:
+            return None
+        n = layout.batch_size
+        size = next((s for s in g.wrappers if s >= n), None)
+        if size is None or len(layout.kv_indices) + size - n > g.capacity:
+            return None
+        return size
+
+    def plan_cuda_graph(self, layout: BatchLayout, batch_size: int) -> None:
+        """Plans the graph wrapper of `batch_size` for a decode step padded to that size.
+
+        Padding rows are one-token requests at position 0 on the scratch page. Call before every
+        replay (the kernels' split schedule depends on the current lengths) and before capture
+        (with an empty layout: every row is padding).
+        """
+        g = self._graph
+        if g is None or batch_size not in g.wrappers:
+            raise ValueError(f"no CUDA-graph decode wrapper for batch size {batch_size}")
+        if not layout.is_decode_only or layout.batch_size > batch_size:
+            raise ValueError(f"a decode step of at most {batch_size} requests is needed, got {layout.batch_size} requests")
+        if self.num_qo_heads is None:
+            raise RuntimeError("num_qo_heads is unknown: pass it to the constructor or run an eager step first")
+        pad = batch_size - layout.batch_size
+        kv_indptr = np.concatenate([np.asarray(layout.kv_indptr, dtype=np.int32),
+                                    layout.kv_indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
+        last = np.concatenate([np.asarray(layout.kv_last_page_len, dtype=np.int32), np.ones(pad, dtype=np.int32)])
+        positions = np.concatenate([np.asarray(layout.positions, dtype=np.int32), np.zeros(pad, dtype=np.int32)])
+        indices = np.concatenate([np.asarray(layout.kv_indices, dtype=np.int32), np.full(pad, self.scratch_page, np.int32)])
+        self._staging.begin()
+        host, dev = self._staging.upload([kv_indptr, last, positions, indices])
+        indptr_h, last_h = host[:2]
+        pos_d, indices_d = dev[2:]
+        g.positions[:batch_size].copy_(pos_d, non_blocking=True)
+        # The wrapper copies indptr, indices and last_page_len into the static buffers it was built on.
+        self._step = g.steps[batch_size]
+        self._pending = None
+        self._plan_wrapper(g.wrappers[batch_size], (indptr_h, indices_d, last_h), self._plan_kwargs())
+
+
+class _GraphBuffers:
+    """Static index buffers and one graph-mode decode wrapper per captured batch size.
+
+    The buffers' addresses are baked into the captured kernels; only their contents change.
+    """
+
+    def __init__(self, backend: FlashInferAttentionBackend, sizes: list[int], capacity: int) -> None:
+        fi, dev, max_bs = backend._fi, backend.device, sizes[-1]
+        self.capacity = capacity
+        self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        self.last_page_len = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.batch_indices = torch.arange(max_bs, dtype=torch.int32, device=dev)
+        self.kv_indices = torch.full((capacity,), backend.scratch_page, dtype=torch.int32, device=dev)
+        self.wrappers: dict[int, Any] = {}
+        self.steps: dict[int, _StepIndices] = {}
+        shared_int_ws: tuple[torch.Tensor, torch.Tensor] | None = None
+        for bs in sizes:
+            w = fi.BatchDecodeWithPagedKVCacheWrapper(
+                backend._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, backend="fa2",
+                paged_kv_indptr_buffer=self.kv_indptr[: bs + 1],
+                paged_kv_indices_buffer=self.kv_indices,
+                paged_kv_last_page_len_buffer=self.last_page_len[:bs],
+            )
+            # Graphs never run concurrently and each replay is preceded by its own plan, so the
+            # wrappers can share one int workspace and its pinned twin (8 MB each per wrapper
+            # otherwise); the staging event orders every plan's pinned writes.
+            if shared_int_ws is None:
+                shared_int_ws = (w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+            else:
+                w._int_workspace_buffer, w._pin_memory_int_workspace_buffer = shared_int_ws
+            self.wrappers[bs] = w
+            self.steps[bs] = _StepIndices(
+                w, self.batch_indices[:bs], self.positions[:bs], self.kv_indices,
+                self.kv_indptr[: bs + 1], self.last_page_len[:bs],
+            )
