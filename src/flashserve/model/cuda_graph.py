@@ -1,0 +1,110 @@
+"""CUDA graphs for decode steps: capture the model forward once per batch size, replay it.
+
+A decode step of B requests replays the graph of the smallest captured size >= B, with the batch
+padded by dummy one-token requests on the attention backend's scratch page. Prefill steps, and
+batches above the largest size, run eagerly. The model forward is any callable
+`(input_ids [T], positions [T]) -> Tensor [T, ...]` that attends through the backend and does not
+synchronise with the host (no `.item()`, no data-dependent shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from flashserve.attention.base import BatchLayout
+from flashserve.attention.flashinfer import FlashInferAttentionBackend
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def capture_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to `max_batch_size` (itself included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
+    sizes += range(16, max_batch_size + 1, 8)
+    if max_batch_size >= 1 and sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+class CudaGraphRunner:
+    """Runs a step's forward from a captured graph when it can, eagerly otherwise.
+
+    `__call__` also plans the backend, so a caller replaces `backend.plan(layout); forward(ids,
+    pos)` with `graph_runner(ids, pos, layout)`. A replayed step returns a view of a static buffer
+    that the next call overwrites: consume it (sample) first.
+    """
+
+    def __init__(
+        self,
+        forward: ForwardFn,
+        backend: FlashInferAttentionBackend,
+        batch_sizes: Sequence[int],
+        *,
+        max_total_pages: int | None = None,
+    ) -> None:
+        if not batch_sizes:
+            raise ValueError("at least one batch size to capture is needed")
+        self.forward = forward
+        self.backend = backend
+        self.batch_sizes = sorted(set(batch_sizes))
+        self._max_total_pages = max_total_pages
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._input_ids: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def capture(self) -> None:
+        """Captures one graph per batch size, largest first, all in one memory pool.
+
+        Run it after the backend learned its query head count (pass `num_qo_heads` to it, or run
+        one eager step first) and after any warm-up that builds kernels.
+        """
+        backend, device = self.backend, self.backend.device
+        backend.init_cuda_graph(self.batch_sizes, self._max_total_pages)
+        max_bs = self.batch_sizes[-1]
+        # Padding rows keep whatever ids/positions an earlier step left: any valid value will do.
+        self._input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self._positions = torch.zeros(max_bs, dtype=torch.long, device=device)
+        empty = BatchLayout(backend.page_size, [0], [0], [], [], [])
+        pool = None
+        with torch.no_grad():
+            for bs in reversed(self.batch_sizes):
+                ids, pos = self._input_ids[:bs], self._positions[:bs]
+                backend.plan_cuda_graph(empty, bs)
+                # Eager warm-up on a side stream, as torch.cuda.graphs asks: lazy initialisation
+                # (kernel builds, library handles, allocator) must not happen under capture.
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    out = self.forward(ids, pos)
+                torch.cuda.current_stream(device).wait_stream(side)
+                if self._out is None:
+                    # One output buffer for every size: a graph per size would hold its own.
+                    self._out = torch.empty((max_bs, *out.shape[1:]), dtype=out.dtype, device=device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._out[:bs].copy_(self.forward(ids, pos))
+                pool = graph.pool()
+                self._graphs[bs] = graph
+        torch.cuda.synchronize(device)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """input_ids/positions [T] (any device) of the step `layout` describes -> forward's output."""
+        size = self.backend.cuda_graph_batch_size(layout) if self._graphs else None
+        graph = self._graphs.get(size) if size is not None else None
+        if graph is None:
+            self.backend.plan(layout)
+            return self.forward(input_ids, positions)
+        assert self._input_ids is not None and self._positions is not None and self._out is not None
+        n = layout.batch_size
+        self._input_ids[:n].copy_(input_ids, non_blocking=True)
+        self._positions[:n].copy_(positions, non_blocking=True)
+        self.backend.plan_cuda_graph(layout, size)
+        graph.replay()
+        return self._out[:n]
