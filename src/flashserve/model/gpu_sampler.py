@@ -1,0 +1,110 @@
+"""Token sampling on CUDA with FlashInfer's sorting-free kernels; same contract as `Sampler`.
+
+Penalties and min_tokens run first, with the CPU sampler's own torch helpers (they work on any
+device). Then greedy rows take the argmax, and the rest go through FlashInfer: a softmax with each
+row's temperature, then top-k / top-p (top-k first, as the CPU sampler) or min-p by rejection
+sampling. Unseeded rows share the sampler's generator in one batched call; a seeded request is
+drawn alone from a generator seeded by (seed, output length), so its tokens do not depend on the
+batch it lands in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from flashserve.engine.outputs import ScheduledRequest
+from flashserve.model.sampler import TokenHistory, _to_device, apply_min_tokens, apply_penalties, step_seed
+from flashserve.sampling_params import SamplingParams
+
+
+class FlashInferSampler:
+    def __init__(self, seed: int = 0) -> None:
+        import flashinfer.sampling
+
+        self._fi = flashinfer.sampling
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._history = TokenHistory()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]:
+        """`logits` [B, V] float32 on a CUDA device, row i for requests[i]; returns B token ids."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} requests")
+        if not requests:
+            return []
+        needs_min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
+        needs_penalties = any(r.params.needs_penalties for r in requests)
+        all_greedy = all(r.params.greedy for r in requests)
+        if len(self._history):
+            self._history.retain({r.request_id for r in requests})
+        if all_greedy and not needs_penalties and not needs_min_tokens:
+            return logits.argmax(dim=-1).tolist()
+
+        # The kernels want float32; a copy keeps the caller's logits untouched.
+        logits = logits.to(torch.float32, copy=True)
+        if needs_penalties:
+            apply_penalties(logits, requests, self._history)
+        if needs_min_tokens:
+            apply_min_tokens(logits, requests)
+        ids = logits.argmax(dim=-1)
+        if not all_greedy:
+            self._sample_random(logits, requests, ids)
+        return ids.tolist()
+
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], ids: torch.Tensor) -> None:
+        """Overwrites `ids` (holding the argmax) at every non-greedy row with a sampled token."""
+        device = logits.device
+        params = [r.params for r in requests]
+        temps = _to_device([1.0 if p.greedy else p.temperature for p in params], device, torch.float32)
+        probs = self._fi.softmax(logits, temperature=temps)
+
+        unseeded = [i for i, p in enumerate(params) if not p.greedy and p.seed is None]
+        if len(unseeded) == len(params):
+            ids.copy_(self._draw(probs, params, self._generator(device)))
+        elif unseeded:
+            rows = _to_device(unseeded, device)
+            drawn = self._draw(probs.index_select(0, rows), [params[i] for i in unseeded], self._generator(device))
+            ids.index_copy_(0, rows, drawn.long())
+        for i, r in enumerate(requests):
+            if r.params.greedy or r.params.seed is None:
+                continue
+            # Alone in its call: the row index enters the Philox stream, so a batch would shift it.
+            gen = torch.Generator(device=device)
+            gen.manual_seed(step_seed(r.params.seed, len(r.output_token_ids)))
+            ids[i : i + 1] = self._draw(probs[i : i + 1], [r.params], gen)
+
+    def _draw(self, probs: torch.Tensor, params: Sequence[SamplingParams], gen: torch.Generator) -> torch.Tensor:
+        """One token per row of `probs` [N, V] under each row's top-k, top-p and min-p."""
+        fi, device, vocab = self._fi, probs.device, probs.shape[1]
+        use_k = any(0 < p.top_k < vocab for p in params)
+        use_p = any(p.top_p < 1.0 for p in params)
+        use_min_p = any(p.min_p > 0.0 for p in params)
+        # top_k = vocab and top_p = 1 leave a row unfiltered.
+        top_k = _to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device, torch.int32)
+        top_p = _to_device([p.top_p for p in params], device, torch.float32)
+        if use_min_p:
+            # min-p is relative to the largest kept probability, so it applies after the
+            # renormalising top-k and top-p filters.
+            if use_k:
+                probs = fi.top_k_renorm_probs(probs, top_k)
+            if use_p:
+                probs = fi.top_p_renorm_probs(probs, top_p)
+            min_p = _to_device([p.min_p for p in params], device, torch.float32)
+            return fi.min_p_sampling_from_probs(probs, min_p, generator=gen)
+        if use_k and use_p:
+            return fi.top_k_top_p_sampling_from_probs(probs, top_k, top_p, filter_apply_order="top_k_first", generator=gen)
+        if use_k:
+            return fi.top_k_sampling_from_probs(probs, top_k, generator=gen)
+        if use_p:
+            return fi.top_p_sampling_from_probs(probs, top_p, generator=gen)
+        return fi.sampling_from_probs(probs, generator=gen)
