@@ -1,0 +1,167 @@
+"""The FlashInfer backend attends like the PyTorch reference on the same pages, on a GPU.
+
+Both backends start from the same random cache contents (a request's cached prefix is whatever
+its pages hold) and run the same steps: ragged prefills, chunks over page-aligned and unaligned
+prefixes mixed with decodes, decode-only steps (tensor-core path), on shuffled pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from flashserve.attention.base import BatchLayout
+from flashserve.attention.flashinfer import FlashInferAttentionBackend
+from flashserve.attention.torch_ref import TorchAttentionBackend
+from flashserve.engine.outputs import ScheduledRequest
+from flashserve.sampling_params import SamplingParams
+
+PAGE = 16
+NUM_PAGES = 96
+NUM_LAYERS = 2
+KV_HEADS = 2
+# Relative error (norm of the difference over norm of the reference) allowed per dtype.
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@dataclass
+class Req:
+    cached: int  # tokens already in the cache (random contents, the same in both backends)
+    pages: list[int] = field(default_factory=list)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def make_backends(
+    q_heads: int, head_dim: int, dtype: torch.dtype, model_dtype: torch.dtype | None = None, **fi_kwargs
+) -> tuple[FlashInferAttentionBackend, TorchAttentionBackend]:
+    """A FlashInfer backend in `dtype` and a reference in the model dtype, with equal caches."""
+    model_dtype = model_dtype or dtype
+    fi = FlashInferAttentionBackend(
+        NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None, **{"num_qo_heads": q_heads, **fi_kwargs}
+    )
+    ref = TorchAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, model_dtype, "cuda", None)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
+        for f, r in ((fk, rk), (fv, rv)):
+            f.copy_(torch.randn(f.shape, generator=gen, device="cuda"))
+            r.copy_(f)
+    return fi, ref
+
+
+def make_requests(prefixes: list[int], seed: int, room: int = 70) -> list[Req]:
+    """Requests on shuffled pages, with pages for `room` more tokens each (page 0 is the scratch
+    page, never handed out)."""
+    pool = (torch.randperm(NUM_PAGES - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    reqs = [Req(p) for p in prefixes]
+    for r in reqs:
+        r.pages = [pool.pop() for _ in range(-(-(r.cached + room) // PAGE))]
+    return reqs
+
+
+def layout_for(reqs: list[Req], new: list[int]) -> BatchLayout:
+    params = SamplingParams()
+    scheduled = [
+        ScheduledRequest(str(i), [1] * n, r.cached, r.pages, True, params) for i, (r, n) in enumerate(zip(reqs, new))
+    ]
+    return BatchLayout.build(scheduled, PAGE)
+
+
+def run_step(
+    fi: FlashInferAttentionBackend,
+    ref: TorchAttentionBackend,
+    reqs: list[Req],
+    new: list[int],
+    tol: float,
+    model_dtype: torch.dtype,
+    seed: int,
+) -> float:
+    """Plans and runs one step on every layer of both backends; returns the worst relative error."""
+    layout = layout_for(reqs, new)
+    fi.plan(layout)
+    ref.plan(layout)
+    gen = torch.Generator("cuda").manual_seed(seed)
+    tokens, q_heads, head_dim = layout.num_tokens, fi.num_qo_heads, fi.head_dim
+    worst = 0.0
+    for layer in range(NUM_LAYERS):
+        q = torch.randn(tokens, q_heads, head_dim, generator=gen, device="cuda").to(model_dtype)
+        k = torch.randn(tokens, KV_HEADS, head_dim, generator=gen, device="cuda").to(model_dtype)
+        v = torch.randn(tokens, KV_HEADS, head_dim, generator=gen, device="cuda").to(model_dtype)
+        out = fi.forward(layer, q, k, v)
+        expected = ref.forward(layer, q, k, v)
+        assert out.shape == q.shape and out.dtype == model_dtype
+        err = rel_err(out, expected)
+        assert err < tol, f"layer {layer}: relative error {err:.2e} >= {tol:.0e} for new={new}"
+        worst = max(worst, err)
+    for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
+        # The appended K/V land in the same slots: equal up to the cache dtype's rounding.
+        torch.testing.assert_close(fk.float(), rk.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(fv.float(), rv.float(), atol=tol, rtol=tol)
+    for r, n in zip(reqs, new):
+        r.cached += n
+    return worst
+
+
+# Prefixes: none, unaligned, page-aligned (16, 32), long enough for split-KV decode.
+PREFIXES = [0, 0, 5, 16, 32, 21, 150, 0]
+STEPS = [
+    [1, 7, 16, 11, 1, 9, 30, 33],  # ragged: fresh prefills, chunks over cached prefixes
+    [16, 1, 1, 5, 1, 1, 1, 32],  # mixed prefill chunks and decodes
+    [1] * 8,  # decode only: tensor-core decode
+    [1] * 8,
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_steps_match_the_reference(group: int, head_dim: int, dtype: torch.dtype) -> None:
+    fi, ref = make_backends(KV_HEADS * group, head_dim, dtype)
+    reqs = make_requests(PREFIXES, seed=group * head_dim)
+    errs = [run_step(fi, ref, reqs, new, TOL[dtype], dtype, seed=s) for s, new in enumerate(STEPS)]
+    print(f"ERR group={group} D={head_dim} {dtype}: " + " ".join(f"{e:.2e}" for e in errs))
+
+
+@pytest.mark.parametrize("attn_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_float32_model_is_downcast_and_the_output_upcast(attn_dtype: torch.dtype) -> None:
+    fi, ref = make_backends(KV_HEADS * 3, 64, attn_dtype, model_dtype=torch.float32)
+    reqs = make_requests(PREFIXES, seed=7)
+    errs = [run_step(fi, ref, reqs, new, TOL[attn_dtype], torch.float32, seed=s) for s, new in enumerate(STEPS)]
+    print(f"ERR fp32 model, {attn_dtype} attention: " + " ".join(f"{e:.2e}" for e in errs))
+
+
+def test_llama_8b_heads_long_decode() -> None:
+    fi, ref = make_backends(32, 128, torch.bfloat16)
+    reqs = make_requests([700, 1, 300, 16], seed=3)
+    errs = [run_step(fi, ref, reqs, new, TOL[torch.bfloat16], torch.bfloat16, seed=s) for s, new in
+            enumerate([[1, 40, 1, 1], [1, 1, 1, 1]])]
+    print("ERR 32/8 heads D=128 bf16 long: " + " ".join(f"{e:.2e}" for e in errs))
+
+
+def test_query_heads_are_learned_from_the_first_forward() -> None:
+    fi, ref = make_backends(6, 64, torch.bfloat16, num_qo_heads=None)
+    assert fi.num_qo_heads is None
+    reqs = make_requests([0, 17], seed=1)
+    layout = layout_for(reqs, [9, 1])
+    fi.plan(layout)
+    ref.plan(layout)
+    q = torch.randn(layout.num_tokens, 6, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(layout.num_tokens, KV_HEADS, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    assert rel_err(fi.forward(0, q, k, v), ref.forward(0, q, k, v)) < TOL[torch.bfloat16]
+    assert fi.num_qo_heads == 6
+
+
+def test_graph_batch_size_padding_and_eligibility() -> None:
+    fi, _ = make_backends(8, 64, torch.bfloat16)
+    fi.init_cuda_graph([1, 2, 4, 8])
+    reqs = make_requests([3, 40, 16], seed=2)
+    assert fi.cuda_graph_batch_size(layout_for(reqs, [1, 1, 1])) == 4
+    assert fi.cuda_graph_batch_size(layout_for(reqs[:1], [1])) == 1
+    assert fi.cuda_graph_batch_size(layout_for(reqs, [2, 1, 1])) is None  # a prefill chunk
+    many = make_requests([1] * 9, seed=4)
+    assert fi.cuda_graph_batch_size(layout_for(many, [1] * 9)) is None  # above the largest size
