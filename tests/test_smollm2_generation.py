@@ -1,0 +1,69 @@
+"""The engine on the embedded SmolLM2-135M-Instruct against HF transformers' own generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashserve.llm import LLM
+from flashserve.model.hf import use_paged_attention
+from flashserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "List three prime numbers.",
+    "Explain gravity in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    # A small token budget forces chunked prefill mixed with other requests' decode steps.
+    return LLM("", max_num_batched_tokens=24, max_num_seqs=8)
+
+
+def chat_ids(llm: LLM, question: str) -> list[int]:
+    ids = llm.stack.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def hf_greedy(llm: LLM, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model = llm.stack.loaded.model
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=list(llm.stack.loaded.eos_token_ids), pad_token_id=0)
+    finally:
+        use_paged_attention(model)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_tokens_equal_hf_generate_for_requests_arriving_at_different_steps(llm):
+    max_new = 20
+    prompts = [chat_ids(llm, q) for q in QUESTIONS]
+    expected = [hf_greedy(llm, p, max_new) for p in prompts]
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, eos_token_ids=tuple(llm.stack.loaded.eos_token_ids))
+    engine = llm.engine
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    arrivals = {0: [0], 2: [1], 3: [2], 7: [3]}  # step -> requests that arrive before it
+    step = 0
+    while step < 500 and (engine.has_unfinished or any(s >= step for s in arrivals)):
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), prompts[i], params)
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        step += 1
+    for i in range(len(prompts)):
+        assert got[str(i)] == expected[i], QUESTIONS[i]
+    assert engine.scheduler.block_manager.num_used_pages == 0
+
+
+def test_chat_answer_is_the_models_real_answer(llm):
+    out = llm.generate([chat_ids(llm, QUESTIONS[0])], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert "Paris" in out.text
