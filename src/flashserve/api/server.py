@@ -236,7 +236,8 @@ class _OpenAIServing:
             )
         else:
             texts = [
-                p.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason) for i, r in enumerate(results)
+                p.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+                for i, r in enumerate(results)
             ]
             response = p.CompletionResponse(id=request_id, created=created, model=model, choices=texts, usage=info)
         return JSONResponse(response.model_dump())
