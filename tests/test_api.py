@@ -8,7 +8,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from fake_engine import EOS, MODEL, FakeEngine, ask, chat, complete, post, smollm2_tokenizer
+from fake_engine import EOS, MODEL, FakeEngine, ask, chat, complete, post
 from flashserve.api import protocol
 from flashserve.api.server import build_app
 
@@ -20,9 +20,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="session")
-def tokenizer() -> Any:
-    return smollm2_tokenizer()
+@pytest.fixture
+def tokenizer(smollm2_tokenizer: Any) -> Any:  # the embedded model's, from conftest
+    return smollm2_tokenizer
 
 
 def hi_prompt(tokenizer: Any) -> list[int]:

@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fake_engine import MODEL, FakeEngine, api_client, ask, complete, post, smollm2_tokenizer
+from fake_engine import MODEL, FakeEngine, api_client, ask, complete, post
 
 pytestmark = pytest.mark.anyio
 
@@ -17,9 +17,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="session")
-def tokenizer() -> Any:
-    return smollm2_tokenizer()
+@pytest.fixture
+def tokenizer(smollm2_tokenizer: Any) -> Any:  # the embedded model's, from conftest
+    return smollm2_tokenizer
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
-from fake_engine import FakeEngine, smollm2_tokenizer
+from fake_engine import FakeEngine
 from flashserve.api.server import build_app
 
 pytestmark = pytest.mark.anyio
@@ -25,9 +25,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="session")
-def tokenizer() -> Any:
-    return smollm2_tokenizer()
+@pytest.fixture
+def tokenizer(smollm2_tokenizer: Any) -> Any:  # the embedded model's, from conftest
+    return smollm2_tokenizer
 
 
 async def stream(engine: FakeEngine, tokenizer: Any, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
@@ -130,12 +130,12 @@ async def test_stream_options_without_stream_is_400(tokenizer: Any) -> None:
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[[FakeEngine], str]]:
+def serve(tokenizer: Any) -> Iterator[Callable[[FakeEngine], str]]:
     """Runs the app under uvicorn in a thread; yields a function that starts it and gives its URL."""
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
     def start(engine: FakeEngine) -> str:
-        app = build_app(engine, smollm2_tokenizer(), [MODEL], 2048)
+        app = build_app(engine, tokenizer, [MODEL], 2048)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
