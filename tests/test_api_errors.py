@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from fake_engine import MODEL, FakeEngine, api_client, ask, complete, post
+from flashserve.engine.client import EngineDead
 
 pytestmark = pytest.mark.anyio
 
@@ -89,7 +90,7 @@ async def test_non_text_content_part_is_400(tokenizer: Any) -> None:
 
 
 async def test_chat_without_a_tokenizer_is_400() -> None:
-    assert_error(await ask(FakeEngine(), None, ), 400, "messages")
+    assert_error(await ask(FakeEngine(), None), 400, "messages")
 
 
 async def test_text_prompt_without_a_tokenizer_is_400() -> None:
@@ -102,17 +103,28 @@ async def test_token_id_outside_the_vocabulary_is_400(tokenizer: Any) -> None:
 
 
 async def test_dead_engine_is_503(tokenizer: Any) -> None:
-    assert_error(await ask(FakeEngine(dead=True), tokenizer, ), 503)
+    assert_error(await ask(FakeEngine(dead=True), tokenizer), 503)
+
+
+class RefusingEngine(FakeEngine):
+    """An engine whose generate() raises at the call rather than at the first step."""
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> Any:
+        raise EngineDead("stopped")
+
+
+async def test_engine_refusing_at_the_call_is_503(tokenizer: Any) -> None:
+    assert_error(await ask(RefusingEngine(), tokenizer), 503, code="engine_dead")
 
 
 async def test_engine_error_before_any_token_is_500(tokenizer: Any) -> None:
-    r = await ask(FakeEngine(error_after=0), tokenizer, )
+    r = await ask(FakeEngine(error_after=0), tokenizer)
     assert_error(r, 500)
     assert "boom" in r.json()["error"]["message"]
 
 
 async def test_engine_error_after_tokens_fails_the_whole_non_streaming_request(tokenizer: Any) -> None:
-    assert_error(await ask(FakeEngine(error_after=2), tokenizer, ), 500)
+    assert_error(await ask(FakeEngine(error_after=2), tokenizer), 500)
 
 
 async def test_unknown_route_is_404_in_openai_shape(tokenizer: Any) -> None:
@@ -143,3 +155,4 @@ async def test_health_is_200_when_the_engine_is_healthy(tokenizer: Any) -> None:
 async def test_health_is_503_when_the_engine_is_not(tokenizer: Any) -> None:
     async with api_client(FakeEngine(healthy=False), tokenizer) as client:
         assert_error(await client.get("/health"), 503)
+

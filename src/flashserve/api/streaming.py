@@ -63,9 +63,11 @@ class EngineStreams:
 
     async def _pump(self, index: int, prompt: list[int], params: SamplingParams) -> None:
         request_id = self._ids[index]
-        stream = self._engine.generate(request_id, prompt, params)
+        stream: AsyncIterator[RequestOutput] | None = None
         finished = False
         try:
+            # Inside the try: an engine may refuse at the call (EngineDead) or at the first step.
+            stream = self._engine.generate(request_id, prompt, params)
             async for out in stream:
                 finished = out.finished
                 self._queue.put_nowait((index, out))
@@ -78,7 +80,7 @@ class EngineStreams:
             logger.exception("engine request %s failed", request_id)
             self._queue.put_nowait((index, exc))
         finally:
-            aclose = getattr(stream, "aclose", None)
+            aclose = getattr(stream, "aclose", None) if stream is not None else None
             if not finished and aclose is not None:  # the engine aborts a request on close
                 try:
                     await aclose()
