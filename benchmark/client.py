@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
@@ -75,9 +76,12 @@ class LoadResult:
 
     results: list[RequestResult]
     duration_s: float
+    client_busy: float = 0.0  # CPU time / wall time of the busiest client process: near 1, it lags
 
 
 class StreamError(Exception):
+    """A response that cannot count as a success; `kind` names the failure."""
+
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
@@ -91,8 +95,9 @@ def build_body(cfg: EndpointConfig, req: BenchRequest) -> dict[str, Any]:
         "temperature": cfg.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": cfg.ignore_eos,
     }
+    if cfg.ignore_eos:  # a vLLM/SGLang extension: servers without it may reject the key
+        body["ignore_eos"] = True
     if cfg.endpoint == "chat":
         if not isinstance(req.prompt, str):
             raise ValueError("the chat endpoint needs text prompts, not token ids")
@@ -234,15 +239,66 @@ async def run_load(
     seed: int = 0,
     progress: bool = False,
     desc: str = "",
+    workers: int = 1,
 ) -> LoadResult:
     """Offer `requests` at `request_rate` (req/s) with at most `concurrency` in flight; wait for all.
 
     With only `concurrency`, exactly that many streams run at once until the requests run out.
+    `workers` > 1 deals the requests (round robin, on the same arrival schedule) and the concurrency
+    cap out to that many client processes, for loads that one Python process cannot keep up with.
     """
     offsets = arrival_offsets(len(requests), request_rate, seed, arrivals)
-    sem = asyncio.Semaphore(concurrency) if concurrency else None
-    bar = tqdm(total=len(requests), desc=desc or None, unit="req", disable=not progress, leave=False)
+    workers = max(1, min(workers, len(requests), concurrency or len(requests)))
+    if workers == 1:
+        cpu0 = time.process_time()
+        with _bar(len(requests), desc, progress) as bar:
+            results, duration = await _drive(cfg, list(requests), offsets, concurrency, None, bar)
+        return LoadResult(results, duration, (time.process_time() - cpu0) / duration if duration else 0.0)
+    caps = [concurrency // workers + (i < concurrency % workers) if concurrency else None for i in range(workers)]
+    ctx = multiprocessing.get_context("spawn")  # not fork: the caller may hold threads and a running loop
+    ready = ctx.Barrier(workers + 1)
+    with ctx.Pool(workers, initializer=_worker_ready, initargs=(ready, cfg.root)) as pool:
+        await asyncio.to_thread(ready.wait, 120)  # every worker is up and has been to the server once
+        start_wall = time.time() + 0.5  # time to hand out the shards; not part of the duration
+        jobs = [(cfg, list(requests[i::workers]), offsets[i::workers], caps[i], start_wall, i, desc, progress)
+                for i in range(workers)]
+        shards = await asyncio.to_thread(pool.starmap, _shard_process, jobs)
+        pool.close()
+        await asyncio.to_thread(pool.join)
+    results = sorted((r for shard, _, _ in shards for r in shard), key=lambda r: r.start_s)
+    return LoadResult(results, max(d for _, d, _ in shards), max(c / d if d else 0.0 for _, d, c in shards))
 
+
+def _bar(total: int, desc: str, progress: bool, position: int | None = None) -> tqdm:
+    return tqdm(total=total, desc=desc or None, unit="req", disable=not progress, leave=False, position=position)
+
+
+def _worker_ready(barrier: Any, root: str) -> None:
+    """Worker-process initializer: warm the HTTP stack (lazy imports) with one GET, then wait."""
+    try:
+        asyncio.run(first_model_id(root))
+    except Exception:  # noqa: BLE001 - the measured requests will report what is wrong
+        pass
+    barrier.wait(120)
+
+
+def _shard_process(
+    cfg: EndpointConfig, requests: list[BenchRequest], offsets: list[float], concurrency: int | None,
+    start_wall: float, position: int, desc: str, progress: bool,
+) -> tuple[list[RequestResult], float, float]:
+    """Worker-process entry: (results, duration s, CPU s) of one shard."""
+    cpu0 = time.process_time()
+    with _bar(len(requests), f"{desc} [{position}]", progress, position) as bar:
+        results, duration = asyncio.run(_drive(cfg, requests, offsets, concurrency, start_wall, bar))
+    return results, duration, time.process_time() - cpu0
+
+
+async def _drive(
+    cfg: EndpointConfig, requests: list[BenchRequest], offsets: list[float], concurrency: int | None,
+    start_wall: float | None, bar: tqdm,
+) -> tuple[list[RequestResult], float]:
+    """Send each request at its offset (s) from `start_wall` (a `time.time()`; None: now)."""
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
     async with make_client(cfg.timeout_s) as client:
 
         async def one(req: BenchRequest) -> RequestResult:
@@ -254,7 +310,8 @@ async def run_load(
             bar.update(1)
             return res
 
-        t0 = time.perf_counter()
+        # Worker processes share a wall-clock start: perf_counter has no common origin across them.
+        t0 = time.perf_counter() + (0.0 if start_wall is None else start_wall - time.time())
         tasks = []
         for req, offset in zip(requests, offsets):
             delay = t0 + offset - time.perf_counter()
@@ -262,9 +319,7 @@ async def run_load(
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(req)))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-    bar.close()
-    return LoadResult(list(results), duration)
+        return list(results), time.perf_counter() - t0
 
 
 async def first_model_id(base_url: str, timeout_s: float = 30.0) -> str:

@@ -74,6 +74,7 @@ def summarize(load: LoadResult) -> dict[str, Any]:
         "itl_ms": distribution_ms([gap for r in ok for gap in r.itl_s]),
         "tpot_ms": distribution_ms([t for r in ok if (t := r.tpot_s) is not None]),
         "e2e_ms": distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "client_busy": load.client_busy,
     }
 
 

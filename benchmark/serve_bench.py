@@ -25,6 +25,7 @@ from benchmark.metrics import headline, merge_summary, summarize
 from benchmark.workloads import WORKLOAD_NAMES, Phase, PromptSpec, build_phases, fixed_requests, random_requests
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BUSY_WARNING = 0.7  # client CPU / wall time above which measurements are suspect
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -49,6 +50,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-start-rate", type=float, default=2.0)
     p.add_argument("--goodput-step", type=float, default=0.5)
     p.add_argument("--goodput-max-rate", type=float, default=512.0)
+    p.add_argument("--workers", type=int, default=1, help="client processes (when one cannot keep up)")
     p.add_argument("--warmup", type=int, default=2, help="short unrecorded requests sent first")
     p.add_argument("--no-ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per network read")
@@ -90,7 +92,7 @@ def git_commit() -> str:
 
 
 def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "unknown"  # as decode_bench names folders
 
 
 def prompt_spec(args: argparse.Namespace) -> PromptSpec:
@@ -107,15 +109,16 @@ def prompt_spec(args: argparse.Namespace) -> PromptSpec:
 
 async def run_phase(cfg: EndpointConfig, phase: Phase, args: argparse.Namespace) -> LoadResult:
     """Run a phase; with rounds > 1, its batches go one after another and their times add up."""
-    results, duration = [], 0.0
+    total = LoadResult([], 0.0)
     size = -(-len(phase.requests) // phase.rounds)
     for i in range(0, len(phase.requests), size):
         load = await run_load(cfg, phase.requests[i : i + size], concurrency=phase.concurrency or args.max_concurrency,
                               request_rate=phase.request_rate, arrivals=args.arrivals, seed=args.seed,
-                              progress=not args.no_progress, desc=phase.name)
-        results += load.results
-        duration += load.duration_s
-    return LoadResult(results, duration)
+                              progress=not args.no_progress, desc=phase.name, workers=args.workers)
+        total.results += load.results
+        total.duration_s += load.duration_s
+        total.client_busy = max(total.client_busy, load.client_busy)
+    return total
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -137,7 +140,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         async def measure(rate: float) -> dict[str, Any]:
             load = await run_load(cfg, reqs, request_rate=rate, concurrency=args.max_concurrency,
                                   arrivals=args.arrivals, seed=args.seed, progress=not args.no_progress,
-                                  desc=f"rate {rate:g}")
+                                  desc=f"rate {rate:g}", workers=args.workers)
             return summarize(load)
 
         result = await search_goodput(measure, args.ttft_slo_ms, start_rate=args.goodput_start_rate,
@@ -203,6 +206,9 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"median TTFT {_ms(g['median_ttft_ms'])}, median ITL {_ms(g['median_itl_ms'])}")
     for ph in doc["phases"] + (g["probes"] if g else []):
         m = ph["metrics"]
+        if m.get("client_busy", 0) > BUSY_WARNING:
+            lines.append(f"{ph.get('name', ph.get('rate'))}: client process {m['client_busy']:.0%} busy: its timings "
+                         "may include its own lag; rerun with more --workers")
         if m["failed"]:
             lines.append(f"{ph.get('name', ph.get('rate'))}: {m['failed']} failed {m['error_kinds']} {m['errors'][:2]}")
     return "\n".join(lines)
