@@ -165,3 +165,22 @@ def test_graph_batch_size_padding_and_eligibility() -> None:
     assert fi.cuda_graph_batch_size(layout_for(reqs, [2, 1, 1])) is None  # a prefill chunk
     many = make_requests([1] * 9, seed=4)
     assert fi.cuda_graph_batch_size(layout_for(many, [1] * 9)) is None  # above the largest size
+
+
+@pytest.mark.parametrize("new", [[1, 1, 1], [9, 1, 30]], ids=["decode", "mixed"])
+def test_layer_loop_does_not_synchronise_with_the_host(new: list[int]) -> None:
+    fi, _ = make_backends(8, 64, torch.bfloat16)
+    reqs = make_requests([40, 0, 16], seed=5)
+    layout = layout_for(reqs, new)
+    fi.plan(layout)
+    q = torch.randn(layout.num_tokens, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(layout.num_tokens, KV_HEADS, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    fi.forward(0, q, k, v)  # the first run may initialise lazily
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for layer in range(NUM_LAYERS):
+            fi.forward(layer, q, k, v)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
