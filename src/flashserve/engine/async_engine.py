@@ -3,7 +3,8 @@
 Handlers call `generate()` and read their request's outputs from an asyncio.Queue. The engine
 loop, a single background thread, owns `LLMEngine` (and so the scheduler); it receives new
 requests and aborts through a locked inbox and hands back each step's outputs with ONE
-`call_soon_threadsafe` per step, not one per token.
+`call_soon_threadsafe` per step, not one per token. Once per loop turn it also ends requests that
+waited too long for their first schedule and publishes the step's numbers to the metrics.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from flashserve.engine.client import EngineDead
+from flashserve.engine.client import EngineDead, EngineOverloaded
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import RequestOutput
+from flashserve.metrics import Metrics, StepStats
 from flashserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,36 +32,70 @@ class _Add:
     params: SamplingParams
 
 
-class AsyncEngine:
-    """An `EngineClient` over an `LLMEngine` run by a background thread."""
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    error: str | None = None  # None: the client went away; else why the server gave up on it
 
-    def __init__(self, engine: LLMEngine, max_model_len: int) -> None:
+
+class AsyncEngine:
+    """An `EngineClient` over an `LLMEngine` run by a background thread.
+
+    `max_waiting` bounds the requests queued for the engine (new or preempted): past it,
+    `generate()` raises EngineOverloaded. `queue_timeout` (seconds) aborts a request, with an
+    error, that has not been scheduled that long after it arrived.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_model_len: int,
+        metrics: Metrics | None = None,
+        max_waiting: int | None = None,
+        queue_timeout: float | None = None,
+    ) -> None:
+        if max_waiting is not None and max_waiting < 1:
+            raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
+        if queue_timeout is not None and queue_timeout <= 0:
+            raise ValueError(f"queue_timeout must be positive, got {queue_timeout}")
         self.engine = engine
         self.max_model_len = max_model_len
-        self._inbox: list[_Add | str] = []  # str = request id to abort
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.queue_timeout = queue_timeout
+        self._inbox: list[_Add | _Abort] = []
         self._wakeup = threading.Condition()
+        # Guarded by _wakeup: waiting requests as of the last loop turn, plus adds sent since.
+        self._num_waiting = 0
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
         self._dead: str | None = None
+        # Engine-loop only: ids scheduled at least once and not finished (for queue times).
+        self._scheduled: set[str] = set()
+        self._preemptions_seen = 0
 
     # ---- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine loop; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
+        self._record([], time.monotonic())  # the loop has not started: this thread may read the state
         self._thread = threading.Thread(target=self._run, name="flashserve-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the loop; requests still open end with an error instead of waiting forever."""
         with self._wakeup:
             self._stop = True
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._fail_all("the server is shutting down")
 
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive()
+        return (self._dead is None and not self._stop and self._thread is not None
+                and self._thread.is_alive())
 
     @property
     def num_streams(self) -> int:
@@ -67,13 +104,21 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
+        # From the health check to the registration nothing awaits, so a loop that dies meanwhile
+        # finds this stream in _streams when its _fail_all runs on this event loop.
         if not self.is_healthy():
             raise EngineDead(self._dead or "the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        with self._wakeup:
+            if self.max_waiting is not None and self._num_waiting >= self.max_waiting:
+                raise EngineOverloaded(
+                    f"the server is overloaded: {self._num_waiting} requests are already waiting; retry later")
+            self._num_waiting += 1
+            self._inbox.append(_Add(request_id, list(prompt_token_ids), params))
+            self._wakeup.notify()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = queue
-        self._send(_Add(request_id, list(prompt_token_ids), params))
         finished = False
         try:
             while True:
@@ -85,12 +130,17 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:  # the consumer went away (client disconnect): free its pages
-                self._send(request_id)
+                self._send(_Abort(request_id))
 
-    def abort(self, request_id: str) -> None:
-        self._send(request_id)
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        self._send(_Abort(request_id, error))
 
-    def _send(self, item: _Add | str) -> None:
+    def abort_all(self, error: str) -> None:
+        """End every open request with `error` (graceful shutdown past its deadline)."""
+        for request_id in list(self._streams):
+            self._send(_Abort(request_id, error))
+
+    def _send(self, item: _Add | _Abort) -> None:
         with self._wakeup:
             self._inbox.append(item)
             self._wakeup.notify()
@@ -100,6 +150,11 @@ class AsyncEngine:
             queue = self._streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+
+    def _fail_all(self, message: str) -> None:
+        """Event-loop side: every open stream gets a final error output."""
+        for request_id, queue in list(self._streams.items()):
+            queue.put_nowait(_error_output(request_id, 0, message))
 
     # ---- engine-loop side ------------------------------------------------------------------
     def _run(self) -> None:
@@ -111,21 +166,28 @@ class AsyncEngine:
                     if self._stop:
                         return
                     inbox, self._inbox = self._inbox, []
+                start = time.monotonic()
                 outputs = self._apply(inbox)
+                outputs.extend(self._expire(start))
                 if self.engine.has_unfinished:
                     outputs.extend(self.engine.step())
+                self._record(outputs, start)
                 if outputs:
                     self._emit(outputs)
         except BaseException as exc:  # the loop itself died: fail everyone, report unhealthy
             logger.exception("engine loop died")
             self._dead = f"engine loop died: {exc!r}"
-            self._fail_all(self._dead)
+            if self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._fail_all, self._dead)
+                except RuntimeError:  # the event loop is closed
+                    pass
 
-    def _apply(self, inbox: list[_Add | str]) -> list[RequestOutput]:
+    def _apply(self, inbox: list[_Add | _Abort]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for item in inbox:
-            if isinstance(item, str):
-                aborted = self.engine.abort(item)
+            if isinstance(item, _Abort):
+                aborted = self.engine.abort(item.request_id, item.error)
                 if aborted is not None:
                     outputs.append(aborted)
                 continue
@@ -135,16 +197,62 @@ class AsyncEngine:
                 outputs.append(_error_output(item.request_id, len(item.prompt_token_ids), str(exc)))
         return outputs
 
+    def _expire(self, now: float) -> list[RequestOutput]:
+        """Abort requests never scheduled `queue_timeout` seconds after they arrived."""
+        if self.queue_timeout is None:
+            return []
+        expired: list[str] = []
+        # New requests join the back in arrival order; preempted ones (already served once,
+        # never expired) go to the front. So the first young new request ends the scan.
+        for request in self.engine.scheduler.waiting:
+            if request.num_preemptions:
+                continue
+            if now - request.arrival_time < self.queue_timeout:
+                break
+            expired.append(request.request_id)
+        message = (f"the request waited more than {self.queue_timeout:g} s to be scheduled; "
+                   "the server is overloaded, retry later")
+        outputs = [self.engine.abort(rid, message) for rid in expired]
+        return [out for out in outputs if out is not None]
+
+    def _record(self, outputs: list[RequestOutput], step_start: float) -> None:
+        """Publish the queue length for `generate()` and this step's numbers to the metrics."""
+        scheduler = self.engine.scheduler
+        with self._wakeup:
+            self._num_waiting = scheduler.num_waiting + sum(isinstance(i, _Add) for i in self._inbox)
+        if self.metrics is None:
+            return
+        queue_times: list[float] = []
+        for request in scheduler.running:
+            if request.request_id not in self._scheduled:
+                self._scheduled.add(request.request_id)
+                queue_times.append(step_start - request.arrival_time)
+        prompt_tokens = generation_tokens = 0
+        for out in outputs:
+            n = len(out.new_token_ids)
+            generation_tokens += n
+            if n and out.num_output_tokens == n:  # its first tokens: its prompt was prefilled
+                prompt_tokens += out.num_prompt_tokens
+            if out.finished:
+                if n and out.request_id not in self._scheduled:  # scheduled and done in one step
+                    queue_times.append(step_start - out.arrival_time)
+                self._scheduled.discard(out.request_id)
+        block_manager = scheduler.block_manager
+        preemptions = scheduler.num_preemptions - self._preemptions_seen
+        self._preemptions_seen = scheduler.num_preemptions
+        self.metrics.record_step(StepStats(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            kv_pages_used=block_manager.num_used_pages, kv_pages_free=block_manager.num_free_pages,
+            num_preemptions=preemptions, num_prompt_tokens=prompt_tokens,
+            num_generation_tokens=generation_tokens, queue_times=queue_times,
+        ))
+
     def _emit(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-    def _fail_all(self, message: str) -> None:
-        ids = list(self._streams)
-        self._emit([_error_output(rid, 0, message) for rid in ids])
 
 
 def _error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:

@@ -12,6 +12,10 @@ class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class EngineOverloaded(RuntimeError):
+    """The engine's queue is full; the request was not queued. Worth retrying later."""
+
+
 class EngineClient(Protocol):
     max_model_len: int
 

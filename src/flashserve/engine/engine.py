@@ -56,12 +56,13 @@ class LLMEngine:
         self._live[request_id] = _Live(request, detok)
         self.scheduler.add_request(request)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort a request now (its pages are free when this returns); None if unknown."""
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """Abort a request now (its pages are free when this returns); None if unknown. `error`
+        says why when the server, not the client, gave up on it (queue timeout, shutdown)."""
         live = self._live.pop(request_id, None)
         if live is None:
             return None
-        self.scheduler.abort(request_id)
+        self.scheduler.finish(request_id, FinishReason.ABORT, error)
         return self._output(live)
 
     def step(self) -> list[RequestOutput]:

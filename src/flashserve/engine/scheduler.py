@@ -38,6 +38,7 @@ class Scheduler:
         # the next update() reports them so the engine has one place to emit outputs.
         self._finished_unreported: list[Request] = []
         self._in_flight: dict[str, Request] = {}  # the last schedule()'s requests, for update()
+        self.num_preemptions = 0  # since start; the engine loop turns it into a metric
 
     @property
     def has_unfinished(self) -> bool:
@@ -207,6 +208,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         self._released.append(request.request_id)
 

@@ -1,0 +1,152 @@
+"""Prometheus metrics of one server, in a registry of its own (no global default registry).
+
+Two writers: the engine loop thread sets the engine's gauges and counters once per step
+(`record_step`), and the API records what clients see: time to first token, inter-token latency,
+end-to-end latency, finish reasons and errors (`RequestRecord`, `record_error`). prometheus-client's
+metrics are thread-safe, so both may write while `/metrics` renders.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds. Wide on purpose: a CPU server takes seconds per token, a GPU one milliseconds.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+                40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+request_logger = logging.getLogger("flashserve.requests")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the engine loop reads off the scheduler after a step; all cheap attribute reads."""
+
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_free: int
+    num_preemptions: int = 0  # since the last step
+    num_prompt_tokens: int = 0  # of requests that got their first token in this step
+    num_generation_tokens: int = 0
+    queue_times: Sequence[float] = ()  # seconds from arrival to first schedule, per newly scheduled request
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests_running = Gauge("flashserve_num_requests_running", "Requests in the running batch", registry=r)
+        self.requests_waiting = Gauge(
+            "flashserve_num_requests_waiting", "Requests queued for the engine (new or preempted)", registry=r)
+        self.kv_pages_used = Gauge("flashserve_kv_pages_used", "KV cache pages held by requests", registry=r)
+        self.kv_pages_free = Gauge("flashserve_kv_pages_free", "KV cache pages free", registry=r)
+        self.preemptions = Counter("flashserve_num_preemptions", "Preemptions by recompute", registry=r)
+        self.prompt_tokens = Counter("flashserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("flashserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("flashserve_time_to_first_token_seconds", "Time to first token, as the API saw it",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("flashserve_inter_token_latency_seconds", "Time between output tokens of a request",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("flashserve_e2e_request_latency_seconds", "Request latency, arrival to last output",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("flashserve_request_queue_time_seconds", "Time waiting before first scheduled",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.finished = Counter("flashserve_requests_finished", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.errors = Counter("flashserve_request_errors", "Error responses and error events by OpenAI error type",
+                              ["type", "code"], registry=r)
+
+    def record_step(self, stats: StepStats) -> None:
+        self.requests_running.set(stats.num_running)
+        self.requests_waiting.set(stats.num_waiting)
+        self.kv_pages_used.set(stats.kv_pages_used)
+        self.kv_pages_free.set(stats.kv_pages_free)
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for seconds in stats.queue_times:
+            self.queue_time.observe(seconds)
+
+    def record_error(self, type: str, code: str | None) -> None:
+        self.errors.labels(type, code or "").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestRecord:
+    """One API request (all its choices) as clients see it: feeds the histograms and writes the
+    request's log line once, when it is `close`d. Event-loop only."""
+
+    def __init__(self, metrics: Metrics, request_id: str, num_prompt_tokens: int, num_choices: int,
+                 arrival: float | None = None) -> None:
+        self.metrics = metrics
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.first_token: float | None = None
+        self._last_token: list[float | None] = [None] * num_choices
+        self.output_tokens = [0] * num_choices
+        self.finish_reasons: list[str | None] = [None] * num_choices
+        self._closed = False
+
+    def tokens(self, index: int, num_new_tokens: int, num_output_tokens: int) -> None:
+        """Choice `index` received `num_new_tokens` tokens now (one engine step's worth)."""
+        if num_new_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            self.metrics.ttft.observe(now - self.arrival)
+        last = self._last_token[index]
+        if last is not None:
+            self.metrics.itl.observe((now - last) / num_new_tokens)
+        self._last_token[index] = now
+        self.output_tokens[index] = max(self.output_tokens[index], num_output_tokens)
+
+    def finish(self, index: int, reason: str) -> None:
+        if self.finish_reasons[index] is None:
+            self.finish_reasons[index] = reason
+            self.metrics.finished.labels(reason).inc()
+
+    def close(self) -> None:
+        """The request is over; choices without a finish reason were abandoned (client gone)."""
+        if self._closed:
+            return
+        self._closed = True
+        for i, reason in enumerate(self.finish_reasons):
+            if reason is None:
+                self.finish(i, "abort")
+        end = time.monotonic()
+        latency = end - self.arrival
+        self.metrics.e2e.observe(latency)
+        if request_logger.isEnabledFor(logging.INFO):
+            request_logger.info("%s", self.log_line(latency))
+
+    def log_line(self, latency: float) -> str:
+        completion = sum(self.output_tokens)
+        ttft = None if self.first_token is None else self.first_token - self.arrival
+        prompt_tps = self.num_prompt_tokens / ttft if ttft else 0.0
+        decode_time = latency - ttft if ttft is not None else 0.0
+        # Tokens after the first, over the time after the first: the decode rate a client saw.
+        gen_tps = (completion - len(self.output_tokens)) / decode_time if decode_time > 0 else 0.0
+        reasons = ",".join(r or "abort" for r in self.finish_reasons)
+        ttft_text = "-" if ttft is None else f"{ttft:.3f}s"
+        return (f"request {self.request_id} finished: prompt_tokens={self.num_prompt_tokens} "
+                f"completion_tokens={completion} ttft={ttft_text} latency={latency:.3f}s "
+                f"prompt_tokens_per_s={prompt_tps:.1f} generation_tokens_per_s={max(gen_tps, 0.0):.1f} "
+                f"finish_reason={reasons}")
