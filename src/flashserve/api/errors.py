@@ -6,7 +6,7 @@ registered by `install_error_handlers` turn every failure, FastAPI's own include
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,12 +14,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashserve.engine.client import EngineDead
+from flashserve.metrics import Metrics
 from flashserve.sampling_params import InvalidParameter
 
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable"
+AUTHENTICATION = "invalid_request_error"  # what OpenAI answers for a missing or wrong key
+
+# Seconds a client should wait before retrying a request refused because the server is busy.
+RETRY_AFTER_SECONDS = 1
 
 
 class APIError(Exception):
@@ -30,6 +35,7 @@ class APIError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -37,6 +43,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -56,8 +63,9 @@ def engine_dead(message: str = "the engine is not running") -> APIError:
     return APIError(503, message, UNAVAILABLE, code="engine_dead")
 
 
-def _response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code)
+def overloaded(message: str, code: str = "overloaded") -> APIError:
+    """503 that a client should retry: a full queue, a queue timeout, a server going down."""
+    return APIError(503, message, UNAVAILABLE, code=code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -77,29 +85,33 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", first_param
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, metrics: Metrics | None = None) -> None:
+    def respond(err: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        if metrics is not None:
+            metrics.record_error(err.type, err.code)
+        return JSONResponse(err.body(), status_code=err.status_code, headers={**(headers or {}), **(err.headers or {})})
+
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _response(exc)
+        return respond(exc)
 
     async def on_invalid_parameter(_: Request, exc: InvalidParameter) -> JSONResponse:
-        return _response(invalid(str(exc), exc.param))
+        return respond(invalid(str(exc), exc.param))
 
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers 400 where FastAPI would answer 422.
         message, param = _validation_message(exc)
-        return _response(invalid(message, param))
+        return respond(invalid(message, param))
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
-        err = APIError(exc.status_code, str(exc.detail), kind)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+        return respond(APIError(exc.status_code, str(exc.detail), kind), exc.headers)
 
     async def on_engine_dead(_: Request, exc: EngineDead) -> JSONResponse:
-        return _response(engine_dead(str(exc) or "the engine is not running"))
+        return respond(engine_dead(str(exc) or "the engine is not running"))
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises the exception after this response, so the server logs it once.
-        return _response(APIError(500, "internal server error", SERVER_ERROR))
+        return respond(APIError(500, "internal server error", SERVER_ERROR))
 
     app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
     app.add_exception_handler(InvalidParameter, on_invalid_parameter)  # type: ignore[arg-type]

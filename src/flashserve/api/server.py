@@ -6,58 +6,35 @@ Handlers never touch scheduling: they build SamplingParams, open one engine requ
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
+from starlette.middleware.cors import CORSMiddleware
 
 from flashserve.api import protocol as p
-from flashserve.api.errors import APIError, engine_dead, install_error_handlers, invalid
+from flashserve.api.errors import APIError, engine_dead, install_error_handlers, invalid, overloaded
+from flashserve.api.middleware import GuardMiddleware
+from flashserve.api.options import APIOptions, ServerState
 from flashserve.api.streaming import (
+    CLIENT_CLOSED,
     EngineStreams,
+    ClientGone,
     chat_choice,
     chat_opening,
     completion_choice,
     sse_chunks,
+    unless_disconnected,
     usage,
 )
 from flashserve.engine.client import EngineClient
+from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
 from flashserve.sampling_params import SamplingParams
-
-T = TypeVar("T")
-
-# nginx's code for "client closed request": nobody reads it, but logs show what happened.
-CLIENT_CLOSED = 499
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _wait_for_disconnect(raw: Request) -> None:
-    # The body has been read already, so the next ASGI message is the disconnect.
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it and raising _ClientGone if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_for_disconnect(raw))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise _ClientGone
-    finally:
-        task.cancel()
-        watch.cancel()
 
 
 def _message_text(content: str | list[p.TextPart] | None) -> str:
@@ -86,10 +63,16 @@ class _OpenAIServing:
         served_model_names: Sequence[str],
         max_model_len: int,
         eos_token_ids: Sequence[int],
+        options: APIOptions,
+        metrics: Metrics,
+        state: ServerState,
     ) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
+        self.options = options
+        self.metrics = metrics
+        self.state = state
         self.tokenizer = tokenizer
         self.names = list(served_model_names)
         self.max_model_len = max_model_len
@@ -101,6 +84,7 @@ class _OpenAIServing:
 
     # ---- endpoints -----------------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         model = self._check(body)
         if self.tokenizer is None:
             raise invalid("chat completions need a tokenizer; this server runs without one", "messages")
@@ -115,12 +99,19 @@ class _OpenAIServing:
         except Exception as exc:  # templates raise on shapes they refuse (roles out of order, ...)
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from exc
         prompt = _as_ids(encoded)
-        return await self._generate(raw, body, f"chatcmpl-{uuid.uuid4().hex}", model, [prompt], chat=True)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if self.options.log_requests:
+            request_logger.info("request %s: messages=%r", request_id, conversation)
+        return await self._generate(raw, body, request_id, model, [prompt], chat=True, arrival=arrival)
 
     async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         model = self._check(body)
         prompts = [self._tokenize(item) for item in self._prompt_items(body.prompt)]
-        return await self._generate(raw, body, f"cmpl-{uuid.uuid4().hex}", model, prompts, chat=False)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if self.options.log_requests:
+            request_logger.info("request %s: prompt=%r", request_id, body.prompt)
+        return await self._generate(raw, body, request_id, model, prompts, chat=False, arrival=arrival)
 
     async def models(self) -> JSONResponse:
         cards = [p.ModelCard(id=n, created=self.created, max_model_len=self.max_model_len) for n in self.names]
@@ -129,7 +120,12 @@ class _OpenAIServing:
     async def health(self) -> JSONResponse:
         if not self.engine.is_healthy():
             raise engine_dead()
+        if self.state.draining:  # take this server out of a load balancer's rotation
+            raise overloaded("the server is shutting down", code="shutting_down")
         return JSONResponse({})
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     # ---- validation ----------------------------------------------------------------------------
     def _check(self, body: p.GenerationRequest) -> str:
@@ -190,12 +186,12 @@ class _OpenAIServing:
     # ---- generation ----------------------------------------------------------------------------
     async def _generate(
         self, raw: Request, body: p.GenerationRequest, request_id: str, model: str,
-        prompts: list[list[int]], chat: bool,
+        prompts: list[list[int]], chat: bool, arrival: float,
     ) -> Response:
-        streams = self._open(body, request_id, prompts, param="messages" if chat else "prompt")
+        streams = self._open(body, request_id, prompts, param="messages" if chat else "prompt", arrival=arrival)
         try:
-            await _unless_disconnected(raw, streams.start())
-        except _ClientGone:
+            await unless_disconnected(raw, streams.start())
+        except ClientGone:
             streams.close()
             return Response(status_code=CLIENT_CLOSED)
         except BaseException:
@@ -214,13 +210,14 @@ class _OpenAIServing:
                 num_prompt_tokens=num_prompt_tokens,
                 include_usage=body.include_usage,
                 emit_empty=self.tokenizer is None,
+                on_error=lambda err: self.metrics.record_error(err.type, err.code),
             )
             # The background close covers a client that leaves before the body iterator starts.
             return EventSourceResponse(chunks, ping=0, sep="\n", background=BackgroundTask(streams.aclose))
 
         try:
-            results = await _unless_disconnected(raw, streams.collect())
-        except _ClientGone:
+            results = await unless_disconnected(raw, streams.collect())
+        except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         finally:
             streams.close()
@@ -243,7 +240,7 @@ class _OpenAIServing:
         return JSONResponse(response.model_dump())
 
     def _open(
-        self, body: p.GenerationRequest, request_id: str, prompts: list[list[int]], param: str
+        self, body: p.GenerationRequest, request_id: str, prompts: list[list[int]], param: str, arrival: float
     ) -> EngineStreams:
         """One engine request per choice: n per prompt, numbered across prompts."""
         ids: list[str] = []
@@ -259,7 +256,8 @@ class _OpenAIServing:
                 params.append(p.for_choice(base, index))
         if not self.engine.is_healthy():
             raise engine_dead()
-        return EngineStreams(self.engine, ids, choice_prompts, params)
+        record = RequestRecord(self.metrics, request_id, sum(len(x) for x in prompts), len(ids), arrival)
+        return EngineStreams(self.engine, ids, choice_prompts, params, record)
 
 
 def build_app(
@@ -268,16 +266,35 @@ def build_app(
     served_model_names: Sequence[str],
     max_model_len: int,
     eos_token_ids: Sequence[int] = (),
+    *,
+    options: APIOptions = APIOptions(),
+    metrics: Metrics | None = None,
+    state: ServerState | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. `tokenizer` is an HF tokenizer, or None for token-id prompts
     only; `eos_token_ids` end generation unless a request sets ignore_eos (empty: the tokenizer's
-    eos_token_id). `max_model_len` bounds prompt + max_tokens."""
-    serving = _OpenAIServing(engine, tokenizer, served_model_names, max_model_len, eos_token_ids)
+    eos_token_id). `max_model_len` bounds prompt + max_tokens. `metrics` is shared with the engine
+    loop (a fresh registry if None); `state` is shared with whoever drains the server at shutdown."""
+    metrics = metrics if metrics is not None else Metrics()
+    state = state if state is not None else ServerState()
+    serving = _OpenAIServing(engine, tokenizer, served_model_names, max_model_len, eos_token_ids,
+                             options, metrics, state)
     app = FastAPI(title="flashserve", version="0.1.0")
-    install_error_handlers(app)
+    install_error_handlers(app, metrics)
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/chat/completions", serving.chat, methods=["POST"], response_model=None)
         app.add_api_route(f"{prefix}/completions", serving.completions, methods=["POST"], response_model=None)
         app.add_api_route(f"{prefix}/models", serving.models, methods=["GET"], response_model=None)
     app.add_api_route("/health", serving.health, methods=["GET"], response_model=None)
+    app.add_api_route("/metrics", serving.prometheus, methods=["GET"], response_model=None, include_in_schema=False)
+    # Added last, so outermost: the guard sees requests before routing, CORS answers preflights
+    # (which carry no API key) before the guard.
+    app.add_middleware(GuardMiddleware, options=options, state=state, metrics=metrics)
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=list(options.allowed_methods),
+            allow_headers=list(options.allowed_headers), allow_credentials=options.allow_credentials,
+        )
+    app.state.metrics = metrics
+    app.state.server_state = state
     return app

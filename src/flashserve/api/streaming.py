@@ -12,16 +12,47 @@ import json
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
-from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError
-from flashserve.engine.client import EngineClient, EngineDead
+from starlette.requests import Request
+
+from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, engine_dead, overloaded
+from flashserve.engine.client import EngineClient, EngineDead, EngineOverloaded
 from flashserve.engine.outputs import RequestOutput
+from flashserve.metrics import RequestRecord
 from flashserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
+
+# nginx's code for "client closed request": nobody reads it, but logs show what happened.
+CLIENT_CLOSED = 499
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response began."""
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # The body has been read already, so the next ASGI message is the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it and raising ClientGone if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone
+    finally:
+        task.cancel()
+        watch.cancel()
 
 
 @dataclass(frozen=True)
@@ -44,6 +75,7 @@ class EngineStreams:
         request_ids: Sequence[str],
         prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
+        record: RequestRecord | None = None,  # metrics and the request's log line
     ) -> None:
         self._engine = engine
         self._ids = list(request_ids)
@@ -51,6 +83,8 @@ class EngineStreams:
         self._buffer: deque[tuple[int, RequestOutput]] = deque()
         self._finished = [False] * len(self._ids)
         self._engine_dead = False
+        self._refusals: dict[int, APIError] = {}  # choices the engine refused at generate()
+        self._record = record
         self.num_output_tokens = [0] * len(self._ids)
         self._pumps = [
             asyncio.ensure_future(self._pump(i, prompt, p))
@@ -74,7 +108,7 @@ class EngineStreams:
                 if finished:
                     return
             self._queue.put_nowait((index, _failed(request_id, "the engine stream ended early")))
-        except EngineDead as exc:
+        except (EngineDead, EngineOverloaded) as exc:
             self._queue.put_nowait((index, exc))
         except Exception as exc:
             logger.exception("engine request %s failed", request_id)
@@ -91,16 +125,28 @@ class EngineStreams:
         index, item = await self._queue.get()
         if isinstance(item, BaseException):
             self._engine_dead |= isinstance(item, EngineDead)
-            item = _failed(self._ids[index], str(item) or type(item).__name__)
+            message = str(item) or type(item).__name__
+            if isinstance(item, EngineOverloaded):
+                self._refusals[index] = overloaded(message, code="queue_full")
+            elif isinstance(item, EngineDead):
+                self._refusals[index] = engine_dead(message)
+            item = _failed(self._ids[index], message)
         if item.finished:
             self._finished[index] = True
         self.num_output_tokens[index] = max(self.num_output_tokens[index], item.num_output_tokens)
+        if self._record is not None:
+            self._record.tokens(index, len(item.new_token_ids), item.num_output_tokens)
+            if item.finished:
+                self._record.finish(index, item.finish_reason or "stop")
         return index, item
 
-    def failure(self, out: RequestOutput) -> APIError | None:
+    def failure(self, index: int, out: RequestOutput) -> APIError | None:
         """The HTTP error an output stands for, or None for an ordinary output."""
+        if index in self._refusals:
+            return self._refusals[index]
         if out.finish_reason == "abort":
-            return APIError(503, "the request was aborted by the server", UNAVAILABLE, code="aborted")
+            # Only the server aborts a request someone still reads: a queue timeout or shutdown.
+            return overloaded(out.error or "the request was aborted by the server", code="aborted")
         if out.finish_reason != "error" and out.error is None:
             return None
         if self._engine_dead or not self._engine.is_healthy():
@@ -113,7 +159,7 @@ class EngineStreams:
         seen = [False] * len(self._ids)
         while not all(seen):
             index, out = await self._next()
-            err = self.failure(out)
+            err = self.failure(index, out)
             if err is not None:
                 raise err
             seen[index] = True
@@ -130,7 +176,7 @@ class EngineStreams:
         texts: list[list[str]] = [[] for _ in self._ids]
         reasons = ["stop"] * len(self._ids)
         async for index, out in self.outputs():
-            err = self.failure(out)
+            err = self.failure(index, out)
             if err is not None:
                 raise err
             texts[index].append(out.new_text)
@@ -146,6 +192,8 @@ class EngineStreams:
         for request_id, finished in zip(self._ids, self._finished):
             if not finished:
                 self._engine.abort(request_id)
+        if self._record is not None:
+            self._record.close()
 
     async def aclose(self) -> None:
         self.close()
@@ -191,6 +239,7 @@ async def sse_chunks(
     num_prompt_tokens: int,
     include_usage: bool,
     emit_empty: bool,  # tokenizer-free mode: a chunk per step even though its text is ""
+    on_error: Callable[[APIError], None] = lambda err: None,  # counts error events
 ) -> AsyncIterator[bytes]:
     """OpenAI's `data: {chunk}` stream ending in `data: [DONE]`; closes the engine streams on exit,
     including when the client disconnects and the response task is cancelled."""
@@ -199,8 +248,9 @@ async def sse_chunks(
         for choice in opening:
             yield encode({**head, "choices": [choice], **extra})
         async for index, out in streams.outputs():
-            err = streams.failure(out)
+            err = streams.failure(index, out)
             if err is not None:
+                on_error(err)
                 yield encode(err.body())
                 break
             if out.new_text or (emit_empty and out.new_token_ids):

@@ -1,0 +1,55 @@
+"""What the HTTP front end is told at start (`APIOptions`) and what it knows while it runs
+(`ServerState`: draining for shutdown, requests in flight)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+# Paths that answer without an API key and while draining: probes and scrapers must reach them.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+@dataclass(frozen=True)
+class APIOptions:
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
+    allowed_methods: tuple[str, ...] = ("GET", "POST", "OPTIONS")
+    allowed_headers: tuple[str, ...] = ("Authorization", "Content-Type")
+    allow_credentials: bool = False
+    max_body_bytes: int = 8 << 20
+    log_requests: bool = False  # log prompts (text or token ids) as they arrive
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("API keys must not be empty")
+
+
+class ServerState:
+    """Event-loop only. `in_flight` counts requests past the guard that have not finished sending
+    their response, streams included; shutdown waits for it to reach zero."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no request is in flight, False if `timeout` seconds pass first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
