@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from flashserve.api.options import APIOptions
 from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 
 
@@ -37,6 +38,27 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more seconds: {text!r}")
+    return value
+
+
 SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--model", str, "", "HF model id, local directory, .gguf file, config.json or built-in shape "
            "name (with --load-format dummy); empty: the embedded SmolLM2-135M-Instruct"),
@@ -61,6 +83,26 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--cuda-graph", _bool, True, "capture decode steps in CUDA graphs (--no-cuda-graph or --enforce-eager to disable)"),
     Option("--seed", int, 0, "seed of the sampler for requests without a seed"),
     Option("--log-level", str, "info", "log level", ["debug", "info", "warning", "error"]),
+    # ---- production: logs, overload, auth, CORS, shutdown
+    Option("--log-requests", _bool, False, "log each request's prompt (text or token ids) as it arrives; "
+           "without it logs carry no prompt text"),
+    Option("--access-log", _bool, False, "uvicorn's access log line per HTTP request, besides the "
+           "line per finished generation request"),
+    Option("--max-waiting", _positive_int, None, "most requests queued for the engine; past it new "
+           "requests get 503 with Retry-After (default: no limit)"),
+    Option("--queue-timeout", _positive_float, None, "seconds a request may wait to be scheduled before it "
+           "ends with a 503 error and frees what it held (default: no limit)"),
+    Option("--api-key", str, None, "API key(s) clients must send as 'Authorization: Bearer KEY'; "
+           "/health and /metrics stay open (default: none, no authentication)", multiple=True),
+    Option("--allowed-origins", str, None, "CORS: origins allowed to call the API from a browser, or '*' "
+           "(default: none, CORS off)", multiple=True),
+    Option("--allowed-methods", str, ["GET", "POST", "OPTIONS"], "CORS: allowed methods", multiple=True),
+    Option("--allowed-headers", str, ["Authorization", "Content-Type"], "CORS: allowed request headers",
+           multiple=True),
+    Option("--allow-credentials", _bool, False, "CORS: allow cookies and HTTP authentication"),
+    Option("--max-body-bytes", _positive_int, 8 << 20, "largest request body; larger ones get 413"),
+    Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "
+           "(new ones get 503) before the rest end with an error"),
 )
 
 
@@ -101,6 +143,11 @@ class ServeArgs:
     scheduler: SchedulerConfig
     server: ServerConfig
     cuda_graph: bool
+    api: APIOptions = APIOptions()
+    max_waiting: int | None = None
+    queue_timeout: float | None = None
+    shutdown_timeout: float = 30.0
+    access_log: bool = False
 
 
 def to_configs(ns: argparse.Namespace) -> ServeArgs:
@@ -113,5 +160,13 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
     cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,
                         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb)
     scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens)
-    server = ServerConfig(host=ns.host, port=ns.port, log_level=ns.log_level)
-    return ServeArgs(model, cache, scheduler, server, ns.cuda_graph)
+    api_keys = tuple(ns.api_key or ())
+    server = ServerConfig(host=ns.host, port=ns.port, log_level=ns.log_level, api_keys=api_keys)
+    api = APIOptions(
+        api_keys=api_keys, allowed_origins=tuple(ns.allowed_origins or ()),
+        allowed_methods=tuple(ns.allowed_methods), allowed_headers=tuple(ns.allowed_headers),
+        allow_credentials=ns.allow_credentials, max_body_bytes=ns.max_body_bytes, log_requests=ns.log_requests,
+    )
+    return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
+                     queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,
+                     access_log=ns.access_log)

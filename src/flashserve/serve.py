@@ -1,26 +1,82 @@
-"""`flashserve serve`: load the model, start the engine loop, serve HTTP with uvicorn."""
+"""`flashserve serve`: load the model, start the engine loop, serve HTTP with uvicorn.
+
+Shutdown on SIGTERM (or Ctrl+C) is graceful: the server keeps listening but answers new requests
+with 503, lets the running ones finish for up to `--shutdown-timeout` seconds, ends the rest with
+an error, then stops and exits 0. A second signal stops at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
+from types import FrameType
+from typing import Any, Awaitable, Callable
 
 from flashserve.cli import ServeArgs
 
 logger = logging.getLogger("flashserve")
+
+# After aborting what outlived the shutdown timeout: how long its error events get to go out.
+ABORT_GRACE_SECONDS = 5.0
 
 
 def served_names(args: ServeArgs, loaded_name: str) -> list[str]:
     return list(args.model.served_model_names) or [loaded_name]
 
 
+def graceful_server(config: Any, drain: Callable[[], Awaitable[None]]) -> Any:
+    """A uvicorn.Server whose first SIGTERM/SIGINT runs `drain()` (which then sets should_exit)
+    instead of closing the listening socket at once; uvicorn is imported only here."""
+    import uvicorn
+
+    class _GracefulServer(uvicorn.Server):
+        def __init__(self) -> None:
+            super().__init__(config)
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._draining = False
+
+        async def serve(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown and the
+            # process would die of it instead of exiting 0.
+            if self._draining or self._loop is None or not self.started:
+                self.force_exit = self._draining
+                self.should_exit = True
+                return
+            self._draining = True
+            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+        def _start_drain(self, name: str) -> None:
+            logger.info("received %s: draining", name)
+            self._drain_task = asyncio.ensure_future(drain())  # keep a reference: tasks are weak
+
+    return _GracefulServer()
+
+
+async def drain(server: Any, state: Any, engine: Any, timeout: float) -> None:
+    """Refuse new requests, wait up to `timeout` s for the running ones, abort the rest, stop."""
+    state.draining = True
+    logger.info("refusing new requests; waiting up to %.0f s for %d running", timeout, state.in_flight)
+    if not await state.wait_idle(timeout):
+        logger.warning("shutdown timeout: ending %d requests with an error", state.in_flight)
+        engine.abort_all("the server is shutting down")
+        await state.wait_idle(ABORT_GRACE_SECONDS)
+    server.should_exit = True
+
+
 async def serve(args: ServeArgs) -> None:
     import uvicorn
 
+    from flashserve.api.options import ServerState
     from flashserve.api.server import build_app
     from flashserve.engine.async_engine import AsyncEngine
     from flashserve.llm import build_engine
+    from flashserve.metrics import Metrics
 
     t0 = time.perf_counter()
     stack = build_engine(args.model, args.cache, args.scheduler, cuda_graph=args.cuda_graph)
@@ -30,21 +86,26 @@ async def serve(args: ServeArgs) -> None:
         loaded.name, time.perf_counter() - t0, loaded.dtype, loaded.device, stack.max_model_len,
         stack.num_pages, stack.page_size,
     )
-    engine = AsyncEngine(stack.engine, stack.max_model_len)
+    metrics = Metrics()
+    state = ServerState()
+    engine = AsyncEngine(stack.engine, stack.max_model_len, metrics=metrics, max_waiting=args.max_waiting,
+                         queue_timeout=args.queue_timeout)
     app = build_app(
         engine, loaded.tokenizer, served_names(args, loaded.name), stack.max_model_len,
-        eos_token_ids=tuple(loaded.eos_token_ids),
+        eos_token_ids=tuple(loaded.eos_token_ids), options=args.api, metrics=metrics, state=state,
     )
     config = uvicorn.Config(
         app, host=args.server.host, port=args.server.port, log_level=args.server.log_level,
-        timeout_graceful_shutdown=5,
+        access_log=args.access_log, timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
+    server: Any = None
+    server = graceful_server(config, lambda: drain(server, state, engine, args.shutdown_timeout))
     engine.start()
     try:
         await server.serve()
     finally:
         engine.shutdown()
+    logger.info("stopped")
 
 
 def run_serve(args: ServeArgs) -> None:
