@@ -1,0 +1,126 @@
+"""On a GPU, in bf16 through the FlashInfer backend and ops, the native forward matches HF eager.
+
+Dummy weights of the Llama-3.2-1B shape (all 16 layers) and the Llama-3.1-8B shape (8 of its 32
+layers, to keep an fp32 reference beside two bf16 copies within memory and time), teacher forced
+over a ragged prefill of two requests and 32 decode steps. Both bf16 forwards are measured against
+HF eager in float32 on the same weights: the native one must be about as close as HF's own bf16
+forward (relative error, overall and per row). The decode steps run eagerly and, where
+`model/cuda_graph.py` is present, from graphs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from flashserve.attention.base import BatchLayout
+from flashserve.engine.outputs import ScheduledRequest
+from flashserve.model.llama import LlamaModel
+from flashserve.model.loader import dummy_hf_config
+from flashserve.sampling_params import SamplingParams
+
+PAGE = 16
+PROMPTS = (100, 37)  # unaligned lengths; decode crosses page boundaries
+DECODE_STEPS = 32
+SHAPES = {"llama-3.2-1b": None, "llama-3.1-8b": 8}  # shape -> layers kept (None: all)
+HAS_GRAPHS = importlib.util.find_spec("flashserve.model.cuda_graph") is not None
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def row_errs(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
+
+
+def hf_model(shape: str, layers: int | None) -> tuple[torch.nn.Module, object]:
+    from transformers import AutoModelForCausalLM
+
+    config = dummy_hf_config(shape)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
+    with torch.no_grad():  # norms are initialised to 1: random ones make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    return model.eval(), config
+
+
+def native_logits(model: LlamaModel, seqs: list[list[int]], use_graphs: bool) -> list[torch.Tensor]:
+    """Teacher-forced float32 logits [len(seq), V] per request: its prefill rows, then one row per decode step."""
+    from flashserve.attention.flashinfer import FlashInferAttentionBackend
+
+    spec = model.spec
+    pages_per_seq = [(len(s) + PAGE - 1) // PAGE for s in seqs]
+    num_pages = 1 + sum(pages_per_seq)
+    backend = FlashInferAttentionBackend(
+        spec.num_layers, num_pages, PAGE, spec.num_kv_heads, spec.head_dim, torch.bfloat16, "cuda", None,
+        num_qo_heads=spec.num_heads,
+    )  # fmt: skip
+    pages, nxt = [], 1  # page 0 is the scratch page
+    for n in pages_per_seq:
+        pages.append(list(range(nxt, nxt + n))[::-1])  # reversed: non-contiguous order in the cache
+        nxt += n
+
+    def forward(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model.compute_logits(model(ids, pos, backend))
+
+    graphs = None
+    if use_graphs:
+        from flashserve.model.cuda_graph import CudaGraphRunner
+
+        graphs = CudaGraphRunner(forward, backend, [1, 2, 4])
+        graphs.capture()
+    params = SamplingParams()
+    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+    steps = [[(0, p) for p in PROMPTS]] + [[(p + k, p + k + 1) for p in PROMPTS] for k in range(DECODE_STEPS)]
+    for step in steps:
+        reqs = [ScheduledRequest(str(i), seqs[i][a:b], a, pages[i], True, params) for i, (a, b) in enumerate(step)]
+        layout = BatchLayout.build(reqs, PAGE)
+        ids = torch.tensor([t for r in reqs for t in r.new_token_ids], device="cuda")
+        pos = torch.tensor(layout.positions, device="cuda")
+        if graphs is not None:
+            logits = graphs(ids, pos, layout).clone()
+        else:
+            backend.plan(layout)
+            logits = forward(ids, pos)
+        for i in range(len(reqs)):
+            rows[i].append(logits[layout.qo_indptr[i] : layout.qo_indptr[i + 1]])
+    return [torch.cat(r) for r in rows]
+
+
+@pytest.mark.parametrize("use_graphs", [False, True], ids=["eager", "cuda_graph"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_native_bf16_matches_hf_eager_over_prefill_and_32_decode_steps(shape: str, use_graphs: bool) -> None:
+    if use_graphs and not HAS_GRAPHS:
+        pytest.skip("model/cuda_graph.py is not there yet")
+    pytest.importorskip("flashinfer")
+    hf, config = hf_model(shape, SHAPES[shape])
+    native = LlamaModel.from_hf(hf, config, torch.bfloat16, "cuda", consume=False, max_positions=4096)
+    assert native.ops.name == "flashinfer"
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in PROMPTS]
+    with torch.inference_mode():
+        got = native_logits(native, seqs, use_graphs)
+        del native
+        hf16 = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
+        hf.float()
+        ref = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
+    native_all = torch.cat(got)
+    hf16_all, ref_all = torch.cat(hf16), torch.cat(ref)
+    e_native, e_hf = rel_err(native_all, ref_all), rel_err(hf16_all, ref_all)
+    row_native = max(row_errs(a, r).max().item() for a, r in zip(got, ref))
+    row_hf = max(row_errs(a, r).max().item() for a, r in zip(hf16, ref))
+    print(f"ERR {shape} {'graph' if use_graphs else 'eager'}: native-bf16 {e_native:.2e} (worst row {row_native:.2e}), "
+          f"hf-bf16 {e_hf:.2e} (worst row {row_hf:.2e}) vs hf-fp32")
+    # bf16 tolerance is what HF's own bf16 forward achieves on these weights (measured on an H100:
+    # 2.9e-2 for the 1B shape, 3.8e-2 for the 8B one); the native forward must do about as well,
+    # overall and at its worst position (a decode step, say).
+    assert e_native <= 1.5 * e_hf + 2e-3
+    assert row_native <= 1.5 * row_hf + 2e-3
