@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashserve.config import ModelConfig
 from flashserve.llm import LLM
-from flashserve.model.hf import use_paged_attention
+from flashserve.model.loader import load_model
 from flashserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -25,6 +26,14 @@ def llm() -> LLM:
     return LLM("", max_num_batched_tokens=24, max_num_seqs=8)
 
 
+@pytest.fixture(scope="module")
+def hf_model() -> torch.nn.Module:
+    """The same checkpoint as a plain transformers model with eager attention (the reference)."""
+    model = load_model(ModelConfig(), "cpu").model
+    model.set_attn_implementation("eager")
+    return model
+
+
 def chat_ids(llm: LLM, question: str) -> list[int]:
     ids = llm.stack.tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
@@ -32,22 +41,18 @@ def chat_ids(llm: LLM, question: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def hf_greedy(llm: LLM, prompt: list[int], max_new_tokens: int) -> list[int]:
-    model = llm.stack.loaded.model
-    model.set_attn_implementation("eager")
-    try:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=list(llm.stack.loaded.eos_token_ids), pad_token_id=0)
-    finally:
-        use_paged_attention(model)
+def hf_greedy(model: torch.nn.Module, eos: list[int], prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
-def test_greedy_tokens_equal_hf_generate_for_requests_arriving_at_different_steps(llm):
+def test_greedy_tokens_equal_hf_generate_for_requests_arriving_at_different_steps(llm, hf_model):
     max_new = 20
     prompts = [chat_ids(llm, q) for q in QUESTIONS]
-    expected = [hf_greedy(llm, p, max_new) for p in prompts]
+    eos = list(llm.stack.loaded.eos_token_ids)
+    expected = [hf_greedy(hf_model, eos, p, max_new) for p in prompts]
     params = SamplingParams(max_tokens=max_new, temperature=0.0, eos_token_ids=tuple(llm.stack.loaded.eos_token_ids))
     engine = llm.engine
     got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}

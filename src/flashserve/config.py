@@ -16,6 +16,7 @@ class ModelConfig:
     max_model_len: int | None = None
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    model_impl: str = "auto"  # auto (native for Llama-family models) | native | hf
     seed: int = 0
     trust_remote_code: bool = False
 

@@ -41,7 +41,9 @@ def build_engine(
 ) -> EngineStack:
     from flashserve.model.runner import build_runner  # torch is imported here, not at package import
 
-    runner, loaded, num_pages = build_runner(model, cache, seed=model.seed)
+    runner, loaded, num_pages = build_runner(
+        model, cache, seed=model.seed, cuda_graph=cuda_graph, max_batch_size=scheduler.max_num_seqs
+    )
     max_model_len = loaded.max_model_len  # already capped by the KV cache size
     block_manager = BlockManager(num_pages, cache.page_size)
     sched = Scheduler(scheduler, block_manager, max_model_len)

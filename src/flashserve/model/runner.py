@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -15,6 +16,7 @@ from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import NO_TOKEN, SampleError, ScheduledRequest, SchedulerOutput
 from flashserve.model.hf import HFCausalLM, attention_scale
 from flashserve.model.loader import LoadedModel, load_model
+from flashserve.model.llama import LlamaModel, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -25,27 +27,62 @@ class TokenSampler(Protocol):
     def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]: ...
 
 
+class StepModel(Protocol):
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids/positions [T] (backend already planned) -> float32 logits [len(logits_indices), V]."""
+        ...
+
+
+class NativeCausalLM:
+    """The native Llama-family forward behind the same seam as `HFCausalLM`."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, backend)[logits_indices])
+
+    def decode_logits(self, backend: AttentionBackend) -> Any:
+        """`(input_ids, positions) -> logits` of every row: what a decode-step CUDA graph captures."""
+        return lambda ids, pos: self.model.compute_logits(self.model(ids, pos, backend))
+
+
 class ModelRunner:
     """Runs one scheduled step: packs its tokens, plans the backend, runs the model, samples."""
 
-    def __init__(self, loaded: LoadedModel, backend: AttentionBackend, sampler: TokenSampler, page_size: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        backend: AttentionBackend,
+        sampler: TokenSampler,
+        page_size: int,
+        model: StepModel | None = None,
+    ) -> None:
         self.loaded = loaded
         self.backend = backend
         self.sampler = sampler
         self.page_size = page_size
         self.device = loaded.device
-        self.model = HFCausalLM(loaded.model)
+        self.model: StepModel = model if model is not None else HFCausalLM(loaded.model)
+        self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor:
         """float32 logits [number of requests with sample=True, V], in schedule order."""
         with torch.inference_mode():
             layout = BatchLayout.build(out.requests, self.page_size)
-            self.backend.plan(layout)
             token_ids = [t for r in out.requests for t in r.new_token_ids]
-            # The last new token of a sampling request is the row whose logits pick its next token.
-            rows = [layout.qo_indptr[i + 1] - 1 for i, r in enumerate(out.requests) if r.sample]
             input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
             positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device, non_blocking=True)
+            if self.graphs is not None and layout.is_decode_only:
+                # Every decode row samples; the graph (or its eager fallback) plans the backend.
+                return self.graphs(input_ids, positions, layout)
+            self.backend.plan(layout)
+            # The last new token of a sampling request is the row whose logits pick its next token.
+            rows = [layout.qo_indptr[i + 1] - 1 for i, r in enumerate(out.requests) if r.sample]
             logits_indices = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
             return self.model.forward(input_ids, positions, self.backend, logits_indices)
 
@@ -134,35 +171,107 @@ def num_kv_pages(cache: CacheConfig, page_bytes: int, device: torch.device) -> i
     return pages
 
 
+def step_model(loaded: LoadedModel, model_impl: str) -> StepModel:
+    """The native forward for Llama-family models (`auto`/`native`), else the generic HF path."""
+    if model_impl not in ("auto", "native", "hf"):
+        raise ValueError(f"model_impl must be auto, native or hf, not {model_impl!r}")
+    if model_impl != "hf":
+        try:
+            native = LlamaModel.from_hf(
+                loaded.model, loaded.hf_config, loaded.dtype, loaded.device, max_positions=loaded.max_model_len
+            )
+            return NativeCausalLM(native)
+        except UnsupportedModelError as exc:
+            if model_impl == "native":
+                raise
+            logger.info("generic HF path for %s: %s", loaded.name, exc)
+    return HFCausalLM(loaded.model)
+
+
+def pick_sampler(device: torch.device, seed: int) -> TokenSampler:
+    from flashserve.model.sampler import Sampler
+
+    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        from flashserve.model.gpu_sampler import FlashInferSampler
+
+        return FlashInferSampler(seed)
+    return Sampler(seed)
+
+
 def build_runner(
-    model_config: ModelConfig, cache_config: CacheConfig, seed: int | None = None
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    seed: int | None = None,
+    *,
+    cuda_graph: bool = True,
+    max_batch_size: int = 256,
 ) -> tuple[ModelRunner, LoadedModel, int]:
-    """Loads the model, sizes and allocates the KV cache, builds the backend, sampler and runner.
+    """Loads the model, sizes and allocates the KV cache, builds the backend, sampler and runner;
+    on CUDA warms the kernels up and captures decode graphs before returning.
 
     Returns (runner, loaded model with max_model_len capped by the cache, number of pages).
     """
     from dataclasses import replace
-
-    from flashserve.model.sampler import Sampler
 
     device = pick_device(model_config.device)
     loaded = load_model(model_config, device)
     backend_name = pick_backend(model_config.attention_backend, device)
     kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
     num_layers, num_kv_heads, head_dim = model_shape(loaded.hf_config)
+    sm_scale = attention_scale(loaded.model)
+    model = step_model(loaded, model_config.model_impl)
     page_size = cache_config.page_size
     page_bytes = kv_page_bytes(num_layers, page_size, num_kv_heads, head_dim, kv_dtype)
     num_pages = num_kv_pages(cache_config, page_bytes, device)
     backend = get_backend_cls(backend_name)(
-        num_layers, num_pages, page_size, num_kv_heads, head_dim, kv_dtype, device, attention_scale(loaded.model)
+        num_layers, num_pages, page_size, num_kv_heads, head_dim, kv_dtype, device, sm_scale
     )
     capacity = (num_pages - 1) * page_size  # page 0 is the block manager's scratch page
     if capacity < loaded.max_model_len:
         logger.warning("KV cache holds %d tokens; max_model_len %d lowered to it", capacity, loaded.max_model_len)
         loaded = replace(loaded, max_model_len=capacity)
     logger.info(
-        "model %s on %s (%s), %s attention, %d KV pages of %d tokens (%s)",
-        loaded.name, device, loaded.dtype, backend_name, num_pages, page_size, kv_dtype,
+        "model %s on %s (%s, %s path), %s attention, KV cache %d pages x %d tokens = %d tokens (%s, %.2f GB)",
+        loaded.name, device, loaded.dtype, "native" if isinstance(model, NativeCausalLM) else "HF", backend_name,
+        num_pages, page_size, num_pages * page_size, kv_dtype, num_pages * page_bytes / 1e9,
     )
-    sampler = Sampler(model_config.seed if seed is None else seed)
-    return ModelRunner(loaded, backend, sampler, page_size), loaded, num_pages
+    sampler = pick_sampler(device, model_config.seed if seed is None else seed)
+    runner = ModelRunner(loaded, backend, sampler, page_size, model)
+    if device.type == "cuda":
+        warm_up(runner, num_pages)
+        if cuda_graph and backend_name == "flashinfer" and isinstance(model, NativeCausalLM):
+            capture_decode_graphs(runner, model, max_batch_size)
+        elif cuda_graph:
+            logger.info("CUDA graphs need the native model and the FlashInfer backend; decoding eagerly")
+    return runner, loaded, num_pages
+
+
+def warm_up(runner: ModelRunner, num_pages: int) -> None:
+    """Runs a prefill step and a decode step (with sampling) on free pages, so that every kernel
+    module is built (FlashInfer JIT) before the server reports healthy."""
+    from flashserve.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    n = min(4, num_pages - 1)
+    page_ids = [list(range(1 + i * (num_pages - 1) // n, 2 + i * (num_pages - 1) // n)) for i in range(n)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20),
+              SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.1), SamplingParams(seed=1)]
+    prefill = [ScheduledRequest(f"warmup-{i}", [1] * 5, 0, page_ids[i], True, params[i % 4], [1] * 5, [])
+               for i in range(n)]
+    decode = [ScheduledRequest(r.request_id, [1], 5, r.page_ids, True, r.params, r.prompt_token_ids, [1])
+              for r in prefill]
+    for step in (prefill, decode):
+        runner.execute(SchedulerOutput(step))
+    torch.cuda.synchronize(runner.device)
+    logger.info("warm-up (kernel builds included) took %.1f s", time.perf_counter() - t0)
+
+
+def capture_decode_graphs(runner: ModelRunner, model: NativeCausalLM, max_batch_size: int) -> None:
+    from flashserve.model.cuda_graph import CudaGraphRunner, capture_batch_sizes
+
+    t0 = time.perf_counter()
+    sizes = capture_batch_sizes(max_batch_size)
+    graphs = CudaGraphRunner(model.decode_logits(runner.backend), runner.backend, sizes)  # type: ignore[arg-type]
+    graphs.capture()
+    runner.graphs = graphs
+    logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - t0)
