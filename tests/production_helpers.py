@@ -124,6 +124,12 @@ def serve_engine(options: APIOptions = APIOptions(), **engine_kw: Any) -> Iterat
         thread.join(10)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_for(condition: Callable[[], bool], timeout: float = 5.0, message: str = "condition") -> float:
     """Poll until `condition()`; returns the seconds it took, fails the test after `timeout`."""
     start = time.monotonic()
