@@ -35,6 +35,9 @@ class EndpointConfig:
     ignore_eos: bool = True
     temperature: float = 0.0
     timeout_s: float = 600.0  # per network read, not per request
+    # A server without a tokenizer (flashserve on dummy weights) streams one chunk per token with
+    # empty text: count such completion chunks (finish_reason null) as content.
+    empty_text_chunks: bool = False
     extra_body: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -111,8 +114,9 @@ def build_body(cfg: EndpointConfig, req: BenchRequest) -> dict[str, Any]:
 class _StreamParser:
     """Server-sent events of one response: records content-chunk times, usage and [DONE]."""
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, empty_text_chunks: bool = False) -> None:
         self.chat = chat
+        self.empty_text_chunks = empty_text_chunks
         self.chunk_times: list[float] = []
         self.usage: dict[str, Any] | None = None
         self.done_at: float | None = None
@@ -147,6 +151,8 @@ class _StreamParser:
                 text = delta.get("content") or delta.get("reasoning_content")
             else:
                 text = choice.get("text")
+                if self.empty_text_chunks and text == "" and choice.get("finish_reason") is None:
+                    text = " "  # a token without text
             if text:
                 self.chunk_times.append(now)
                 break
@@ -157,7 +163,7 @@ async def send_request(
 ) -> RequestResult:
     """Send one streaming request and time it; never raises for server or network faults."""
     res = RequestResult(prompt_len=req.prompt_len, output_len=req.output_len)
-    parser = _StreamParser(chat=cfg.endpoint == "chat")
+    parser = _StreamParser(chat=cfg.endpoint == "chat", empty_text_chunks=cfg.empty_text_chunks)
     body = build_body(cfg, req)
     start = time.perf_counter()
     res.start_s = start - (start if t0 is None else t0)

@@ -39,6 +39,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       "/v1/completions without --tokenizer)")
     kind.add_argument("--text", action="store_true", help="prompts as text of common words")
     p.add_argument("--tokenizer", help="Hugging Face tokenizer for exact text prompt lengths")
+    p.add_argument("--empty-text-chunks", action="store_true", help="count completion chunks with empty text as "
+                   "tokens (a server without a tokenizer, e.g. flashserve --load-format dummy)")
     p.add_argument("--concurrency", type=_ints, default=(), help="streams in flight, e.g. 5,10,25")
     p.add_argument("--request-rate", type=_floats, default=(), help="Poisson req/s, e.g. 2,4,8")
     p.add_argument("--max-concurrency", type=int, help="cap on streams in flight at a request rate")
@@ -54,6 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="short unrecorded requests sent first")
     p.add_argument("--no-ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per network read")
+    p.add_argument("--workload-name", help="name written as the result's workload (default: --workload), "
+                   "e.g. latency@llama-3.1-8b to keep model shapes apart in summary.json")
     p.add_argument("--label", default="flashserve", help="system name: flashserve or a peer (vllm, sglang)")
     p.add_argument("--gpu-name", help="default: torch.cuda.get_device_name(), else cpu")
     p.add_argument("--out-dir", type=Path, help="default: benchmark/results/<gpu>/")
@@ -125,7 +129,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload; return the result document (not yet written)."""
     model = args.model or await first_model_id(args.base_url)
     cfg = EndpointConfig(args.base_url, model, args.endpoint, ignore_eos=not args.no_ignore_eos,
-                         timeout_s=args.timeout)
+                         timeout_s=args.timeout, empty_text_chunks=args.empty_text_chunks)
     spec = prompt_spec(args)
     if args.warmup:
         warm = await run_load(cfg, fixed_requests(args.warmup, 16, 16, spec, seed=10_000), concurrency=args.warmup)
@@ -157,11 +161,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     settings = {k: v for k, v in vars(args).items()
                 if k not in ("base_url", "endpoint", "model", "label", "gpu_name", "out_dir", "summary_path",
-                             "no_summary", "no_progress", "workload")}
+                             "no_summary", "no_progress", "workload", "workload_name")}
     settings["prompt_kind"] = spec.kind
     return {
         "schema": 1,
-        "workload": args.workload,
+        "workload": args.workload_name or args.workload,
         "label": args.label,
         "gpu": args.gpu_name or detect_gpu_name(),
         "git_commit": git_commit(),
