@@ -6,4 +6,9 @@
 - `goodput`: highest request rate whose P99 TTFT meets an SLO.
 - `serve_bench`: the CLI (`python -m benchmark.serve_bench --workload ...`).
 - `plots`: PNGs from result JSONs (`python -m benchmark.plots DIR`).
+- `floor`: measured copy bandwidth and matmul rate, and the roofline floor of each workload.
+- `offline`: the offline workload through the Python API (`python -m benchmark.offline`).
+- `peers`: HF transformers `generate` and `generate_batch` on the same dummy weights.
+- `suite` (with `plan`, `server_process`, `report`): the whole suite in one command
+  (`bash benchmark/run_suite.sh OUT` on a GPU machine; `python -m benchmark.suite OUT --smoke` on a CPU).
 """
