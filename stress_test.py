@@ -48,7 +48,8 @@ def _options(parser: Any) -> None:
 @events.init.add_listener
 def _refuse_unbounded_or_remote(environment: Environment, **_: Any) -> None:
     options = environment.parsed_options
-    if options is None:
+    # Workers take their host and duration from the master, which checks them.
+    if options is None or isinstance(environment.runner, WorkerRunner):
         return
     host = urlparse(environment.host or "").hostname or ""
     if not _is_loopback(host):
@@ -238,7 +239,8 @@ def _check_pages_and_report(environment: Environment, **_: Any) -> None:
             break
         time.sleep(0.5)
     used, free = metrics.get("flashserve_kv_pages_used"), metrics.get("flashserve_kv_pages_free")
-    if used != 0:
+    completed = environment.runner.stats.get("stream", "E2E").num_requests
+    if used != 0 or completed == 0:  # pages still held, or a run that tested nothing
         environment.process_exit_code = 1
     _report(environment, used, free)
 
