@@ -52,7 +52,7 @@ def wait_ready(proc: subprocess.Popen, base: str, deadline: float, vocab_size: i
     return None
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """SIGINT (uvicorn's graceful shutdown), then SIGKILL to the server's own session after `grace_s`."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)

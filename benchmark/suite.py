@@ -140,7 +140,8 @@ class Suite:
             return
         started, port = time.monotonic(), free_port()
         cmd = [sys.executable, "-m", "flashserve", "serve", "--load-format", "dummy", "--model", model,
-               "--port", str(port), "--device", self.plan.device, "--log-level", "warning", *self.serve_args]
+               "--port", str(port), "--device", self.plan.device, "--log-level", "warning", "--shutdown-timeout", "2",
+               *self.serve_args]
         with open(self.out / "logs" / f"{name}-{shape}.log", "w") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -286,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="plan override (benchmark/plan.py), e.g. goodput_requests=256, caps.goodput=120")
     p.add_argument("--gpu-name", help="default: the device the floor step measured")
-    p.add_argument("--serve-args", default="", help="extra flags for flashserve serve, e.g. '--max-num-seqs 128'")
+    p.add_argument("--serve-args", default="", help="extra flags for flashserve serve, with '=': --serve-args='--max-num-seqs 128'")
     args = p.parse_args(argv)
     plan = PRESETS["smoke" if args.smoke else args.preset]
     settings = list(args.set) + ([f"phases={args.phases}"] if args.phases else []) + (
