@@ -71,7 +71,7 @@ class Plan:
             out.append(f"offline: {self.offline_requests} requests, phases {','.join(self.offline_phases) or 'both'}")
         if self.peer_requests != 256:
             out.append(f"peers: the first {self.peer_requests} of the 256 offline requests")
-        out.append("peers: fixed512x128 phase only (generate_batch takes one max_new_tokens)")
+        out.append("peers: fixed512x128 phase only (hf-generate: for time; generate_batch takes one max_new_tokens)")
         for name, model, wl in (("large", large, self.large_workloads), ("small", small, self.small_workloads)):
             missing = [w for w in SERVE_WORKLOADS if w not in wl]
             if missing and f"serve-{name}" in self.phases:
