@@ -53,6 +53,7 @@ def build_engine(
 
 @dataclass(frozen=True)
 class Completion:
+    request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
@@ -99,7 +100,7 @@ class LLM:
         while self.engine.has_unfinished:
             for out in self.engine.step():
                 results[out.request_id].append(out)
-        return [_collect(prompt_ids[rid], results[rid]) for rid in ids]
+        return [_collect(rid, prompt_ids[rid], results[rid]) for rid in ids]
 
 
 def _with_eos(p: SamplingParams, eos: tuple[int, ...]) -> SamplingParams:
@@ -108,9 +109,10 @@ def _with_eos(p: SamplingParams, eos: tuple[int, ...]) -> SamplingParams:
     return replace(p, eos_token_ids=eos)
 
 
-def _collect(prompt: list[int], outs: list[RequestOutput]) -> Completion:
+def _collect(request_id: str, prompt: list[int], outs: list[RequestOutput]) -> Completion:
     last = outs[-1] if outs else None
     return Completion(
+        request_id=request_id,
         prompt_token_ids=prompt,
         token_ids=[t for o in outs for t in o.new_token_ids],
         text="".join(o.new_text for o in outs),

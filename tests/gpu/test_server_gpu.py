@@ -1,0 +1,90 @@
+"""The server process on the GPU (dummy Llama-3.2-1B weights, token-id prompts) with the OpenAI client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+MODEL = "llama-3.2-1b"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "-m", "flashserve", "serve", "--model", MODEL, "--load-format", "dummy",
+            "--port", str(port), "--gpu-memory-utilization", "0.3", "--max-num-seqs", "32"]
+    proc = subprocess.Popen(args, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{proc.stdout.read()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("server did not become healthy")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def test_token_id_completion_reports_usage(server):
+    resp = client(server).completions.create(model=MODEL, prompt=list(range(100, 164)), max_tokens=12,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert resp.usage.prompt_tokens == 64 and resp.usage.completion_tokens == 12
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_streaming_completion_ends_with_usage_and_done(server):
+    chunks = list(client(server).completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=10, temperature=0.8, seed=3, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_sixteen_concurrent_streams_and_a_bad_request(server):
+    async def one(c: openai.AsyncOpenAI, i: int) -> int:
+        stream = await c.completions.create(model=MODEL, prompt=[i + 1] * (20 + 10 * i), max_tokens=32,
+                                            temperature=0.7, seed=i, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage = 0
+        async for ch in stream:
+            if ch.usage:
+                usage = ch.usage.completion_tokens
+        return usage
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+        bad = httpx.AsyncClient(base_url=server).post("/v1/completions", json={"model": MODEL, "prompt": [1],
+                                                                               "max_tokens": -1})
+        return await asyncio.gather(*[one(c, i) for i in range(16)], bad)
+
+    *usages, bad = asyncio.run(main())
+    assert usages == [32] * 16
+    assert bad.status_code == 400 and "error" in bad.json()
+    assert httpx.get(f"{server}/health").status_code == 200
