@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from flashserve.engine.outputs import ScheduledRequest
@@ -65,6 +67,10 @@ def test_filtered_samples_stay_in_the_allowed_set() -> None:
         drawn = set(draw_many(sampler, logits, params))
         # Inside the allowed set, and over 4096 draws every allowed token shows up.
         assert drawn == expected, (params, drawn)
+        # Seeded rows are drawn one by one (scalar parameters): 128 of them, each its own seed.
+        seeded = [request(replace(params, seed=11), output=[0] * j, request_id=str(j)) for j in range(128)]
+        drawn_seeded = set(sampler.sample(logits[:128], seeded))
+        assert drawn_seeded == expected, (params, drawn_seeded)
 
 
 def test_top_k_on_random_logits_keeps_the_k_largest() -> None:

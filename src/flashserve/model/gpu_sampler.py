@@ -56,13 +56,17 @@ class FlashInferSampler:
             apply_penalties(logits, requests, self._history)
         if needs_min_tokens:
             apply_min_tokens(logits, requests)
-        ids = logits.argmax(dim=-1)
-        if not all_greedy:
-            self._sample_random(logits, requests, ids)
+        if all_greedy:
+            return logits.argmax(dim=-1).tolist()
+        if any(r.params.greedy for r in requests):
+            ids = logits.argmax(dim=-1)
+        else:
+            ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        self._sample_random(logits, requests, ids)
         return ids.tolist()
 
     def _sample_random(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], ids: torch.Tensor) -> None:
-        """Overwrites `ids` (holding the argmax) at every non-greedy row with a sampled token."""
+        """Writes a sampled token into `ids` at every non-greedy row (greedy rows hold the argmax)."""
         device = logits.device
         params = [r.params for r in requests]
         temps = _to_device([1.0 if p.greedy else p.temperature for p in params], device, torch.float32)
@@ -89,9 +93,9 @@ class FlashInferSampler:
         use_k = any(0 < p.top_k < vocab for p in params)
         use_p = any(p.top_p < 1.0 for p in params)
         use_min_p = any(p.min_p > 0.0 for p in params)
-        # top_k = vocab and top_p = 1 leave a row unfiltered.
-        top_k = _to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device, torch.int32)
-        top_p = _to_device([p.top_p for p in params], device, torch.float32)
+        # In a batch where only some rows filter, top_k = vocab and top_p = 1 leave a row as is.
+        top_k = _per_row([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device, torch.int32) if use_k else 0
+        top_p = _per_row([p.top_p for p in params], device, torch.float32) if use_p else 1.0
         if use_min_p:
             # min-p is relative to the largest kept probability, so it applies after the
             # renormalising top-k and top-p filters.
@@ -99,12 +103,21 @@ class FlashInferSampler:
                 probs = fi.top_k_renorm_probs(probs, top_k)
             if use_p:
                 probs = fi.top_p_renorm_probs(probs, top_p)
-            min_p = _to_device([p.min_p for p in params], device, torch.float32)
+            min_p = _per_row([p.min_p for p in params], device, torch.float32)
             return fi.min_p_sampling_from_probs(probs, min_p, generator=gen)
         if use_k and use_p:
-            return fi.top_k_top_p_sampling_from_probs(probs, top_k, top_p, filter_apply_order="top_k_first", generator=gen)
+            # What top_k_top_p_sampling_from_probs(filter_apply_order="top_k_first") does, spelled
+            # out: with a scalar top_k <= 256 and a vocab >= 65536 it would switch to a radix
+            # top-k kernel instead, one more module to build on first use.
+            return fi.top_p_sampling_from_probs(fi.top_k_renorm_probs(probs, top_k), top_p, generator=gen)
         if use_k:
             return fi.top_k_sampling_from_probs(probs, top_k, generator=gen)
         if use_p:
             return fi.top_p_sampling_from_probs(probs, top_p, generator=gen)
         return fi.sampling_from_probs(probs, generator=gen)
+
+
+def _per_row(values: list[int] | list[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor | int | float:
+    """A [N] tensor of per-row values; a lone row (a seeded request) gets a scalar, which the
+    kernels take as is, with no host-to-device copy."""
+    return values[0] if len(values) == 1 else _to_device(values, device, dtype)
