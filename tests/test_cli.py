@@ -41,3 +41,8 @@ def test_help_lists_every_flag_with_its_environment_variable():
     for opt in SERVE_OPTIONS:
         assert opt.flag in out
         assert opt.env in out
+
+
+def test_model_impl_selects_the_generic_hf_path():
+    args = to_configs(build_parser({"FLASHSERVE_MODEL_IMPL": "hf"}).parse_args(["serve"]))
+    assert args.model.model_impl == "hf"
