@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from benchmark.floor import measure_rates
+
 PAGE = 16
 
 
@@ -38,23 +40,6 @@ def time_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a device-to-device copy, counting bytes read and written."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), 3, 10)
-    del src, dst
-    return 2 * (1 << 30) / (ms / 1e3)
-
-
-def matmul_rate() -> float:
-    """bf16 FLOP/s of an 8192^3 matmul on random data."""
-    n = 8192
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    ms = time_ms(lambda: a @ b, 3, 10)
-    return 2 * n**3 / (ms / 1e3)
 
 
 def decode_layout(batch: int, kv_len: int, first_page: int = 1) -> Any:
@@ -292,7 +277,8 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     results: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__, "kv_len": args.kv_len, "shapes": {}}
     with torch.inference_mode():
-        bw, rate = copy_bandwidth(), matmul_rate()
+        rates = measure_rates("cuda")  # the same measurement as the serving suite's floor
+        bw, rate = rates.copy_bytes_per_s, rates.matmul_flop_per_s
         results.update(copy_GBps=bw / 1e9, matmul_TFLOPs=rate / 1e12)
         for shape in args.shapes:
             print(f"{shape} ...", flush=True)

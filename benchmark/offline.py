@@ -12,7 +12,6 @@ Writes one result JSON (`workload` "offline@<model>", label `flashserve`, see be
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

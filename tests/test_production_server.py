@@ -6,7 +6,6 @@ One server for the module. The SIGTERM test ends it, so it comes last.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from production_helpers import free_port, metric
+from live_server import live_server
+from production_helpers import metric
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,30 +37,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    port = free_port()
-    env = dict(os.environ, FLASHSERVE_PORT=str(port), FLASHSERVE_LOG_LEVEL="warning",
-               FLASHSERVE_SHUTDOWN_TIMEOUT=str(SHUTDOWN_TIMEOUT))
-    proc = subprocess.Popen([sys.executable, "-m", "flashserve", "serve"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{proc.stdout.read()}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("server did not become healthy")
+    with live_server(env={"FLASHSERVE_SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT)}) as (url, proc):
         yield Server(url, proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
 
 
 def test_a_one_minute_locust_run_of_twenty_users_has_no_failures_and_frees_every_page(server: Server) -> None:

@@ -3,50 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
+
+from live_server import live_server
 
 MODEL = "llama-3.2-1b"
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [sys.executable, "-m", "flashserve", "serve", "--model", MODEL, "--load-format", "dummy",
-            "--port", str(port), "--gpu-memory-utilization", "0.3", "--max-num-seqs", "32"]
-    proc = subprocess.Popen(args, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("server did not become healthy")
+    args = ["--model", MODEL, "--load-format", "dummy", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "32"]
+    with live_server(args, timeout_s=300) as (base, _proc):
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def complete(base: str, **body) -> dict:

@@ -15,60 +15,28 @@ from collections.abc import Sequence
 import torch
 
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.model.sampler import TokenHistory, _to_device, apply_min_tokens, apply_penalties, step_seed
+from flashserve.model.sampler import Sampler, _to_device, step_seed
 from flashserve.sampling_params import SamplingParams
 
 
-class FlashInferSampler:
+class FlashInferSampler(Sampler):
+    """`Sampler` with the random draw on FlashInfer's kernels; penalties, min_tokens, the greedy
+    fast path and the generators are the base class's."""
+
     def __init__(self, seed: int = 0) -> None:
         import flashinfer.sampling
 
+        super().__init__(seed)
         self._fi = flashinfer.sampling
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
-        self._history = TokenHistory()
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self._seed)
-            self._generators[device] = gen
-        return gen
-
-    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]:
-        """`logits` [B, V] float32 on a CUDA device, row i for requests[i]; returns B token ids."""
-        if logits.shape[0] != len(requests):
-            raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} requests")
-        if not requests:
-            return []
-        needs_min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
-        needs_penalties = any(r.params.needs_penalties for r in requests)
-        all_greedy = all(r.params.greedy for r in requests)
-        if len(self._history):
-            self._history.retain({r.request_id for r in requests})
-        if all_greedy and not needs_penalties and not needs_min_tokens:
-            return logits.argmax(dim=-1).tolist()
-
-        # The kernels want float32; a copy keeps the caller's logits untouched.
-        logits = logits.to(torch.float32, copy=True)
-        if needs_penalties:
-            apply_penalties(logits, requests, self._history)
-        if needs_min_tokens:
-            apply_min_tokens(logits, requests)
-        if all_greedy:
-            return logits.argmax(dim=-1).tolist()
-        if any(r.params.greedy for r in requests):
-            ids = logits.argmax(dim=-1)
-        else:
-            ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        self._sample_random(logits, requests, ids)
-        return ids.tolist()
-
-    def _sample_random(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], ids: torch.Tensor) -> None:
-        """Writes a sampled token into `ids` at every non-greedy row (greedy rows hold the argmax)."""
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """One token per row: the argmax for greedy rows, a FlashInfer draw for the others."""
         device = logits.device
         params = [r.params for r in requests]
+        if any(p.greedy for p in params):
+            ids = logits.argmax(dim=-1)
+        else:
+            ids = torch.empty(len(requests), dtype=torch.long, device=device)
         temps = _to_device([1.0 if p.greedy else p.temperature for p in params], device, torch.float32)
         probs = self._fi.softmax(logits, temperature=temps)
 
@@ -86,6 +54,7 @@ class FlashInferSampler:
             gen = torch.Generator(device=device)
             gen.manual_seed(step_seed(r.params.seed, len(r.output_token_ids)))
             ids[i : i + 1] = self._draw(probs[i : i + 1], [r.params], gen)
+        return ids
 
     def _draw(self, probs: torch.Tensor, params: Sequence[SamplingParams], gen: torch.Generator) -> torch.Tensor:
         """One token per row of `probs` [N, V] under each row's top-k, top-p and min-p."""
