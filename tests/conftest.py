@@ -18,3 +18,15 @@ def smollm2_tokenizer() -> Any:
 
     path = embedded_gguf_path()
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (`pytest.mark.anyio`) run on asyncio, as the server does."""
+    return "asyncio"
+
+
+@pytest.fixture
+def tokenizer(smollm2_tokenizer: Any) -> Any:
+    """The tokenizer the API tests serve with: the embedded model's."""
+    return smollm2_tokenizer

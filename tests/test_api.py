@@ -15,16 +15,6 @@ from flashserve.api.server import build_app
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def tokenizer(smollm2_tokenizer: Any) -> Any:  # the embedded model's, from conftest
-    return smollm2_tokenizer
-
-
 def hi_prompt(tokenizer: Any) -> list[int]:
     messages = [{"role": "user", "content": "Hi"}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -13,16 +13,6 @@ from flashserve.engine.client import EngineDead
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def tokenizer(smollm2_tokenizer: Any) -> Any:  # the embedded model's, from conftest
-    return smollm2_tokenizer
-
-
 # ---- errors ------------------------------------------------------------------------------------
 
 

@@ -20,16 +20,6 @@ pytestmark = pytest.mark.anyio
 MODEL = "smollm2"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-def tokenizer(smollm2_tokenizer: Any) -> Any:  # the embedded model's, from conftest
-    return smollm2_tokenizer
-
-
 async def stream(engine: FakeEngine, tokenizer: Any, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
     app = build_app(engine, tokenizer, [MODEL], kw.pop("max_model_len", 2048))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:

@@ -15,11 +15,6 @@ pytestmark = pytest.mark.anyio
 KEYS = ("sk-first", "sk-second")
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def client(**options: Any) -> httpx.AsyncClient:
     app = build_app(FakeEngine(), None, [MODEL], 2048, options=APIOptions(**options))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")

@@ -17,11 +17,6 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 JSON = {"content-type": "application/json"}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def json_body(**fields: Any) -> bytes:
     import json
 

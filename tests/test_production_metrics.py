@@ -109,11 +109,6 @@ def test_aborted_streams_are_gone_from_the_metrics_within_a_second() -> None:
 SECRET = "zebra-platypus-quokka"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def request_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "flashserve.requests"]
 

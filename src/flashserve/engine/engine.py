@@ -102,13 +102,12 @@ class LLMEngine:
         req = live.request
         text = "".join(live.new_text)
         live.new_text.clear()
-        reason = req.finish_reason.value if req.finish_reason is not None else None
         return RequestOutput(
             request_id=req.request_id,
-            new_token_ids=list(new_ids or []),
+            new_token_ids=new_ids if new_ids is not None else [],  # already a fresh slice
             new_text=text,
-            finished=req.is_finished or reason is not None,
-            finish_reason=reason,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason.value if req.finish_reason is not None else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             error=req.error,

@@ -228,8 +228,9 @@ class Scheduler:
             request_id=request.request_id,
             new_token_ids=_token_slice(request, start, start + n),
             num_computed_tokens=start,
-            # A snapshot: the live table grows in place in later steps.
-            page_ids=list(self.block_manager.pages(request.request_id)),
+            # The live table, like the token lists below: valid for this step, which is all a
+            # runner reads (it grows only in a later schedule(); free() leaves it as it was).
+            page_ids=self.block_manager.pages(request.request_id),
             sample=start + n == request.num_tokens,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
