@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -41,12 +41,9 @@ def build_engine(
 ) -> EngineStack:
     from flashserve.model.runner import build_runner  # torch is imported here, not at package import
 
-    runner, loaded, num_pages = build_runner(
-        model, cache, seed=model.seed, cuda_graph=cuda_graph, max_batch_size=scheduler.max_num_seqs
-    )
-    max_model_len = loaded.max_model_len  # already capped by the KV cache size
-    block_manager = BlockManager(num_pages, cache.page_size)
-    sched = Scheduler(scheduler, block_manager, max_model_len)
+    runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph, max_batch_size=scheduler.max_num_seqs)
+    # loaded.max_model_len is already capped by what the KV cache holds.
+    sched = Scheduler(scheduler, BlockManager(num_pages, cache.page_size), loaded.max_model_len)
     engine = LLMEngine(sched, runner, loaded.tokenizer)
     return EngineStack(engine, loaded, num_pages, cache.page_size)
 
@@ -91,7 +88,7 @@ class LLM:
             else:
                 tokens = list(prompt)
             if not p.eos_token_ids and eos:
-                p = _with_eos(p, eos)
+                p = replace(p, eos_token_ids=eos)
             rid = uuid.uuid4().hex
             ids.append(rid)
             prompt_ids[rid] = tokens
@@ -101,12 +98,6 @@ class LLM:
             for out in self.engine.step():
                 results[out.request_id].append(out)
         return [_collect(rid, prompt_ids[rid], results[rid]) for rid in ids]
-
-
-def _with_eos(p: SamplingParams, eos: tuple[int, ...]) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(p, eos_token_ids=eos)
 
 
 def _collect(request_id: str, prompt: list[int], outs: list[RequestOutput]) -> Completion:
