@@ -1,13 +1,14 @@
 """Decode step time and prefill throughput of each model path, against the physical floor.
 
-Paths: the native Llama forward replayed from CUDA graphs and run eagerly, the generic HF path (the
+Paths: the native Llama forward replayed from CUDA graphs and run eagerly, the same with its
+non-attention pieces through `torch.compile` (`--torch-compile`), the generic HF path (the
 transformers model with our paged FlashInfer attention), and transformers' own `generate`. Dummy
 bf16 weights of the Llama-3.1-8B and Llama-3.2-1B shapes; every decode request attends over a KV
 of `--kv-len` tokens. The floor is measured in the same run: bytes read per step (weights + KV)
 over the device-to-device copy bandwidth, or FLOPs over the bf16 matmul rate, whichever is longer.
 Times are CUDA-event medians after warm-up; a step includes its host work (plan, launch).
 
-    python -m benchmark.decode_bench [--shapes llama-3.2-1b] [--batches 1 8] [--profile]
+    python -m benchmark.decode_bench [--shapes llama-3.2-1b] [--batches 1 8] [--torch-compile] [--profile]
 
 Prints a table; writes decode_bench.json, decode_bench.png (and profile_*.txt) to --out-dir.
 """
@@ -164,6 +165,11 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float, rate: float) ->
             step = (lambda: graphs(ids, pos, layout)) if graphs is not None else eager(lambda: logits_fn(ids, pos))
             profile_step(step, os.path.join(args.out_dir, f"profile_{shape}_b{b}.txt"), r)
     out["decode"] = rows
+    compiled = None
+    if args.torch_compile:
+        del graphs
+        graphs = None
+        compiled = bench_compiled(native, backend, rows, args)
     out["prefill"] = []
     for n in args.prefill_prompts:
         layout = prefill_layout(n, args.prefill_len)
@@ -174,17 +180,48 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float, rate: float) ->
         flops = 2 * t * matmul_params + 2 * n * head_params + 2 * n * args.prefill_len**2 * spec.q_size * spec.num_layers
         r = {"prompts": n, "tokens": t, "floor_tok_s": t / (flops / rate)}
         guarded(r, "native_ms", lambda: time_ms(lambda: (backend.plan(layout), native.compute_logits(native(ids, pos, backend)[last])), 2, 3))
+        if compiled is not None:
+            guarded(r, "compiled_ms", lambda: time_ms(lambda: (backend.plan(layout), compiled.compute_logits(compiled(ids, pos, backend)[last])), 2, 3))
         if hf_path is not None:
             guarded(r, "hf_path_ms", lambda: time_ms(lambda: (backend.plan(layout), hf_path.forward(ids, pos, backend, last)), 1, 2))
-        for key in ("native", "hf_path"):
+        for key in ("native", "compiled", "hf_path"):
             if r.get(f"{key}_ms"):
                 r[f"{key}_tok_s"] = t / (r[f"{key}_ms"] / 1e3)
         out["prefill"].append(r)
         print("  " + json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    del graphs, hf_path, backend, native, hf, loaded
+    del graphs, compiled, hf_path, backend, native, hf, loaded
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def bench_compiled(native: Any, backend: Any, rows: list[dict[str, Any]], args: argparse.Namespace) -> Any:
+    """Adds decode times of the native model with `torch.compile`d pieces (same weights) to `rows`,
+    from graphs and eagerly; returns that model. Capturing compiles: every size runs once first."""
+    from flashserve.model.cuda_graph import CudaGraphRunner
+    from flashserve.model.layers import torch_ops
+    from flashserve.model.llama import LlamaModel
+
+    with torch.device("meta"):
+        compiled = LlamaModel(native.spec, torch_ops(), compile=True)
+    compiled.load_state_dict(native.state_dict(), assign=True)  # shares the tensors
+    compiled.cos_sin_cache = native.cos_sin_cache
+
+    def logits_fn(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return compiled.compute_logits(compiled(ids, pos, backend))
+
+    graphs = CudaGraphRunner(logits_fn, backend, args.batches)
+    graphs.capture()
+    for r in rows:
+        b = r["batch"]
+        layout = decode_layout(b, args.kv_len)
+        ids = torch.randint(0, native.spec.vocab_size, (b,), device="cuda")
+        pos = torch.tensor(layout.positions, device="cuda")
+        guarded(r, "compiled_graph_ms", lambda: time_ms(lambda: graphs(ids, pos, layout), args.warmup, args.iters))
+        guarded(r, "compiled_eager_ms", lambda: time_ms(lambda: (backend.plan(layout), logits_fn(ids, pos)), args.warmup, args.iters))
+        print(f"  compiled b={b}: graph {r.get('compiled_graph_ms')} eager {r.get('compiled_eager_ms')}", flush=True)
+    del graphs
+    return compiled
 
 
 def profile_step(step: Callable[[], Any], path: str, row: dict[str, Any]) -> None:
@@ -211,19 +248,22 @@ def profile_step(step: Callable[[], Any], path: str, row: dict[str, Any]) -> Non
 
 def print_table(results: dict[str, Any]) -> None:
     print(f"\n{results['gpu']}: copy {results['copy_GBps']:.0f} GB/s, bf16 matmul {results['matmul_TFLOPs']:.0f} TFLOP/s")
-    head = f"{'shape':14} {'batch':>5} {'floor':>7} {'graph':>13} {'eager':>13} {'hf path':>13} {'hf generate':>13}  (ms, x floor)"
+    keys = ["native_graph_ms", "native_eager_ms", "compiled_graph_ms", "compiled_eager_ms", "hf_path_ms", "hf_generate_ms"]
+    names = ["graph", "eager", "compiled graph", "compiled eager", "hf path", "hf generate"]
+    shown = [k for k in keys if any(r.get(k) for res in results["shapes"].values() for r in res["decode"])]
+    head = f"{'shape':14} {'batch':>5} {'floor':>7} " + " ".join(f"{names[keys.index(k)]:>14}" for k in shown) + "  (ms, x floor)"
     for shape, res in results["shapes"].items():
         print(head)
         for r in res["decode"]:
             cells = []
-            for k in ("native_graph_ms", "native_eager_ms", "hf_path_ms", "hf_generate_ms"):
+            for k in shown:
                 v = r.get(k)
-                cells.append(f"{v:7.3f} {v / r['floor_ms']:4.2f}x" if v else f"{'-':>13}")
-            print(f"{shape:14} {r['batch']:5d} {r['floor_ms']:7.3f} " + " ".join(f"{c:>13}" for c in cells))
+                cells.append(f"{v:7.3f} {v / r['floor_ms']:4.2f}x" if v else "-")
+            print(f"{shape:14} {r['batch']:5d} {r['floor_ms']:7.3f} " + " ".join(f"{c:>14}" for c in cells))
         for r in res["prefill"]:
-            nat, hfp = r.get("native_tok_s"), r.get("hf_path_tok_s")
+            nat, comp, hfp = r.get("native_tok_s"), r.get("compiled_tok_s"), r.get("hf_path_tok_s")
             print(f"{shape:14} prefill {r['prompts']:2d}x{r['tokens'] // r['prompts']}: floor {r['floor_tok_s']:9.0f} tok/s, native "
-                  f"{nat or 0:9.0f} ({(nat or 0) / r['floor_tok_s']:.2f} of floor), hf path {hfp or 0:9.0f}")
+                  f"{nat or 0:9.0f} ({(nat or 0) / r['floor_tok_s']:.2f} of floor), compiled {comp or 0:9.0f}, hf path {hfp or 0:9.0f}")
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -237,7 +277,8 @@ def plot(results: dict[str, Any], path: str) -> None:
     for (ax_d, ax_p), shape in zip(axes, shapes):
         res = results["shapes"][shape]
         batches = [r["batch"] for r in res["decode"]]
-        for key, style in (("floor_ms", "k--"), ("native_graph_ms", "o-"), ("native_eager_ms", "s-"), ("hf_path_ms", "^-"), ("hf_generate_ms", "x-")):
+        for key, style in (("floor_ms", "k--"), ("native_graph_ms", "o-"), ("native_eager_ms", "s-"), ("compiled_graph_ms", "d-"),
+                           ("hf_path_ms", "^-"), ("hf_generate_ms", "x-")):  # fmt: skip
             pts = [(b, r[key]) for b, r in zip(batches, res["decode"]) if r.get(key)]
             if pts:
                 ax_d.plot(*zip(*pts), style, label=key.removesuffix("_ms"))
@@ -268,6 +309,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="keep only this many layers (0: all)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--torch-compile", action="store_true", help="also time the torch.compile'd native model")
     p.add_argument("--no-hf", action="store_true", help="skip the HF path and HF generate")
     p.add_argument("--profile", action="store_true", help="kernel tables of the smallest and largest batch")
     p.add_argument("--out-dir", default=None, help="default: benchmark/results/<gpu name>/")

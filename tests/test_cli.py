@@ -46,3 +46,8 @@ def test_help_lists_every_flag_with_its_environment_variable():
 def test_model_impl_selects_the_generic_hf_path():
     args = to_configs(build_parser({"FLASHSERVE_MODEL_IMPL": "hf"}).parse_args(["serve"]))
     assert args.model.model_impl == "hf"
+
+
+def test_torch_compile_flag_reaches_the_model_config():
+    assert to_configs(build_parser({}).parse_args(["serve", "--torch-compile"])).model.torch_compile is True
+    assert to_configs(build_parser({}).parse_args(["serve"])).model.torch_compile is False

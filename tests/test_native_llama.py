@@ -69,9 +69,11 @@ def native_teacher_forced(model: LlamaModel, seqs: list[list[int]], schedule: li
     return [torch.cat(r) for r in rows]
 
 
-def assert_matches_hf(config: Any, hf: torch.nn.Module | None = None, atol: float = 1e-5, rtol: float = 1e-4) -> None:
+def assert_matches_hf(
+    config: Any, hf: torch.nn.Module | None = None, atol: float = 1e-5, rtol: float = 1e-4, compile: bool = False
+) -> None:
     hf = hf if hf is not None else hf_model(config)
-    native = LlamaModel.from_hf(hf, config, torch.float32, "cpu", consume=False)
+    native = LlamaModel.from_hf(hf, config, torch.float32, "cpu", consume=False, compile=compile)
     gen = torch.Generator().manual_seed(2)
     lengths = [16 + 5, 5 + 5, 21 + 4]  # prompts 16 (page-aligned), 5 and 21, then decode steps
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
@@ -105,6 +107,12 @@ CONFIGS = {
 @torch.inference_mode()
 def test_native_matches_hf_eager_over_prefill_mixed_and_decode_steps(name: str) -> None:
     assert_matches_hf(CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen3_qk_norm"])
+@torch.inference_mode()
+def test_torch_compiled_native_matches_hf_eager(name: str) -> None:
+    assert_matches_hf(CONFIGS[name], compile=True)
 
 
 @torch.inference_mode()

@@ -72,3 +72,13 @@ def test_greedy_tokens_equal_hf_generate_for_requests_arriving_at_different_step
 def test_chat_answer_is_the_models_real_answer(llm):
     out = llm.generate([chat_ids(llm, QUESTIONS[0])], SamplingParams(max_tokens=16, temperature=0.0))[0]
     assert "Paris" in out.text
+
+
+def test_torch_compile_gives_the_same_greedy_tokens(llm):
+    # Start-up compiles every step size class (warm-up runs on CPU too when compiling).
+    compiled = LLM("", max_num_batched_tokens=24, max_num_seqs=8, torch_compile=True)
+    assert compiled.engine.executor.model.model.compiled
+    prompts = [chat_ids(llm, q) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    expected = [c.token_ids for c in llm.generate(prompts, params)]
+    assert [c.token_ids for c in compiled.generate(prompts, params)] == expected

@@ -76,6 +76,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            ["auto", "torch", "flashinfer"]),
     Option("--model-impl", str, "auto", "model code: native (fused Llama/Mistral/Qwen2/Qwen3 forward), hf "
            "(any transformers CausalLM), auto (native where supported)", ["auto", "native", "hf"]),
+    Option("--torch-compile", _bool, False, "compile the native model's non-attention parts with "
+           "torch.compile (Inductor); start-up compiles for a while first"),
     Option("--page-size", int, 16, "tokens per KV cache page"),
     Option("--num-pages", int, None, "KV cache pages (default: sized from memory)"),
     Option("--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV cache"),
@@ -158,6 +160,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         dtype=ns.dtype, attention_dtype=ns.attention_dtype, load_format=ns.load_format,
         max_model_len=ns.max_model_len, device=ns.device, attention_backend=ns.attention_backend,
         model_impl=ns.model_impl,
+        torch_compile=ns.torch_compile,
         seed=ns.seed,
     )
     cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,

@@ -17,6 +17,7 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | torch | flashinfer
     model_impl: str = "auto"  # auto (native for Llama-family models) | native | hf
+    torch_compile: bool = False  # torch.compile the native model's non-attention pieces
     seed: int = 0
     trust_remote_code: bool = False
 

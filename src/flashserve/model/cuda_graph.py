@@ -73,7 +73,7 @@ class CudaGraphRunner:
         self._positions = torch.zeros(max_bs, dtype=torch.long, device=device)
         empty = BatchLayout(backend.page_size, [0], [0], [], [], [])
         pool = None
-        with torch.no_grad():
+        with torch.inference_mode():  # as the steps run: compiled pieces guard on it
             for bs in reversed(self.batch_sizes):
                 ids, pos = self._input_ids[:bs], self._positions[:bs]
                 backend.plan_cuda_graph(empty, bs)

@@ -6,9 +6,13 @@ forward pass never asks again and `flashinfer` is imported only here and only wh
 
 Semantics, shared by both sets:
 - `rmsnorm(x, w, eps) -> y`: x [T, H] or [T, heads, D], normalised over the last dimension.
-- `fused_add_rmsnorm(x, residual, w, eps)`: in place, `residual += x; x = rmsnorm(residual)`.
-- `apply_rope(positions, q, k, head_dim, cos_sin_cache)`: in place, neox style (HF's
+- `fused_add_rmsnorm(x, residual, w, eps) -> (rmsnorm(residual + x), residual + x)`.
+- `apply_rope(positions, q, k, head_dim, cos_sin_cache) -> (q, k)` rotated, neox style (HF's
   `rotate_half`); q [T, Hq * D] and k [T, Hkv * D] may be column slices of a fused qkv output.
+
+The FlashInfer set works in place and returns its (updated) inputs; the PyTorch set allocates
+and leaves its inputs alone, so `torch.compile` sees pure functions. Callers use the returned
+tensors and do not read the inputs again.
 - `silu_and_mul(x) -> silu(x[..., :I]) * x[..., I:]` for x [..., 2I].
 """
 
@@ -29,8 +33,8 @@ Tensor = torch.Tensor
 class Ops:
     name: str  # "flashinfer" or "torch"
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor]
-    fused_add_rmsnorm: Callable[[Tensor, Tensor, Tensor, float], None]
-    apply_rope: Callable[[Tensor, Tensor, Tensor, int, Tensor], None]
+    fused_add_rmsnorm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
+    apply_rope: Callable[[Tensor, Tensor, Tensor, int, Tensor], tuple[Tensor, Tensor]]
     silu_and_mul: Callable[[Tensor], Tensor]
 
 
@@ -44,24 +48,24 @@ def rmsnorm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-def fused_add_rmsnorm_torch(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
-    residual.add_(x)
-    x.copy_(rmsnorm_torch(residual, weight, eps))
+def fused_add_rmsnorm_torch(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    residual = residual + x
+    return rmsnorm_torch(residual, weight, eps), residual
 
 
-def apply_rope_torch(positions: Tensor, q: Tensor, k: Tensor, head_dim: int, cos_sin_cache: Tensor) -> None:
+def apply_rope_torch(positions: Tensor, q: Tensor, k: Tensor, head_dim: int, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [T, rot/2] float32 each
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = cos.shape[-1]
-    for x in (q, k):
+
+    def rotate(x: Tensor) -> Tensor:
         heads = x.view(x.shape[0], -1, head_dim)  # a view, also of a column slice of qkv
         x1 = heads[..., :half].float()
         x2 = heads[..., half : 2 * half].float()
-        # Both halves are computed before either is written back.
-        out1 = x1 * cos - x2 * sin
-        out2 = x2 * cos + x1 * sin
-        heads[..., :half] = out1.to(x.dtype)
-        heads[..., half : 2 * half] = out2.to(x.dtype)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return torch.cat([rotated, heads[..., 2 * half :]], dim=-1).view(x.shape[0], -1)
+
+    return rotate(q), rotate(k)
 
 
 def silu_and_mul_torch(x: Tensor) -> Tensor:
@@ -86,11 +90,13 @@ def flashinfer_ops() -> Ops:
             return fi.rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
         return fi.rmsnorm(x, weight, eps)
 
-    def fused_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    def fused_add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         fi.fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
 
-    def apply_rope(positions: Tensor, q: Tensor, k: Tensor, head_dim: int, cos_sin_cache: Tensor) -> None:
+    def apply_rope(positions: Tensor, q: Tensor, k: Tensor, head_dim: int, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
         fi.apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, cos_sin_cache, is_neox=True)
+        return q, k
 
     def silu_and_mul(x: Tensor) -> Tensor:
         return fi.silu_and_mul(x)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashserve.model.layers import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops
+from flashserve.model.layers import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.model.weights import (
     SUPPORTED_ARCHITECTURES,
     LlamaSpec,
@@ -30,10 +30,14 @@ from flashserve.model.weights import (
     convert_hf_state_dict,
 )
 
+Tensor = torch.Tensor
+
 __all__ = ["SUPPORTED_ARCHITECTURES", "LlamaModel", "LlamaSpec", "UnsupportedModelError", "WeightMismatchError"]
 
 # Positions covered by the RoPE table when neither the caller nor the config bounds them.
 _DEFAULT_MAX_POSITIONS = 8192
+# Compiled variants of one piece a process may hold (about 6 per model: several models fit).
+_RECOMPILE_LIMIT = 64
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -59,17 +63,69 @@ class LlamaDecoderLayer(nn.Module):
             self.k_norm = nn.ParameterDict({"weight": _param(spec.head_dim)})
 
 
-def _linear(x: torch.Tensor, p: nn.ParameterDict) -> torch.Tensor:
-    return F.linear(x, p["weight"], p["bias"] if "bias" in p else None)
+def _weight_and_bias(p: nn.ParameterDict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return p["weight"], p["bias"] if "bias" in p else None
+
+
+# The forward between two attention calls, as functions of tensors only, so that one compiled
+# graph serves every layer (`--torch-compile`): weights are arguments, never module attributes.
+
+
+def attention_input(
+    spec: LlamaSpec, ops: Ops, hidden: Tensor | None, residual: Tensor, positions: Tensor, cos_sin: Tensor,
+    norm_w: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """A layer up to attention: (add +) RMSNorm, fused qkv, the q/k norms, RoPE.
+
+    `hidden` is the previous layer's output, added into `residual` (None for the first layer,
+    whose `residual` is the embedding). Returns q, k, v as [T, heads, head_dim] and the residual.
+    """
+    eps, d, t = spec.rms_norm_eps, spec.head_dim, residual.shape[0]
+    if hidden is None:
+        hidden = ops.rmsnorm(residual, norm_w, eps)
+    else:
+        hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, eps)
+    q, k, v = F.linear(hidden, qkv_w, qkv_b).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    if q_norm_w is not None and k_norm_w is not None:
+        q = ops.rmsnorm(q.view(t, spec.num_heads, d), q_norm_w, eps).view(t, spec.q_size)
+        k = ops.rmsnorm(k.view(t, spec.num_kv_heads, d), k_norm_w, eps).view(t, spec.kv_size)
+    q, k = ops.apply_rope(positions, q, k, d, cos_sin)
+    return q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d), residual
+
+
+def attention_output(
+    spec: LlamaSpec, ops: Ops, attn: Tensor, residual: Tensor, o_w: Tensor, o_b: Tensor | None, norm_w: Tensor,
+    gate_up_w: Tensor, gate_up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """A layer from attention on: o_proj, add + RMSNorm, the SiLU MLP. Returns it and the residual."""
+    hidden = F.linear(attn.reshape(attn.shape[0], spec.q_size), o_w, o_b)
+    hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)
+    return F.linear(ops.silu_and_mul(F.linear(hidden, gate_up_w, gate_up_b)), down_w, down_b), residual
+
+
+def final_norm(spec: LlamaSpec, ops: Ops, hidden: Tensor | None, residual: Tensor, norm_w: Tensor) -> Tensor:
+    if hidden is None:  # no layers
+        return ops.rmsnorm(residual, norm_w, spec.rms_norm_eps)
+    return ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)[0]
 
 
 class LlamaModel(nn.Module):
     """The decoder and its LM head, with fused weights. See the module docstring for the seam."""
 
-    def __init__(self, spec: LlamaSpec, ops: Ops) -> None:
+    def __init__(self, spec: LlamaSpec, ops: Ops, *, compile: bool = False) -> None:
         super().__init__()
         self.spec = spec
         self.ops = ops
+        self.compiled = compile
+        pieces: list[Any] = [attention_input, attention_output, final_norm]
+        if compile:
+            # Shapes start static and turn dynamic in the token dimension when it first changes;
+            # one token is a graph of its own. Run every step size class once before capturing
+            # CUDA graphs, so that no compilation happens under capture. Each (spec, size class,
+            # first layer or not) is a cache entry of the function's code, shared process-wide.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+            pieces = [torch.compile(p, fullgraph=True) for p in pieces]
+        self._attention_input, self._attention_output, self._final_norm = pieces
         self.embed_tokens = nn.ParameterDict({"weight": _param(spec.vocab_size, spec.hidden_size)})
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = nn.ParameterDict({"weight": _param(spec.hidden_size)})
@@ -90,6 +146,7 @@ class LlamaModel(nn.Module):
         max_positions: int | None = None,
         consume: bool = True,
         ops: Ops | str = "auto",
+        compile: bool = False,
     ) -> LlamaModel:
         """Builds the native model from an HF CausalLM module or its state dict.
 
@@ -97,6 +154,8 @@ class LlamaModel(nn.Module):
             converted, so its memory is freed instead of doubled (pass False to keep it usable).
         max_positions: rows of the RoPE table (default: the config's max_position_embeddings).
         ops: an `Ops` set, or "auto" | "flashinfer" | "torch" for `select_ops`.
+        compile: run the pieces between attention calls through `torch.compile` (Inductor), over
+            the PyTorch ops, which it fuses; attention stays with the backend.
         Raises UnsupportedModelError (fall back to the generic path) or WeightMismatchError.
         """
         device = torch.device(device)
@@ -112,9 +171,13 @@ class LlamaModel(nn.Module):
             state = dict(source)
         weights = convert_hf_state_dict(state, spec, dtype, device)
         del state
+        if compile:
+            if ops not in ("auto", "torch") and not (isinstance(ops, Ops) and ops.name == "torch"):
+                raise ValueError("torch.compile traces the PyTorch ops; the FlashInfer ones are opaque to it")
+            ops = torch_ops()
         ops = ops if isinstance(ops, Ops) else select_ops(device, ops)
         with torch.device("meta"):
-            model = cls(spec, ops)
+            model = cls(spec, ops, compile=compile)
         model.load_state_dict(weights, strict=True, assign=True)
         model.eval()
         positions = max_positions or spec.max_position_embeddings or _DEFAULT_MAX_POSITIONS
@@ -131,32 +194,23 @@ class LlamaModel(nn.Module):
         Returns the final-normed hidden states [T, hidden_size] in the model dtype. No host sync,
         so the whole call can be captured in a CUDA graph.
         """
-        spec, ops = self.spec, self.ops
         cos_sin = self.cos_sin_cache
         if cos_sin is None:
             raise RuntimeError("LlamaModel has no RoPE table: build it with LlamaModel.from_hf")
-        eps, d, t = spec.rms_norm_eps, spec.head_dim, input_ids.shape[0]
-        q_size, kv_size = spec.q_size, spec.kv_size
+        spec, ops = self.spec, self.ops
         residual = F.embedding(input_ids, self.embed_tokens["weight"])
-        hidden = ops.rmsnorm(residual, self.layers[0].input_layernorm["weight"], eps) if len(self.layers) else residual
+        hidden: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            if i > 0:
-                ops.fused_add_rmsnorm(hidden, residual, layer.input_layernorm["weight"], eps)
-            qkv = _linear(hidden, layer.qkv_proj)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            if spec.qk_norm:
-                q = ops.rmsnorm(q.view(t, spec.num_heads, d), layer.q_norm["weight"], eps).view(t, q_size)
-                k = ops.rmsnorm(k.view(t, spec.num_kv_heads, d), layer.k_norm["weight"], eps).view(t, kv_size)
-            ops.apply_rope(positions, q, k, d, cos_sin)
-            attn = backend.forward(i, q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d))
-            hidden = _linear(attn.reshape(t, q_size), layer.o_proj)
-            ops.fused_add_rmsnorm(hidden, residual, layer.post_attention_layernorm["weight"], eps)
-            hidden = _linear(ops.silu_and_mul(_linear(hidden, layer.gate_up_proj)), layer.down_proj)
-        if len(self.layers):
-            ops.fused_add_rmsnorm(hidden, residual, self.norm["weight"], eps)
-        else:
-            hidden = ops.rmsnorm(residual, self.norm["weight"], eps)
-        return hidden
+            q, k, v, residual = self._attention_input(
+                spec, ops, hidden, residual, positions, cos_sin, layer.input_layernorm["weight"], *_weight_and_bias(layer.qkv_proj),
+                layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
+            )  # fmt: skip
+            hidden, residual = self._attention_output(
+                spec, ops, backend.forward(i, q, k, v), residual, *_weight_and_bias(layer.o_proj),
+                layer.post_attention_layernorm["weight"], *_weight_and_bias(layer.gate_up_proj),
+                *_weight_and_bias(layer.down_proj),
+            )  # fmt: skip
+        return self._final_norm(spec, ops, hidden, residual, self.norm["weight"])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (the rows to sample) -> float32 logits [N, vocab_size]."""

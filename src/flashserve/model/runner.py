@@ -171,20 +171,26 @@ def num_kv_pages(cache: CacheConfig, page_bytes: int, device: torch.device) -> i
     return pages
 
 
-def step_model(loaded: LoadedModel, model_impl: str) -> StepModel:
-    """The native forward for Llama-family models (`auto`/`native`), else the generic HF path."""
+def step_model(loaded: LoadedModel, model_impl: str, torch_compile: bool = False) -> StepModel:
+    """The native forward for Llama-family models (`auto`/`native`), else the generic HF path.
+
+    torch_compile: compile the native model's non-attention pieces (the HF path runs eagerly).
+    """
     if model_impl not in ("auto", "native", "hf"):
         raise ValueError(f"model_impl must be auto, native or hf, not {model_impl!r}")
     if model_impl != "hf":
         try:
             native = LlamaModel.from_hf(
-                loaded.model, loaded.hf_config, loaded.dtype, loaded.device, max_positions=loaded.max_model_len
-            )
+                loaded.model, loaded.hf_config, loaded.dtype, loaded.device, max_positions=loaded.max_model_len,
+                compile=torch_compile,
+            )  # fmt: skip
             return NativeCausalLM(native)
         except UnsupportedModelError as exc:
             if model_impl == "native":
                 raise
             logger.info("generic HF path for %s: %s", loaded.name, exc)
+    if torch_compile:
+        logger.warning("--torch-compile applies to the native model path; the HF path runs uncompiled")
     return HFCausalLM(loaded.model)
 
 
@@ -219,7 +225,7 @@ def build_runner(
     kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
     num_layers, num_kv_heads, head_dim = model_shape(loaded.hf_config)
     sm_scale = attention_scale(loaded.model)
-    model = step_model(loaded, model_config.model_impl)
+    model = step_model(loaded, model_config.model_impl, model_config.torch_compile)
     page_size = cache_config.page_size
     page_bytes = kv_page_bytes(num_layers, page_size, num_kv_heads, head_dim, kv_dtype)
     num_pages = num_kv_pages(cache_config, page_bytes, device)
@@ -237,7 +243,8 @@ def build_runner(
     )
     sampler = pick_sampler(device, model_config.seed if seed is None else seed)
     runner = ModelRunner(loaded, backend, sampler, page_size, model)
-    if device.type == "cuda":
+    compiled = isinstance(model, NativeCausalLM) and model.model.compiled
+    if device.type == "cuda" or compiled:
         warm_up(runner, num_pages)
         if cuda_graph and backend_name == "flashinfer" and isinstance(model, NativeCausalLM):
             capture_decode_graphs(runner, model, max_batch_size)
@@ -247,8 +254,9 @@ def build_runner(
 
 
 def warm_up(runner: ModelRunner, num_pages: int) -> None:
-    """Runs a prefill step and a decode step (with sampling) on free pages, so that every kernel
-    module is built (FlashInfer JIT) before the server reports healthy."""
+    """Runs a prefill step, a decode step (with sampling) and a one-request decode step on free
+    pages, so that every kernel module is built (FlashInfer JIT) and every step size class is
+    compiled (`--torch-compile`) before the server reports healthy."""
     from flashserve.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
@@ -260,9 +268,10 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
                for i in range(n)]
     decode = [ScheduledRequest(r.request_id, [1], 5, r.page_ids, True, r.params, r.prompt_token_ids, [1])
               for r in prefill]
-    for step in (prefill, decode):
+    for step in (prefill, decode, decode[:1]):
         runner.execute(SchedulerOutput(step))
-    torch.cuda.synchronize(runner.device)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
     logger.info("warm-up (kernel builds included) took %.1f s", time.perf_counter() - t0)
 
 
