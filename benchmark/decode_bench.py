@@ -287,8 +287,11 @@ def plot(results: dict[str, Any], path: str) -> None:
         ax_d.legend()
         pre = res["prefill"]
         xs = range(len(pre))
-        for i, (key, label) in enumerate((("floor_tok_s", "floor"), ("native_tok_s", "native"), ("hf_path_tok_s", "hf path"))):
-            ax_p.bar([x + 0.27 * (i - 1) for x in xs], [r.get(key) or 0 for r in pre], 0.27, label=label)
+        bars = [(k, label) for k, label in (("floor_tok_s", "floor"), ("native_tok_s", "native"), ("compiled_tok_s", "compiled"),
+                                             ("hf_path_tok_s", "hf path")) if any(r.get(k) for r in pre)]  # fmt: skip
+        width = 0.8 / max(1, len(bars))
+        for i, (key, label) in enumerate(bars):
+            ax_p.bar([x + width * (i - (len(bars) - 1) / 2) for x in xs], [r.get(key) or 0 for r in pre], width, label=label)
         ax_p.set_xticks(list(xs), [f"{r['prompts']}x{r['tokens'] // r['prompts']}" for r in pre])
         ax_p.set(ylabel="prefill tokens/s", title=f"{shape}: prefill")
         ax_p.legend()

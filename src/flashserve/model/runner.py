@@ -272,7 +272,7 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
         runner.execute(SchedulerOutput(step))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    logger.info("warm-up (kernel builds included) took %.1f s", time.perf_counter() - t0)
+    logger.info("warm-up (kernel builds and compilation included) took %.1f s", time.perf_counter() - t0)
 
 
 def capture_decode_graphs(runner: ModelRunner, model: NativeCausalLM, max_batch_size: int) -> None:
