@@ -2,7 +2,8 @@
 
 Paths: the native Llama forward replayed from CUDA graphs and run eagerly, the same with its
 non-attention pieces through `torch.compile` (`--torch-compile`), the generic HF path (the
-transformers model with our paged FlashInfer attention), and transformers' own `generate`. Dummy
+transformers model with our paged FlashInfer attention) from graphs and eagerly, and
+transformers' own `generate`. Dummy
 bf16 weights of the Llama-3.1-8B and Llama-3.2-1B shapes; every decode request attends over a KV
 of `--kv-len` tokens. The floor is measured in the same run: bytes read per step (weights + KV)
 over the device-to-device copy bandwidth, or FLOPs over the bf16 matmul rate, whichever is longer.
@@ -165,11 +166,16 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float, rate: float) ->
             step = (lambda: graphs(ids, pos, layout)) if graphs is not None else eager(lambda: logits_fn(ids, pos))
             profile_step(step, os.path.join(args.out_dir, f"profile_{shape}_b{b}.txt"), r)
     out["decode"] = rows
+    # Each further graph set re-initialises the backend's graph buffers: one set at a time.
+    del graphs
+    graphs = None
+    if hf_path is not None:
+        time_graphs("hf_path", hf_path.decode_logits(backend), backend, rows, args, eager=False)
     compiled = None
     if args.torch_compile:
-        del graphs
-        graphs = None
-        compiled = bench_compiled(native, backend, rows, args)
+        compiled = compiled_copy(native)
+        time_graphs("compiled", lambda ids, pos: compiled.compute_logits(compiled(ids, pos, backend)), backend, rows, args,
+                    eager=True)  # fmt: skip
     out["prefill"] = []
     for n in args.prefill_prompts:
         layout = prefill_layout(n, args.prefill_len)
@@ -195,10 +201,8 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float, rate: float) ->
     return out
 
 
-def bench_compiled(native: Any, backend: Any, rows: list[dict[str, Any]], args: argparse.Namespace) -> Any:
-    """Adds decode times of the native model with `torch.compile`d pieces (same weights) to `rows`,
-    from graphs and eagerly; returns that model. Capturing compiles: every size runs once first."""
-    from flashserve.model.cuda_graph import CudaGraphRunner
+def compiled_copy(native: Any) -> Any:
+    """The native model with `torch.compile`d pieces, sharing `native`'s weights."""
     from flashserve.model.layers import torch_ops
     from flashserve.model.llama import LlamaModel
 
@@ -206,22 +210,33 @@ def bench_compiled(native: Any, backend: Any, rows: list[dict[str, Any]], args: 
         compiled = LlamaModel(native.spec, torch_ops(), compile=True)
     compiled.load_state_dict(native.state_dict(), assign=True)  # shares the tensors
     compiled.cos_sin_cache = native.cos_sin_cache
+    return compiled
 
-    def logits_fn(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return compiled.compute_logits(compiled(ids, pos, backend))
+
+def time_graphs(key: str, logits_fn: Callable[..., Any], backend: Any, rows: list[dict[str, Any]],
+                args: argparse.Namespace, *, eager: bool) -> None:  # fmt: skip
+    """Adds `{key}_graph_ms` (and `{key}_eager_ms`) to every decode row: `logits_fn` replayed from
+    CUDA graphs captured here (which first runs each size once: compiled pieces compile then)."""
+    from flashserve.model.cuda_graph import CudaGraphRunner
 
     graphs = CudaGraphRunner(logits_fn, backend, args.batches)
-    graphs.capture()
+    try:
+        graphs.capture()
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON
+        for r in rows:
+            r.setdefault("errors", {})[f"{key}_graph_ms"] = f"{type(exc).__name__}: {exc}"[:300]
+        torch.cuda.synchronize()
+        return
     for r in rows:
         b = r["batch"]
         layout = decode_layout(b, args.kv_len)
-        ids = torch.randint(0, native.spec.vocab_size, (b,), device="cuda")
+        ids = torch.randint(0, 1000, (b,), device="cuda")
         pos = torch.tensor(layout.positions, device="cuda")
-        guarded(r, "compiled_graph_ms", lambda: time_ms(lambda: graphs(ids, pos, layout), args.warmup, args.iters))
-        guarded(r, "compiled_eager_ms", lambda: time_ms(lambda: (backend.plan(layout), logits_fn(ids, pos)), args.warmup, args.iters))
-        print(f"  compiled b={b}: graph {r.get('compiled_graph_ms')} eager {r.get('compiled_eager_ms')}", flush=True)
-    del graphs
-    return compiled
+        guarded(r, f"{key}_graph_ms", lambda: time_ms(lambda: graphs(ids, pos, layout), args.warmup, args.iters))
+        if eager:
+            guarded(r, f"{key}_eager_ms", lambda: time_ms(lambda: (backend.plan(layout), logits_fn(ids, pos)),
+                                                          args.warmup, args.iters))  # fmt: skip
+        print(f"  {key} b={b}: graph {r.get(f'{key}_graph_ms')} eager {r.get(f'{key}_eager_ms')}", flush=True)
 
 
 def profile_step(step: Callable[[], Any], path: str, row: dict[str, Any]) -> None:
@@ -248,8 +263,9 @@ def profile_step(step: Callable[[], Any], path: str, row: dict[str, Any]) -> Non
 
 def print_table(results: dict[str, Any]) -> None:
     print(f"\n{results['gpu']}: copy {results['copy_GBps']:.0f} GB/s, bf16 matmul {results['matmul_TFLOPs']:.0f} TFLOP/s")
-    keys = ["native_graph_ms", "native_eager_ms", "compiled_graph_ms", "compiled_eager_ms", "hf_path_ms", "hf_generate_ms"]
-    names = ["graph", "eager", "compiled graph", "compiled eager", "hf path", "hf generate"]
+    keys = ["native_graph_ms", "native_eager_ms", "compiled_graph_ms", "compiled_eager_ms", "hf_path_graph_ms", "hf_path_ms",
+            "hf_generate_ms"]  # fmt: skip
+    names = ["graph", "eager", "compiled graph", "compiled eager", "hf path graph", "hf path", "hf generate"]
     shown = [k for k in keys if any(r.get(k) for res in results["shapes"].values() for r in res["decode"])]
     head = f"{'shape':14} {'batch':>5} {'floor':>7} " + " ".join(f"{names[keys.index(k)]:>14}" for k in shown) + "  (ms, x floor)"
     for shape, res in results["shapes"].items():
@@ -278,7 +294,7 @@ def plot(results: dict[str, Any], path: str) -> None:
         res = results["shapes"][shape]
         batches = [r["batch"] for r in res["decode"]]
         for key, style in (("floor_ms", "k--"), ("native_graph_ms", "o-"), ("native_eager_ms", "s-"), ("compiled_graph_ms", "d-"),
-                           ("hf_path_ms", "^-"), ("hf_generate_ms", "x-")):  # fmt: skip
+                           ("hf_path_graph_ms", "v-"), ("hf_path_ms", "^-"), ("hf_generate_ms", "x-")):  # fmt: skip
             pts = [(b, r[key]) for b, r in zip(batches, res["decode"]) if r.get(key)]
             if pts:
                 ax_d.plot(*zip(*pts), style, label=key.removesuffix("_ms"))

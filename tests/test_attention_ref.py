@@ -141,3 +141,11 @@ def test_bfloat16_cache_stays_close_to_dense() -> None:
     out = backend.forward(0, q, torch.cat([s.k for s in seqs]), torch.cat([s.v for s in seqs]))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), torch.cat([s.expected for s in seqs]), atol=5e-2, rtol=5e-2)
+
+
+def test_query_heads_other_than_the_model_heads_are_refused() -> None:
+    backend = TorchAttentionBackend(1, NUM_PAGES, PAGE, KV_HEADS, HEAD_DIM, torch.float32, "cpu", None,
+                                    num_qo_heads=KV_HEADS * 2)
+    seqs = make_sequences([5], q_heads=KV_HEADS * 4)
+    with pytest.raises(ValueError, match="built for"):
+        run_step(backend, seqs, [(0, 5)])

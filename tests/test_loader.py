@@ -122,7 +122,7 @@ def embedded() -> LoadedModel:
 @pytest.mark.slow
 def test_embedded_default_loads_with_a_chat_template(embedded: LoadedModel) -> None:
     assert embedded.name == "SmolLM2-135M-Instruct"
-    assert model_shape(embedded.hf_config) == (30, 3, 64)
+    assert model_shape(embedded.hf_config) == (30, 9, 3, 64)
     assert embedded.hf_config.vocab_size == 49152 and embedded.dtype == torch.float32
     assert embedded.tokenizer.chat_template
     prompt = embedded.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
@@ -139,8 +139,8 @@ def test_embedded_default_through_the_runner_matches_eager(embedded: LoadedModel
     model.set_attn_implementation("eager")
     with torch.no_grad():
         expected = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
-    layers, kv_heads, head_dim = model_shape(embedded.hf_config)
-    backend = TorchAttentionBackend(layers, 8, 16, kv_heads, head_dim, torch.float32, "cpu", None)
+    layers, heads, kv_heads, head_dim = model_shape(embedded.hf_config)
+    backend = TorchAttentionBackend(layers, 8, 16, kv_heads, head_dim, torch.float32, "cpu", None, num_qo_heads=heads)
     runner = ModelRunner(embedded, backend, None, 16)
     request = ScheduledRequest("r", ids, 0, [3, 1, 6, 0], True, SamplingParams())
     torch.testing.assert_close(runner.forward(SchedulerOutput([request]))[0], expected, atol=1e-4, rtol=1e-4)

@@ -46,8 +46,9 @@ def build_model(kind: str) -> torch.nn.Module:
 
 def make_runner(model: torch.nn.Module, sampler: object | None = None) -> ModelRunner:
     loaded = LoadedModel(model, None, model.config, 512, (), torch.float32, torch.device("cpu"), "test")
-    num_layers, kv_heads, head_dim = model_shape(model.config)
-    backend = TorchAttentionBackend(num_layers, NUM_PAGES, PAGE, kv_heads, head_dim, torch.float32, "cpu", None)
+    num_layers, heads, kv_heads, head_dim = model_shape(model.config)
+    backend = TorchAttentionBackend(num_layers, NUM_PAGES, PAGE, kv_heads, head_dim, torch.float32, "cpu", None,
+                                    num_qo_heads=heads)
     return ModelRunner(loaded, backend, sampler or ArgmaxSampler(), PAGE)
 
 

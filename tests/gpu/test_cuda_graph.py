@@ -122,3 +122,29 @@ def test_capture_batch_sizes() -> None:
     assert capture_batch_sizes(6) == [1, 2, 4, 6]
     assert capture_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
     assert capture_batch_sizes(36) == [1, 2, 4, 8, 16, 24, 32, 36]
+
+
+def test_a_model_that_cannot_be_captured_decodes_eagerly() -> None:
+    from types import SimpleNamespace
+
+    from flashserve.model.runner import capture_decode_graphs
+
+    backend = FlashInferAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, 64, torch.bfloat16, "cuda", None,
+                                         num_qo_heads=4)
+    tiny = TinyModel(backend, 4, 64, torch.bfloat16)
+
+    def syncing(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out = tiny(ids, pos)
+        return out * (1.0 if out.sum().item() != 0 else 2.0)  # a host sync: illegal under capture
+
+    runner = SimpleNamespace(backend=backend, device=torch.device("cuda"), graphs=None)
+    model = SimpleNamespace(decode_logits=lambda b: syncing)
+    with torch.inference_mode():
+        capture_decode_graphs(runner, model, 4)
+        assert runner.graphs is None
+        reqs = scheduled([0, 0], [5, 3], [[1, 2], [3, 4]])
+        layout = BatchLayout.build(reqs, PAGE)
+        backend.plan(layout)
+        ids = torch.tensor([t for r in reqs for t in r.new_token_ids], device="cuda")
+        out = syncing(ids, torch.tensor(layout.positions, device="cuda"))
+    assert out.shape == (8, 4 * 64) and torch.isfinite(out).all()

@@ -142,20 +142,6 @@ def test_llama_8b_heads_long_decode() -> None:
     print("ERR 32/8 heads D=128 bf16 long: " + " ".join(f"{e:.2e}" for e in errs))
 
 
-def test_query_heads_are_learned_from_the_first_forward() -> None:
-    fi, ref = make_backends(6, 64, torch.bfloat16, num_qo_heads=None)
-    assert fi.num_qo_heads is None
-    reqs = make_requests([0, 17], seed=1)
-    layout = layout_for(reqs, [9, 1])
-    fi.plan(layout)
-    ref.plan(layout)
-    q = torch.randn(layout.num_tokens, 6, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(layout.num_tokens, KV_HEADS, 64, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    assert rel_err(fi.forward(0, q, k, v), ref.forward(0, q, k, v)) < TOL[torch.bfloat16]
-    assert fi.num_qo_heads == 6
-
-
 def test_graph_batch_size_padding_and_eligibility() -> None:
     fi, _ = make_backends(8, 64, torch.bfloat16)
     fi.init_cuda_graph([1, 2, 4, 8])

@@ -92,8 +92,8 @@ class FlashInferAttentionBackend:
 
     Same positional constructor as `TorchAttentionBackend`. `dtype` is the cache and attention
     dtype (float16 or bfloat16: FlashInfer has no float32 kernels); q/k/v of another dtype (a
-    float32 model) are cast to it and the output is cast back to q's dtype. `num_qo_heads`, when
-    not given, is read from the first q this backend sees (the first step's plan waits for it).
+    float32 model) are cast to it and the output is cast back to q's dtype. `num_qo_heads` (the
+    model's query heads) is needed by every plan, so the constructor takes it.
     `scratch_page` is a page no request owns (the block manager's page 0): CUDA-graph padding
     rows write their K/V there.
     """
@@ -109,7 +109,7 @@ class FlashInferAttentionBackend:
         device: torch.device | str,
         sm_scale: float | None = None,
         *,
-        num_qo_heads: int | None = None,
+        num_qo_heads: int | None = None,  # required: a keyword for the shared positional signature
         workspace_bytes: int = 256 << 20,
         scratch_page: int = 0,
     ) -> None:
@@ -117,7 +117,9 @@ class FlashInferAttentionBackend:
             raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {dtype}")
         if head_dim not in _HEAD_DIMS:
             raise ValueError(f"FlashInfer attention supports head_dim {_HEAD_DIMS}, not {head_dim}")
-        if num_qo_heads is not None and num_qo_heads % num_kv_heads:
+        if num_qo_heads is None:
+            raise ValueError("FlashInfer's plans need num_qo_heads, the model's query head count")
+        if num_qo_heads % num_kv_heads:
             raise ValueError(f"{num_qo_heads} query heads are not a multiple of {num_kv_heads} kv heads")
         if not 0 <= scratch_page < num_pages:
             raise ValueError(f"scratch page {scratch_page} is outside [0, {num_pages})")
@@ -128,7 +130,7 @@ class FlashInferAttentionBackend:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
-        self.num_qo_heads = num_qo_heads
+        self.num_qo_heads: int = num_qo_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
@@ -147,8 +149,6 @@ class FlashInferAttentionBackend:
         )
         self._staging = _Staging(self.device)
         self._step: _StepIndices | None = None
-        # (wrapper, plan args) of a plan that waits for num_qo_heads from the first forward.
-        self._pending: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
         self._graph: _GraphBuffers | None = None
 
     # ---- eager steps -------------------------------------------------------------------------
@@ -172,12 +172,6 @@ class FlashInferAttentionBackend:
             wrapper, args = self._prefill, (qo_h, kv_indptr_h, indices_d, last_h)
             kwargs = {**self._plan_kwargs(), "causal": True}
         self._step = _StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d)
-        self._pending = None
-        if self.num_qo_heads is None:
-            # Planned by the first forward, once q shows the head count; the upload is fenced now.
-            self._pending = (wrapper, args, kwargs)
-            self._staging.end()
-            return
         self._plan_wrapper(wrapper, args, kwargs)
 
     def _plan_kwargs(self) -> dict[str, Any]:
@@ -186,7 +180,6 @@ class FlashInferAttentionBackend:
         return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.sm_scale, "non_blocking": True}
 
     def _plan_wrapper(self, wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        assert self.num_qo_heads is not None
         wrapper.plan(*args, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, **kwargs)
         self._staging.end()
 
@@ -195,8 +188,6 @@ class FlashInferAttentionBackend:
         step = self._step
         if step is None:
             raise RuntimeError("plan() must run before forward()")
-        if self._pending is not None:
-            self._learn_num_qo_heads(q.shape[1])
         out_dtype = q.dtype
         if q.dtype != self.dtype:
             q = q.to(self.dtype)
@@ -209,15 +200,6 @@ class FlashInferAttentionBackend:
         )
         out = step.wrapper.run(q, cache)
         return out if out.dtype == out_dtype else out.to(out_dtype)
-
-    def _learn_num_qo_heads(self, num_qo_heads: int) -> None:
-        if num_qo_heads % self.num_kv_heads:
-            raise ValueError(f"{num_qo_heads} query heads are not a multiple of {self.num_kv_heads} kv heads")
-        self.num_qo_heads = num_qo_heads
-        assert self._pending is not None
-        wrapper, args, kwargs = self._pending
-        self._pending = None
-        self._plan_wrapper(wrapper, args, kwargs)
 
     # ---- CUDA-graph decode -------------------------------------------------------------------
 
@@ -236,7 +218,7 @@ class FlashInferAttentionBackend:
     def cuda_graph_batch_size(self, layout: BatchLayout) -> int | None:
         """The captured batch size this step pads to, or None when it must run eagerly."""
         g = self._graph
-        if g is None or not layout.is_decode_only or self.num_qo_heads is None:
+        if g is None or not layout.is_decode_only:
             return None
         n = layout.batch_size
         size = next((s for s in g.wrappers if s >= n), None)
@@ -256,8 +238,6 @@ class FlashInferAttentionBackend:
             raise ValueError(f"no CUDA-graph decode wrapper for batch size {batch_size}")
         if not layout.is_decode_only or layout.batch_size > batch_size:
             raise ValueError(f"a decode step of at most {batch_size} requests is needed, got {layout.batch_size} requests")
-        if self.num_qo_heads is None:
-            raise RuntimeError("num_qo_heads is unknown: pass it to the constructor or run an eager step first")
         pad = batch_size - layout.batch_size
         kv_indptr = np.concatenate([np.asarray(layout.kv_indptr, dtype=np.int32),
                                     layout.kv_indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
@@ -271,7 +251,6 @@ class FlashInferAttentionBackend:
         g.positions[:batch_size].copy_(pos_d, non_blocking=True)
         # The wrapper copies indptr, indices and last_page_len into the static buffers it was built on.
         self._step = g.steps[batch_size]
-        self._pending = None
         self._plan_wrapper(g.wrappers[batch_size], (indptr_h, indices_d, last_h), self._plan_kwargs())
 
 

@@ -53,8 +53,11 @@ class TorchAttentionBackend:
         dtype: torch.dtype,
         device: torch.device | str,
         sm_scale: float | None = None,
+        *,
+        num_qo_heads: int | None = None,  # checked against q when given
     ) -> None:
         self.num_layers = num_layers
+        self.num_qo_heads = num_qo_heads
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
@@ -130,6 +133,8 @@ class TorchAttentionBackend:
         plan = self._plan
         num_tokens, num_q_heads, head_dim = q.shape
         hkv = self.num_kv_heads
+        if self.num_qo_heads is not None and num_q_heads != self.num_qo_heads:
+            raise ValueError(f"q has {num_q_heads} heads, the backend was built for {self.num_qo_heads}")
         if num_q_heads % hkv:
             raise ValueError(f"{num_q_heads} query heads are not a multiple of {hkv} kv heads")
         group_size = num_q_heads // hkv

@@ -62,8 +62,7 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Captures one graph per batch size, largest first, all in one memory pool.
 
-        Run it after the backend learned its query head count (pass `num_qo_heads` to it, or run
-        one eager step first) and after any warm-up that builds kernels.
+        Run it after any warm-up that builds kernels.
         """
         backend, device = self.backend, self.backend.device
         backend.init_cuda_graph(self.batch_sizes, self._max_total_pages)

@@ -9,6 +9,7 @@ no global state is involved.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,18 +94,25 @@ class HFCausalLM:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         backend: AttentionBackend,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
-        """input_ids/positions [T] (backend already planned) -> float32 logits [len(logits_indices), V]."""
+        """input_ids/positions [T] (backend already planned) -> float32 logits [len(logits_indices), V]
+        (every row's when None)."""
         outputs = self.decoder(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
             use_cache=False,
             **{BACKEND_KWARG: backend},
         )
-        hidden = outputs.last_hidden_state[0, logits_indices]
+        hidden = outputs.last_hidden_state[0]
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
         # The lm_head on the sampled rows only: a long prefill needs one row, not T.
         logits = self.lm_head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def decode_logits(self, backend: AttentionBackend) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`(input_ids, positions) -> logits` of every row: what a decode-step CUDA graph captures."""
+        return lambda ids, pos: self.forward(ids, pos, backend, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +34,10 @@ class StepModel(Protocol):
         """input_ids/positions [T] (backend already planned) -> float32 logits [len(logits_indices), V]."""
         ...
 
+    def decode_logits(self, backend: AttentionBackend) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`(input_ids, positions) -> logits` of every row: what a decode-step CUDA graph captures."""
+        ...
+
 
 class NativeCausalLM:
     """The native Llama-family forward behind the same seam as `HFCausalLM`."""
@@ -46,8 +50,7 @@ class NativeCausalLM:
     ) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, backend)[logits_indices])
 
-    def decode_logits(self, backend: AttentionBackend) -> Any:
-        """`(input_ids, positions) -> logits` of every row: what a decode-step CUDA graph captures."""
+    def decode_logits(self, backend: AttentionBackend) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         return lambda ids, pos: self.model.compute_logits(self.model(ids, pos, backend))
 
 
@@ -140,13 +143,13 @@ def attention_dtype(config: ModelConfig, model_dtype: torch.dtype, device: torch
     return model_dtype
 
 
-def model_shape(hf_config: Any) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a transformers config."""
+def model_shape(hf_config: Any) -> tuple[int, int, int, int]:
+    """(num_layers, num_heads, num_kv_heads, head_dim) of a transformers config."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     num_heads = text.num_attention_heads
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    return text.num_hidden_layers, num_kv_heads, head_dim
+    return text.num_hidden_layers, num_heads, num_kv_heads, head_dim
 
 
 def kv_page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -223,14 +226,14 @@ def build_runner(
     loaded = load_model(model_config, device)
     backend_name = pick_backend(model_config.attention_backend, device)
     kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
-    num_layers, num_kv_heads, head_dim = model_shape(loaded.hf_config)
+    num_layers, num_heads, num_kv_heads, head_dim = model_shape(loaded.hf_config)
     sm_scale = attention_scale(loaded.model)
     model = step_model(loaded, model_config.model_impl, model_config.torch_compile)
     page_size = cache_config.page_size
     page_bytes = kv_page_bytes(num_layers, page_size, num_kv_heads, head_dim, kv_dtype)
     num_pages = num_kv_pages(cache_config, page_bytes, device)
     backend = get_backend_cls(backend_name)(
-        num_layers, num_pages, page_size, num_kv_heads, head_dim, kv_dtype, device, sm_scale
+        num_layers, num_pages, page_size, num_kv_heads, head_dim, kv_dtype, device, sm_scale, num_qo_heads=num_heads
     )
     capacity = (num_pages - 1) * page_size  # page 0 is the block manager's scratch page
     if capacity < loaded.max_model_len:
@@ -246,10 +249,10 @@ def build_runner(
     compiled = isinstance(model, NativeCausalLM) and model.model.compiled
     if device.type == "cuda" or compiled:
         warm_up(runner, num_pages)
-        if cuda_graph and backend_name == "flashinfer" and isinstance(model, NativeCausalLM):
+        if cuda_graph and backend_name == "flashinfer":
             capture_decode_graphs(runner, model, max_batch_size)
         elif cuda_graph:
-            logger.info("CUDA graphs need the native model and the FlashInfer backend; decoding eagerly")
+            logger.info("CUDA graphs need the FlashInfer backend; decoding eagerly")
     return runner, loaded, num_pages
 
 
@@ -275,12 +278,19 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
     logger.info("warm-up (kernel builds and compilation included) took %.1f s", time.perf_counter() - t0)
 
 
-def capture_decode_graphs(runner: ModelRunner, model: NativeCausalLM, max_batch_size: int) -> None:
+def capture_decode_graphs(runner: ModelRunner, model: StepModel, max_batch_size: int) -> None:
+    """Captures decode-step graphs; a model whose forward cannot be captured (a host sync in some
+    transformers model's code, say) decodes eagerly instead, with a warning."""
     from flashserve.model.cuda_graph import CudaGraphRunner, capture_batch_sizes
 
     t0 = time.perf_counter()
     sizes = capture_batch_sizes(max_batch_size)
     graphs = CudaGraphRunner(model.decode_logits(runner.backend), runner.backend, sizes)  # type: ignore[arg-type]
-    graphs.capture()
+    try:
+        graphs.capture()
+    except Exception:
+        logger.warning("capturing decode CUDA graphs failed; decoding eagerly", exc_info=True)
+        torch.cuda.synchronize(runner.device)
+        return
     runner.graphs = graphs
     logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - t0)
