@@ -10,6 +10,8 @@ import torch
 from flashserve.attention.base import BatchLayout
 from flashserve.engine.outputs import ScheduledRequest
 from flashserve.llm import LLM
+from flashserve.model.hf import HFCausalLM
+from flashserve.model.runner import NativeCausalLM
 from flashserve.sampling_params import SamplingParams
 
 
@@ -73,24 +75,26 @@ def test_64_requests_under_preemption_finish_and_recompute_corrupts_nothing(llm)
         assert err.max().item() < 3e-2, f"{res.request_id}: max relative error {err.max().item():.3e}"
 
 
-def test_torch_compiled_engine_samples_the_logits_a_teacher_forced_pass_gives():
-    # Start-up compiles, warms up and captures graphs of the compiled model for batch sizes
-    # 1..16; decode steps replay them, the re-scoring prefill runs the compiled pieces eagerly.
-    # (tests/gpu/test_native_gpu.py measures the compiled forward against HF in float32.)
-    compiled = LLM("llama-3.2-1b", load_format="dummy", num_pages=160, max_num_seqs=16, max_num_batched_tokens=1024,
-                   torch_compile=True)
-    runner = compiled.engine.executor
-    assert runner.model.model.compiled and runner.graphs is not None
+@pytest.mark.parametrize("variant", ["torch_compile", "hf_path"])
+def test_engine_variant_samples_the_logits_a_teacher_forced_pass_gives(variant: str):
+    # Start-up warms up (compiling, for torch_compile) and captures decode graphs for batch sizes
+    # 1..16 of the compiled native model or of the generic HF path; decode steps replay them, the
+    # re-scoring prefill runs eagerly. (test_native_gpu.py measures both against HF in float32.)
+    kwargs = {"torch_compile": True} if variant == "torch_compile" else {"model_impl": "hf"}
+    llm = LLM("llama-3.2-1b", load_format="dummy", num_pages=160, max_num_seqs=16, max_num_batched_tokens=1024, **kwargs)
+    runner = llm.engine.executor
+    assert runner.graphs is not None
+    assert isinstance(runner.model, NativeCausalLM if variant == "torch_compile" else HFCausalLM)
     recorder = RecordingSampler(runner.sampler)
     runner.sampler = recorder
     rng = random.Random(1)
     prompts = [[rng.randrange(1, 128000) for _ in range(rng.randint(8, 200))] for _ in range(16)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    results = compiled.generate(prompts, params)
+    results = llm.generate(prompts, params)
     assert all(len(r.token_ids) == 24 for r in results)
-    assert compiled.engine.scheduler.block_manager.num_used_pages == 0
+    assert llm.engine.scheduler.block_manager.num_used_pages == 0
     for res in results[::4]:
         got = torch.stack([recorder.rows[(res.request_id, k)] for k in range(len(res.token_ids))])
-        ref = teacher_forced_logits(compiled, res.prompt_token_ids, res.token_ids)
+        ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)
         err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
         assert err.max().item() < 3e-2, f"{res.request_id}: max relative error {err.max().item():.3e}"

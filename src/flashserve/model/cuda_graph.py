@@ -19,6 +19,11 @@ from flashserve.attention.flashinfer import FlashInferAttentionBackend
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class NotCapturableError(RuntimeError):
+    """The forward synchronises with the host, which a CUDA graph cannot hold. Raised before any
+    capture begins, so the process stays fit to run the forward eagerly."""
+
+
 def capture_batch_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to `max_batch_size` (itself included)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
@@ -62,7 +67,9 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Captures one graph per batch size, largest first, all in one memory pool.
 
-        Run it after any warm-up that builds kernels.
+        Run it after any warm-up that builds kernels. Raises NotCapturableError, before capturing
+        anything, when the forward synchronises with the host (a failed capture would leave CUDA
+        state, the RNG's among it, unfit for eager work).
         """
         backend, device = self.backend, self.backend.device
         backend.init_cuda_graph(self.batch_sizes, self._max_total_pages)
@@ -82,6 +89,8 @@ class CudaGraphRunner:
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
                     out = self.forward(ids, pos)
+                    if pool is None:
+                        self._check_no_host_sync(ids, pos)
                 torch.cuda.current_stream(device).wait_stream(side)
                 if self._out is None:
                     # One output buffer for every size: a graph per size would hold its own.
@@ -92,6 +101,18 @@ class CudaGraphRunner:
                 pool = graph.pool()
                 self._graphs[bs] = graph
         torch.cuda.synchronize(device)
+
+    def _check_no_host_sync(self, ids: torch.Tensor, pos: torch.Tensor) -> None:
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self.forward(ids, pos)
+        except RuntimeError as exc:
+            if "synchroniz" not in str(exc):
+                raise
+            raise NotCapturableError(f"the forward synchronises with the host: {exc}") from exc
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """input_ids/positions [T] (any device) of the step `layout` describes -> forward's output."""

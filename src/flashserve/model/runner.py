@@ -279,18 +279,17 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
 
 
 def capture_decode_graphs(runner: ModelRunner, model: StepModel, max_batch_size: int) -> None:
-    """Captures decode-step graphs; a model whose forward cannot be captured (a host sync in some
+    """Captures decode-step graphs; a model whose forward synchronises with the host (some
     transformers model's code, say) decodes eagerly instead, with a warning."""
-    from flashserve.model.cuda_graph import CudaGraphRunner, capture_batch_sizes
+    from flashserve.model.cuda_graph import CudaGraphRunner, NotCapturableError, capture_batch_sizes
 
     t0 = time.perf_counter()
     sizes = capture_batch_sizes(max_batch_size)
     graphs = CudaGraphRunner(model.decode_logits(runner.backend), runner.backend, sizes)  # type: ignore[arg-type]
     try:
         graphs.capture()
-    except Exception:
-        logger.warning("capturing decode CUDA graphs failed; decoding eagerly", exc_info=True)
-        torch.cuda.synchronize(runner.device)
+    except NotCapturableError as exc:
+        logger.warning("decoding eagerly, without CUDA graphs: %s", exc)
         return
     runner.graphs = graphs
     logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - t0)
