@@ -21,27 +21,18 @@ import gc
 import json
 import os
 import re
-import statistics
 from typing import Any, Callable
 
 import torch
 
-from benchmark.floor import measure_rates
+from benchmark.floor import measure_rates, median_time_s
 
 PAGE = 16
 
 
 def time_ms(fn: Callable[[], Any], warmup: int, iters: int) -> float:
     """Median over `iters` calls of the GPU time between events recorded around each call."""
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return median_time_s(fn, "cuda", warmup, iters) * 1e3
 
 
 def decode_layout(batch: int, kv_len: int, first_page: int = 1) -> Any:

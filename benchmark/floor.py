@@ -199,7 +199,7 @@ def offline_floor_headline(shape: ModelShape, rates: DeviceRates, phases: Sequen
     return out
 
 
-def _median_time_s(fn: Callable[[], Any], device: str, warmup: int, iters: int) -> float:
+def median_time_s(fn: Callable[[], Any], device: str, warmup: int, iters: int) -> float:
     import torch
 
     for _ in range(warmup):
@@ -230,10 +230,10 @@ def measure_rates(device: str = "auto") -> DeviceRates:
     nbytes, n, dtype = (1 << 30, 8192, torch.bfloat16) if cuda else (32 << 20, 512, torch.float32)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_s = _median_time_s(lambda: dst.copy_(src), device, 3, 10)
+    copy_s = median_time_s(lambda: dst.copy_(src), device, 3, 10)
     del src, dst
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    mm_s = _median_time_s(lambda: a @ b, device, 3, 10)
+    mm_s = median_time_s(lambda: a @ b, device, 3, 10)
     del a, b
     if cuda:
         torch.cuda.empty_cache()
