@@ -155,3 +155,16 @@ def test_decode_window_stays_short_over_a_long_output(smollm2_tokenizer: Any) ->
     detok = make(counting, smollm2_tokenizer.encode("a prompt of some length " * 20), stop=("@@@",))
     feed(detok, ids)
     assert counting.longest <= 2 * MAX_HELD_TOKENS
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_raw_decoder_gives_the_tokenizers_own_text(smollm2_tokenizer: Any, clean_up: bool) -> None:
+    import copy
+
+    from flashserve.engine.detokenizer import raw_decoder
+
+    tok = copy.copy(smollm2_tokenizer)
+    tok.clean_up_tokenization_spaces = clean_up
+    ids = tok.encode("Hello , world . It 's <|im_end|> done ?", add_special_tokens=False)
+    for skip in (False, True):
+        assert raw_decoder(tok)(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)

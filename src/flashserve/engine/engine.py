@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from flashserve.engine.detokenizer import IncrementalDetokenizer
+from flashserve.engine.detokenizer import IncrementalDetokenizer, raw_decoder
 from flashserve.engine.outputs import RequestOutput, SampleError, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request
 from flashserve.engine.scheduler import Scheduler
@@ -36,6 +36,7 @@ class LLMEngine:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
+        self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
 
     @property
@@ -52,7 +53,7 @@ class LLMEngine:
         request = Request(request_id, list(prompt_token_ids), params)
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params, self._decode)
         self._live[request_id] = _Live(request, detok)
         self.scheduler.add_request(request)
 
