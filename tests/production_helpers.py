@@ -62,11 +62,11 @@ class PoisonSampler(Sampler):
         super().__init__(0)
         self.fail_after = fail_after
 
-    def sample(self, logits: torch.Tensor, requests: Any) -> list[int]:
+    def sample_ids(self, logits: torch.Tensor, requests: Any) -> torch.Tensor:  # what sample() calls too
         for r in requests:
             if r.params.seed == POISON_SEED and len(r.output_token_ids) >= self.fail_after:
                 raise RuntimeError("injected sampling fault")
-        return super().sample(logits, requests)
+        return super().sample_ids(logits, requests)
 
 
 @dataclass

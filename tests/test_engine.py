@@ -24,7 +24,7 @@ class ScriptedExecutor:
         self.fail_with = fail_with
         self.steps = 0
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def launch(self, out: SchedulerOutput) -> list[int]:
         self.steps += 1
         if self.fail_with is not None:
             raise self.fail_with
@@ -32,6 +32,9 @@ class ScriptedExecutor:
             self.script[len(r.output_token_ids) % len(self.script)] if r.sample else NO_TOKEN
             for r in out.requests
         ]
+
+    def collect(self, handle: list[int]) -> list[int]:
+        return handle
 
 
 def make_engine(script: list[int], num_pages: int = 64, tokenizer=None, **kw) -> LLMEngine:
@@ -74,6 +77,36 @@ def test_stop_string_ends_request_and_is_never_emitted(smollm2_tokenizer):
     assert text == "The answer is 42. "
     assert outs[-1].finish_reason == "stop"
     assert engine.scheduler.block_manager.num_used_pages == 0
+
+
+def test_token_of_the_step_in_flight_at_a_stop_string_is_dropped(smollm2_tokenizer):
+    # The step after the one that completes "END" is already launched when the text shows it.
+    tok = smollm2_tokenizer
+    script = tok.encode("The answer is 42. END of story, more text follows here")
+    k = next(i for i in range(len(script)) if "END" in tok.decode(script[: i + 1]))
+    engine = make_engine(script, tokenizer=tok)
+    engine.add_request("a", tok.encode("Q"), SamplingParams(max_tokens=50, stop=("END",)))
+    outs = run_to_end(engine)["a"]
+    assert [t for o in outs for t in o.new_token_ids] == script[: k + 1]
+    assert outs[-1].num_output_tokens == k + 1 and outs[-1].finish_reason == "stop"
+    assert engine.executor.steps == k + 2  # the prefill step, k more, and the dropped one
+    assert engine.scheduler.block_manager.num_used_pages == 0
+
+
+def test_next_step_is_launched_before_this_steps_text_is_made(smollm2_tokenizer):
+    events: list[str] = []
+
+    class RecordingTokenizer:
+        def decode(self, ids, skip_special_tokens=False):
+            events.append("decode")
+            return smollm2_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    engine = make_engine([5, 6, 7], tokenizer=RecordingTokenizer())
+    launch = engine.executor.launch
+    engine.executor.launch = lambda out: (events.append("launch"), launch(out))[1]
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+    engine.step()
+    assert events[:2] == ["launch", "launch"] and "decode" in events[2:]
 
 
 def test_text_of_a_length_finished_request_equals_full_decode(smollm2_tokenizer):

@@ -27,8 +27,11 @@ SMALL = dict(
 
 
 class ArgmaxSampler:
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+        return logits.argmax(-1)
+
     def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]:
-        return logits.argmax(-1).tolist()
+        return self.sample_ids(logits, requests).tolist()
 
 
 def build_model(kind: str) -> torch.nn.Module:
@@ -155,14 +158,14 @@ def test_execute_returns_no_token_for_chunks_that_do_not_sample() -> None:
     assert isinstance(result[1], int) and 0 <= result[1] < VOCAB
 
 
-class FailsOnRequest:
+class FailsOnRequest(ArgmaxSampler):
     def __init__(self, bad_id: str) -> None:
         self.bad_id = bad_id
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]:
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
         if any(r.request_id == self.bad_id for r in requests):
             raise ValueError(f"cannot sample {self.bad_id}")
-        return logits.argmax(-1).tolist()
+        return super().sample_ids(logits, requests)
 
 
 def test_sampling_error_fails_only_its_request() -> None:

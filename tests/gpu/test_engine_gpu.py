@@ -22,10 +22,13 @@ class RecordingSampler:
         self.inner = inner
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
 
-    def sample(self, logits, requests):
+    def sample_ids(self, logits, requests):
         for row, r in zip(logits, requests):
             self.rows[(r.request_id, len(r.output_token_ids))] = row.float().cpu()
-        return self.inner.sample(logits, requests)
+        return self.inner.sample_ids(logits, requests)
+
+    def sample(self, logits, requests):
+        return self.sample_ids(logits, requests).tolist()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,11 @@
 """The synchronous engine: one step = schedule, execute, update, then text and stop strings.
 
+The device computes the next step while the host detokenizes this one: a step's results are
+applied (`update`), the next step is scheduled and launched, and only then does the host turn
+the results into text and outputs. A stop string found then finishes a request that is already
+in the launched step; `update` drops its token, and its freed pages are reused only by steps
+that run after it on the device.
+
 `LLMEngine` is driven by exactly one thread (the engine loop of `AsyncEngine`, or the caller of
 the offline API); nothing in it is thread-safe and nothing in it needs to be.
 """
@@ -20,7 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
-    def execute(self, out: SchedulerOutput) -> list[int | SampleError]: ...
+    def launch(self, out: SchedulerOutput) -> Any:
+        """Starts a non-empty step on the device; returns a handle for `collect`."""
+        ...
+
+    def collect(self, handle: Any) -> list[int | SampleError]:
+        """Waits for a launched step: an id, NO_TOKEN or a SampleError per scheduled request."""
+        ...
 
 
 @dataclass(eq=False)
@@ -38,6 +50,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
+        self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
 
     @property
     def has_unfinished(self) -> bool:
@@ -67,12 +80,25 @@ class LLMEngine:
         return self._output(live)
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that got tokens or finished."""
-        out = self.scheduler.schedule()
-        sampled = self.executor.execute(out) if not out.is_empty else []
-        # update() also reports requests the scheduler failed on its own (e.g. too long to fit).
-        touched = self.scheduler.update(out, sampled)
+        """Run one step; return an output for every request that got tokens or finished.
+
+        Leaves the next step running on the device, if there is one; the next call collects it.
+        """
+        touched = self._launch() if self._launched is None else []
+        if self._launched is not None:
+            out, handle = self._launched
+            self._launched = None
+            touched += self.scheduler.update(out, self.executor.collect(handle))
+            touched += self._launch()
         return [self._process(self._live[r.request_id]) for r in touched if r.request_id in self._live]
+
+    def _launch(self) -> list[Request]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            # update() reports requests the scheduler failed on its own (e.g. too long to fit).
+            return self.scheduler.update(out, [])
+        self._launched = (out, self.executor.launch(out))
+        return []
 
     def _process(self, live: _Live) -> RequestOutput:
         req = live.request

@@ -6,6 +6,7 @@ import importlib.util
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +26,18 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class TokenSampler(Protocol):
     def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]: ...
+
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor: ...
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling were enqueued on the device; `ModelRunner.collect` waits."""
+
+    num_requests: int
+    sampling: list[int]  # indices of the requests that sample
+    ids: torch.Tensor | None = None  # their token ids, still on the device
+    results: list[int | SampleError] | None = None  # or already on the host (per-row fallback)
 
 
 class StepModel(Protocol):
@@ -91,22 +104,32 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> list[int | SampleError]:
         """One entry per `out.requests`: a sampled id, NO_TOKEN (sample=False) or a SampleError."""
-        results: list[int | SampleError] = [NO_TOKEN] * len(out.requests)
-        if out.is_empty:
-            return results
-        logits = self.forward(out)
+        return self.collect(self.launch(out))
+
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Enqueues the step's forward and sampling without waiting for the device."""
         sampling = [i for i, r in enumerate(out.requests) if r.sample]
+        step = LaunchedStep(len(out.requests), sampling)
+        if out.is_empty:
+            return step
+        logits = self.forward(out)
         if not sampling:
-            return results
+            return step
         requests = [out.requests[i] for i in sampling]
         with torch.inference_mode():
             try:
-                sampled: list[int | SampleError] = list(self.sampler.sample(logits, requests))
+                step.ids = self.sampler.sample_ids(logits, requests)
             except Exception:
                 # One bad request must not fail the batch: retry row by row, failing only it.
                 logger.exception("sampling the batch failed; retrying request by request")
-                sampled = [self._sample_one(logits[j : j + 1], r) for j, r in enumerate(requests)]
-        for i, token in zip(sampling, sampled):
+                step.results = [self._sample_one(logits[j : j + 1], r) for j, r in enumerate(requests)]
+        return step
+
+    def collect(self, step: LaunchedStep) -> list[int | SampleError]:
+        """Waits for a launched step: one entry per request, as `execute` returns."""
+        results: list[int | SampleError] = [NO_TOKEN] * step.num_requests
+        sampled = step.results if step.results is not None else step.ids.tolist() if step.ids is not None else []
+        for i, token in zip(step.sampling, sampled):
             results[i] = token
         return results
 

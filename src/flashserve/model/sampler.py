@@ -211,17 +211,22 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]:
         """`logits` [B, V] (float32), row i for requests[i]; returns B token ids."""
+        return self.sample_ids(logits, requests).tolist()
+
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """As `sample`, but the ids stay on the logits' device ([B] int64), not synchronised: the
+        host may do other work while the device computes them."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} requests")
         if not requests:
-            return []
+            return torch.empty(0, dtype=torch.long, device=logits.device)
         needs_min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
         needs_penalties = any(r.params.needs_penalties for r in requests)
         all_greedy = all(r.params.greedy for r in requests)
         if len(self._history):
             self._history.retain({r.request_id for r in requests})
         if all_greedy and not needs_penalties and not needs_min_tokens:
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
 
         # A float32 copy: the caller's logits stay untouched.
         logits = logits.to(torch.float32, copy=True)
@@ -230,8 +235,8 @@ class Sampler:
         if needs_min_tokens:
             apply_min_tokens(logits, requests)
         if all_greedy:
-            return logits.argmax(dim=-1).tolist()
-        return self._sample_random(logits, requests).tolist()
+            return logits.argmax(dim=-1)
+        return self._sample_random(logits, requests)
 
     def _sample_random(
         self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
