@@ -62,7 +62,7 @@ class PoisonSampler(Sampler):
         super().__init__(0)
         self.fail_after = fail_after
 
-    def sample_ids(self, logits: torch.Tensor, requests: Any) -> torch.Tensor:  # what sample() calls too
+    def sample_ids(self, logits: torch.Tensor, requests: Any) -> torch.Tensor:
         for r in requests:
             if r.params.seed == POISON_SEED and len(r.output_token_ids) >= self.fail_after:
                 raise RuntimeError("injected sampling fault")

@@ -30,9 +30,6 @@ class ArgmaxSampler:
     def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
         return logits.argmax(-1)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]:
-        return self.sample_ids(logits, requests).tolist()
-
 
 def build_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)

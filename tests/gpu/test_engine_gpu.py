@@ -27,9 +27,6 @@ class RecordingSampler:
             self.rows[(r.request_id, len(r.output_token_ids))] = row.float().cpu()
         return self.inner.sample_ids(logits, requests)
 
-    def sample(self, logits, requests):
-        return self.sample_ids(logits, requests).tolist()
-
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:

@@ -25,9 +25,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 class TokenSampler(Protocol):
-    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]: ...
-
-    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor: ...
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """`logits` [B, V] -> B token ids on the logits' device, without waiting for them."""
+        ...
 
 
 @dataclass
@@ -135,7 +135,7 @@ class ModelRunner:
 
     def _sample_one(self, logits: torch.Tensor, request: ScheduledRequest) -> int | SampleError:
         try:
-            return self.sampler.sample(logits, [request])[0]
+            return int(self.sampler.sample_ids(logits, [request])[0])
         except Exception as exc:  # noqa: BLE001 - the request fails alone, with its message
             return SampleError(str(exc) or type(exc).__name__)
 
