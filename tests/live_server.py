@@ -21,11 +21,14 @@ def free_port() -> int:
 
 @contextmanager
 def live_server(args: Sequence[str] = (), env: dict[str, str] | None = None,
-                timeout_s: float = 240) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Yields (base URL, process) once /health answers 200; kills the process on exit if still running."""
+                timeout_s: float = 240, module: str = "flashserve") -> Iterator[tuple[str, subprocess.Popen]]:
+    """Yields (base URL, process) once /health answers 200; kills the process on exit if still running.
+    `module` is what `python -m` runs: flashserve, or a test wrapper that takes the same arguments."""
     port = free_port()
     full_env = dict(os.environ, FLASHSERVE_PORT=str(port), FLASHSERVE_LOG_LEVEL="warning", **(env or {}))
-    proc = subprocess.Popen([sys.executable, "-m", "flashserve", "serve", *args], env=full_env,
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, full_env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", module, "serve", *args], env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:

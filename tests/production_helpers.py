@@ -91,7 +91,7 @@ def make_engine(
     runner = FakeModelRunner(sampler or Sampler(0), delay, fail_forward)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
                           BlockManager(num_pages, PAGE_SIZE), max_model_len=num_pages * PAGE_SIZE)
-    return AsyncEngine(LLMEngine(scheduler, runner, None), num_pages * PAGE_SIZE, metrics=metrics,
+    return AsyncEngine(LLMEngine(scheduler, runner, None, vocab_size=VOCAB), num_pages * PAGE_SIZE, metrics=metrics,
                        max_waiting=max_waiting, queue_timeout=queue_timeout)
 
 

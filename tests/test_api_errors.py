@@ -99,7 +99,7 @@ async def test_dead_engine_is_503(tokenizer: Any) -> None:
 class RefusingEngine(FakeEngine):
     """An engine whose generate() raises at the call rather than at the first step."""
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> Any:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, group: Any = None) -> Any:
         raise EngineDead("stopped")
 
 

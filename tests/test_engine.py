@@ -37,10 +37,13 @@ class ScriptedExecutor:
         return handle
 
 
+VOCAB = 50_000  # above every id the scripts and tokenizers here use
+
+
 def make_engine(script: list[int], num_pages: int = 64, tokenizer=None, **kw) -> LLMEngine:
     bm = BlockManager(num_pages, 16)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm, max_model_len=512)
-    return LLMEngine(sched, ScriptedExecutor(script, **kw), tokenizer)
+    return LLMEngine(sched, ScriptedExecutor(script, **kw), tokenizer, vocab_size=VOCAB)
 
 
 def run_to_end(engine: LLMEngine, max_steps: int = 1000) -> dict[str, list]:

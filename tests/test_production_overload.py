@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import httpx
 import pytest
 
+from flashserve.api.options import APIOptions
 from flashserve.engine.async_engine import AsyncEngine
 from production_helpers import Stack, assert_openai_error, completion, serve_engine, wait_for
 
@@ -86,3 +88,44 @@ def test_a_streaming_request_that_times_out_in_the_queue_gets_503_before_any_chu
 def test_engine_limits_must_be_positive(kw: dict) -> None:
     with pytest.raises(ValueError):
         AsyncEngine(None, 16, **kw)  # type: ignore[arg-type]
+
+
+def test_a_request_of_more_sequences_than_the_limit_is_400() -> None:
+    with serve_engine() as stack:
+        r = httpx.post(f"{stack.url}/v1/completions", json=completion(1, prompt=[[1, 2]] * 3, n=100))
+        error = assert_openai_error(r, 400, "too_many_sequences")
+        assert error["param"] == "n" and "300" in error["message"] and "256" in error["message"]
+        assert not stack.llm.has_unfinished
+
+
+def test_the_sequence_limit_counts_prompts_too() -> None:
+    with serve_engine(options=APIOptions(max_sequences_per_request=4)) as stack:
+        r = httpx.post(f"{stack.url}/v1/completions", json=completion(1, prompt=[[1, 2]] * 5))
+        assert assert_openai_error(r, 400, "too_many_sequences")["param"] == "prompt"
+        assert httpx.post(f"{stack.url}/v1/completions", json=completion(1, prompt=[[1, 2]] * 4)).status_code == 200
+
+
+def test_the_waiting_limit_counts_sequences_not_requests() -> None:
+    with serve_engine(max_num_seqs=1, max_waiting=4, delay=0.01) as stack, long_streams(stack.url, 1):
+        wait_for(lambda: engine_counts(stack) == (1, 0), 5, "one running")
+        r = httpx.post(f"{stack.url}/v1/completions", json=completion(1, n=5), timeout=10)
+        assert_openai_error(r, 503, "queue_full")
+        wait_for(lambda: engine_counts(stack) == (1, 0), 5, "the refused request left nothing queued")
+
+
+def test_a_request_that_fans_out_does_not_shut_a_small_one_out() -> None:
+    with serve_engine(max_num_seqs=8, delay=0.005) as stack:
+        t0 = time.monotonic()
+        assert httpx.post(f"{stack.url}/v1/completions", json=completion(1), timeout=10).status_code == 200
+        idle = time.monotonic() - t0
+        big = threading.Thread(target=httpx.post, args=(f"{stack.url}/v1/completions",), daemon=True,
+                               kwargs={"json": completion(50, prompt=[[1, 2, 3]] * 8, n=8), "timeout": 60})
+        big.start()
+        wait_for(lambda: engine_counts(stack)[0] == 4, 5, "the big request holds its share")
+        t0 = time.monotonic()
+        assert httpx.post(f"{stack.url}/v1/completions", json=completion(1), timeout=10).status_code == 200
+        beside_big = time.monotonic() - t0
+        # 64 sequences x 50 tokens at 4 at a time take about 4 s; the small request gets a free slot.
+        assert big.is_alive(), "the big request should still be running"
+        assert beside_big < idle + 1.0, (idle, beside_big)
+        big.join(60)

@@ -445,3 +445,52 @@ def test_random_workload_with_aborts_keeps_pages_consistent_and_ends_clean() -> 
     assert not pending and not s.has_unfinished
     assert all(r.is_finished for r in reqs)
     assert_all_pages_free(s)
+
+
+# Fair share between API requests
+
+
+def grouped(group: str, count: int, **params: object) -> list[Request]:
+    requests = [req(f"{group}-{i}", **params) for i in range(count)]
+    for r in requests:
+        r.group = group
+    return requests
+
+
+def test_one_group_holds_at_most_half_the_running_slots() -> None:
+    s = make(max_num_seqs=8, max_tokens_per_step=512)
+    for r in grouped("big", 12, max_tokens=50):
+        s.add_request(r)
+    step(s)
+    assert s.num_running == 4 and s.num_waiting == 8
+
+
+def test_a_later_request_overtakes_a_group_holding_its_share() -> None:
+    s = make(max_num_seqs=8, max_tokens_per_step=512)
+    for r in grouped("big", 12, max_tokens=50):
+        s.add_request(r)
+    step(s)
+    small = req("small", max_tokens=1)
+    s.add_request(small)
+    out, _ = step(s)
+    assert "small" in [r.request_id for r in out.requests]
+    assert small.is_finished
+
+
+def test_a_group_gets_a_slot_back_when_one_of_its_requests_ends() -> None:
+    s = make(max_num_seqs=4, max_tokens_per_step=512)
+    first, *rest = grouped("big", 3, max_tokens=50)
+    first.params = SamplingParams(max_tokens=1)
+    for r in (first, *rest):
+        s.add_request(r)
+    step(s)  # admits two, the first ends
+    out, _ = step(s)
+    assert [r.request_id for r in out.requests] == ["big-1", "big-2"]
+
+
+def test_requests_without_a_group_are_not_capped() -> None:
+    s = make(max_num_seqs=8, max_tokens_per_step=512)
+    for i in range(8):
+        s.add_request(req(f"r{i}", max_tokens=50))
+    step(s)
+    assert s.num_running == 8

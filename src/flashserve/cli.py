@@ -92,8 +92,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "without it logs carry no prompt text"),
     Option("--access-log", _bool, False, "uvicorn's access log line per HTTP request, besides the "
            "line per finished generation request"),
-    Option("--max-waiting", _positive_int, None, "most requests queued for the engine; past it new "
-           "requests get 503 with Retry-After (default: no limit)"),
+    Option("--max-waiting", _positive_int, None, "most sequences (prompts x n of every request) queued for "
+           "the engine; past it new requests get 503 with Retry-After (default: no limit)"),
     Option("--queue-timeout", _positive_float, None, "seconds a request may wait to be scheduled before it "
            "ends with a 503 error and frees what it held (default: no limit)"),
     Option("--api-key", str, None, "API key(s) clients must send as 'Authorization: Bearer KEY'; "
@@ -101,9 +101,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--allowed-origins", str, None, "CORS: origins allowed to call the API from a browser, or '*' "
            "(default: none, CORS off)", multiple=True),
     Option("--allowed-methods", str, ["GET", "POST", "OPTIONS"], "CORS: allowed methods", multiple=True),
-    Option("--allowed-headers", str, ["Authorization", "Content-Type"], "CORS: allowed request headers",
-           multiple=True),
+    Option("--allowed-headers", str, ["*"], "CORS: allowed request headers", multiple=True),
     Option("--allow-credentials", _bool, False, "CORS: allow cookies and HTTP authentication"),
+    Option("--max-sequences-per-request", _positive_int, 256, "most sequences (prompts x n) one request may "
+           "start; more is a 400"),
     Option("--max-body-bytes", _positive_int, 8 << 20, "largest request body; larger ones get 413"),
     Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "
            "(new ones get 503) before the rest end with an error"),
@@ -172,6 +173,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         api_keys=api_keys, allowed_origins=tuple(ns.allowed_origins or ()),
         allowed_methods=tuple(ns.allowed_methods), allowed_headers=tuple(ns.allowed_headers),
         allow_credentials=ns.allow_credentials, max_body_bytes=ns.max_body_bytes, log_requests=ns.log_requests,
+        max_sequences_per_request=ns.max_sequences_per_request,
     )
     return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
                      queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,

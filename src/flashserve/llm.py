@@ -44,7 +44,7 @@ def build_engine(
     runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph, max_batch_size=scheduler.max_num_seqs)
     # loaded.max_model_len is already capped by what the KV cache holds.
     sched = Scheduler(scheduler, BlockManager(num_pages, cache.page_size), loaded.max_model_len)
-    engine = LLMEngine(sched, runner, loaded.tokenizer)
+    engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size)
     return EngineStack(engine, loaded, num_pages, cache.page_size)
 
 

@@ -93,9 +93,11 @@ class RequestRecord:
     request's log line once, when it is `close`d. Event-loop only."""
 
     def __init__(self, metrics: Metrics, request_id: str, num_prompt_tokens: int, num_choices: int,
-                 arrival: float | None = None) -> None:
+                 arrival: float | None = None, x_request_id: str | None = None) -> None:
         self.metrics = metrics
         self.request_id = request_id
+        # Besides our id: the one the client got in the `x-request-id` header, to find this line by.
+        self.x_request_id = x_request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.arrival = time.monotonic() if arrival is None else arrival
         self.first_token: float | None = None
@@ -149,4 +151,4 @@ class RequestRecord:
         return (f"request {self.request_id} finished: prompt_tokens={self.num_prompt_tokens} "
                 f"completion_tokens={completion} ttft={ttft_text} latency={latency:.3f}s "
                 f"prompt_tokens_per_s={prompt_tps:.1f} generation_tokens_per_s={max(gen_tps, 0.0):.1f} "
-                f"finish_reason={reasons}")
+                f"finish_reason={reasons} x_request_id={self.x_request_id or '-'}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -11,6 +12,9 @@ class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,12 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        # Python's JSON parser accepts NaN and Infinity, and NaN fails every comparison: a range
+        # check such as `repetition_penalty <= 0` would let it through to the sampler.
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise InvalidParameter(name, f"{name} must be a finite number, got {value}")
         if self.max_tokens < 1:
             raise InvalidParameter("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:

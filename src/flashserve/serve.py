@@ -3,13 +3,20 @@
 Shutdown on SIGTERM (or Ctrl+C) is graceful: the server keeps listening but answers new requests
 with 503, lets the running ones finish for up to `--shutdown-timeout` seconds, ends the rest with
 an error, then stops and exits 0. A second signal stops at once.
+
+If the engine loop dies (a CUDA error poisons the process; nothing more can run on it), every open
+request ends with an error, the server stops and the process exits 1, so that its supervisor
+(Docker's restart policy, systemd, Kubernetes) starts a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
+import threading
 import time
 from types import FrameType
 from typing import Any, Awaitable, Callable
@@ -20,6 +27,11 @@ logger = logging.getLogger("flashserve")
 
 # After aborting what outlived the shutdown timeout: how long its error events get to go out.
 ABORT_GRACE_SECONDS = 5.0
+# After the engine loop died: how long open requests get to receive their errors before the server
+# stops, and how long stopping may take before the process exits anyway.
+DEATH_GRACE_SECONDS = 1.0
+DEATH_EXIT_SECONDS = 10.0
+EXIT_ENGINE_DIED = 1
 
 
 def served_names(args: ServeArgs, loaded_name: str) -> list[str]:
@@ -69,7 +81,23 @@ async def drain(server: Any, state: Any, engine: Any, timeout: float) -> None:
     server.should_exit = True
 
 
-async def serve(args: ServeArgs) -> None:
+def stop_when_dead(server: Any, state: Any) -> Callable[[str], None]:
+    """The engine's `on_dead`: refuse new requests, stop the server after a grace period, and make
+    sure the process ends even if stopping hangs on a poisoned device."""
+
+    def on_dead(reason: str) -> None:
+        logger.error("the engine loop died; stopping the server with exit code %d", EXIT_ENGINE_DIED)
+        state.draining = True
+        asyncio.get_running_loop().call_later(DEATH_GRACE_SECONDS, setattr, server, "should_exit", True)
+        timer = threading.Timer(DEATH_GRACE_SECONDS + DEATH_EXIT_SECONDS, os._exit, (EXIT_ENGINE_DIED,))
+        timer.daemon = True
+        timer.start()
+
+    return on_dead
+
+
+async def serve(args: ServeArgs) -> int:
+    """Serves until shutdown; returns the process's exit code."""
     import uvicorn
 
     from flashserve.api.options import ServerState
@@ -100,16 +128,20 @@ async def serve(args: ServeArgs) -> None:
     )
     server: Any = None
     server = graceful_server(config, lambda: drain(server, state, engine, args.shutdown_timeout))
+    engine.on_dead = stop_when_dead(server, state)
     engine.start()
     try:
         await server.serve()
     finally:
         engine.shutdown()
     logger.info("stopped")
+    return EXIT_ENGINE_DIED if engine.dead_reason is not None else 0
 
 
 def run_serve(args: ServeArgs) -> None:
     logging.basicConfig(
         level=args.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(args))
+    code = asyncio.run(serve(args))
+    if code:
+        sys.exit(code)

@@ -1,6 +1,7 @@
 """The guard in front of every route: API key, body size, draining; counts requests in flight.
+Around it, the request id: the client's `x-request-id` or a fresh one, on every response.
 
-A pure ASGI middleware rather than Starlette's BaseHTTPMiddleware, which would buffer streamed
+Pure ASGI middlewares rather than Starlette's BaseHTTPMiddleware, which would buffer streamed
 responses and hide the client's disconnect from the handlers that watch `receive()`.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import uuid
 from typing import Any, Awaitable, Callable, MutableMapping
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,6 +27,45 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
 WRONG_KEY = "Incorrect API key provided."
+
+REQUEST_ID_HEADER = b"x-request-id"
+MAX_REQUEST_ID_LENGTH = 256
+
+
+class RequestIdMiddleware:
+    """Names each HTTP request: `scope["state"]["request_id"]` (`request.state.request_id` in a
+    handler) and an `x-request-id` header on its response, so a client can quote it and find the
+    request's log line. Meant to wrap everything else, Starlette's error middleware included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _client_request_id(scope) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        value = request_id.encode("ascii")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _client_request_id(scope: Scope) -> str | None:
+    """The client's id if it is short visible ASCII. No spaces: it goes into a space-separated
+    log line, where a space would let a client write fields of its own."""
+    raw = _header(scope, REQUEST_ID_HEADER)
+    if raw is None or not 0 < len(raw) <= MAX_REQUEST_ID_LENGTH:
+        return None
+    if any(not 0x21 <= byte <= 0x7E for byte in raw):
+        return None
+    return raw.decode("ascii")
 
 
 class GuardMiddleware:

@@ -15,12 +15,17 @@ class APIOptions:
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
     allowed_methods: tuple[str, ...] = ("GET", "POST", "OPTIONS")
-    allowed_headers: tuple[str, ...] = ("Authorization", "Content-Type")
+    # Any: the OpenAI SDKs send headers of their own (x-stainless-*) that a fixed list would refuse.
+    allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     max_body_bytes: int = 8 << 20
+    # prompts x n of one request: each is a sequence in the engine's queue.
+    max_sequences_per_request: int = 256
     log_requests: bool = False  # log prompts (text or token ids) as they arrive
 
     def __post_init__(self) -> None:
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"max_sequences_per_request must be positive, got {self.max_sequences_per_request}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if any(not key for key in self.api_keys):

@@ -19,7 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from flashserve.api import protocol as p
 from flashserve.api.errors import APIError, engine_dead, install_error_handlers, invalid, overloaded
-from flashserve.api.middleware import GuardMiddleware
+from flashserve.api.middleware import GuardMiddleware, RequestIdMiddleware
 from flashserve.api.options import APIOptions, ServerState
 from flashserve.api.streaming import (
     CLIENT_CLOSED,
@@ -55,6 +55,10 @@ def _as_ids(encoded: Any) -> list[int]:
     return [int(t) for t in encoded]
 
 
+def _model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
 class _OpenAIServing:
     def __init__(
         self,
@@ -80,7 +84,6 @@ class _OpenAIServing:
         fallback = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(eos_token_ids) or ((fallback,) if isinstance(fallback, int) else ())
         self.created = int(time.time())
-        self.vocab_size = len(tokenizer) if tokenizer is not None else None
 
     # ---- endpoints -----------------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
@@ -99,6 +102,7 @@ class _OpenAIServing:
         except Exception as exc:  # templates raise on shapes they refuse (roles out of order, ...)
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from exc
         prompt = _as_ids(encoded)
+        self._check_fan_out(1, body.n, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if self.options.log_requests:
             request_logger.info("request %s: messages=%r", request_id, conversation)
@@ -107,15 +111,25 @@ class _OpenAIServing:
     async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         model = self._check(body)
-        prompts = [self._tokenize(item) for item in self._prompt_items(body.prompt)]
+        items = self._prompt_items(body.prompt)
+        self._check_fan_out(len(items), body.n, "prompt")
+        prompts = [self._tokenize(item) for item in items]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if self.options.log_requests:
             request_logger.info("request %s: prompt=%r", request_id, body.prompt)
         return await self._generate(raw, body, request_id, model, prompts, chat=False, arrival=arrival)
 
     async def models(self) -> JSONResponse:
-        cards = [p.ModelCard(id=n, created=self.created, max_model_len=self.max_model_len) for n in self.names]
+        cards = [self._card(n) for n in self.names]
         return JSONResponse(p.ModelList(data=cards).model_dump())
+
+    async def model(self, model_id: str) -> JSONResponse:
+        if model_id not in self.names:
+            raise _model_not_found(model_id)
+        return JSONResponse(self._card(model_id).model_dump())
+
+    def _card(self, name: str) -> p.ModelCard:
+        return p.ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
 
     async def health(self) -> JSONResponse:
         if not self.engine.is_healthy():
@@ -131,13 +145,21 @@ class _OpenAIServing:
     def _check(self, body: p.GenerationRequest) -> str:
         model = body.model if body.model is not None else self.names[0]
         if model not in self.names:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            raise _model_not_found(model)
         field = p.unsupported_field(body)
         if field == "stream_options":
             raise invalid("stream_options is only allowed when stream is true", field)
         if field is not None:
             raise invalid(f"{field} is not supported by this server", field, code="unsupported_parameter")
         return model
+
+    def _check_fan_out(self, num_prompts: int, n: int, param: str) -> None:
+        """Each prompt x choice is a sequence in the engine; one request may not flood the queue."""
+        limit = self.options.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise invalid(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); "
+                f"the limit per request is {limit}", "n" if n > 1 else param, code="too_many_sequences")
 
     @staticmethod
     def _prompt_items(prompt: p.Prompt) -> list[str | list[int]]:
@@ -158,8 +180,8 @@ class _OpenAIServing:
             ids = list(item)
         if not ids:
             raise invalid("prompt must not be empty", "prompt")
-        if self.vocab_size is not None and max(ids) >= self.vocab_size:
-            raise invalid(f"prompt token ids must be below the vocabulary size {self.vocab_size}", "prompt")
+        # Ids are checked against the model's embedding by the engine, not against the tokenizer,
+        # which may know more ids than the model has rows.
         return ids
 
     def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
@@ -188,7 +210,8 @@ class _OpenAIServing:
         self, raw: Request, body: p.GenerationRequest, request_id: str, model: str,
         prompts: list[list[int]], chat: bool, arrival: float,
     ) -> Response:
-        streams = self._open(body, request_id, prompts, param="messages" if chat else "prompt", arrival=arrival)
+        streams = self._open(body, request_id, prompts, param="messages" if chat else "prompt", arrival=arrival,
+                             x_request_id=raw.state.request_id)
         try:
             await unless_disconnected(raw, streams.start())
         except ClientGone:
@@ -240,7 +263,8 @@ class _OpenAIServing:
         return JSONResponse(response.model_dump())
 
     def _open(
-        self, body: p.GenerationRequest, request_id: str, prompts: list[list[int]], param: str, arrival: float
+        self, body: p.GenerationRequest, request_id: str, prompts: list[list[int]], param: str, arrival: float,
+        x_request_id: str | None = None,
     ) -> EngineStreams:
         """One engine request per choice: n per prompt, numbered across prompts."""
         ids: list[str] = []
@@ -256,8 +280,9 @@ class _OpenAIServing:
                 params.append(p.for_choice(base, index))
         if not self.engine.is_healthy():
             raise engine_dead()
-        record = RequestRecord(self.metrics, request_id, sum(len(x) for x in prompts), len(ids), arrival)
-        return EngineStreams(self.engine, ids, choice_prompts, params, record)
+        record = RequestRecord(self.metrics, request_id, sum(len(x) for x in prompts), len(ids), arrival,
+                               x_request_id)
+        return EngineStreams(self.engine, ids, choice_prompts, params, record, group=request_id)
 
 
 def build_app(
@@ -285,6 +310,8 @@ def build_app(
         app.add_api_route(f"{prefix}/chat/completions", serving.chat, methods=["POST"], response_model=None)
         app.add_api_route(f"{prefix}/completions", serving.completions, methods=["POST"], response_model=None)
         app.add_api_route(f"{prefix}/models", serving.models, methods=["GET"], response_model=None)
+        # `path`: model ids such as meta-llama/Llama-3.1-8B-Instruct hold slashes.
+        app.add_api_route(f"{prefix}/models/{{model_id:path}}", serving.model, methods=["GET"], response_model=None)
     app.add_api_route("/health", serving.health, methods=["GET"], response_model=None)
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"], response_model=None, include_in_schema=False)
     # Added last, so outermost: the guard sees requests before routing, CORS answers preflights
@@ -294,7 +321,12 @@ def build_app(
         app.add_middleware(
             CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=list(options.allowed_methods),
             allow_headers=list(options.allowed_headers), allow_credentials=options.allow_credentials,
+            expose_headers=["x-request-id"],  # browsers hide response headers CORS does not list
         )
+    # Outside even Starlette's error middleware, which add_middleware cannot reach: the 500 for an
+    # unexpected exception carries the request id too.
+    build_stack = app.build_middleware_stack
+    app.build_middleware_stack = lambda: RequestIdMiddleware(build_stack())  # type: ignore[method-assign]
     app.state.metrics = metrics
     app.state.server_state = state
     return app

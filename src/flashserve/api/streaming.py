@@ -16,11 +16,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from starlette.requests import Request
 
-from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, engine_dead, overloaded
+from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, engine_dead, invalid, overloaded
 from flashserve.engine.client import EngineClient, EngineDead, EngineOverloaded
 from flashserve.engine.outputs import RequestOutput
 from flashserve.metrics import RequestRecord
-from flashserve.sampling_params import SamplingParams
+from flashserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,11 @@ class EngineStreams:
         prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
         record: RequestRecord | None = None,  # metrics and the request's log line
+        group: str | None = None,  # the API request's id: its choices share one fair share
     ) -> None:
         self._engine = engine
         self._ids = list(request_ids)
+        self._group = group
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._buffer: deque[tuple[int, RequestOutput]] = deque()
         self._finished = [False] * len(self._ids)
@@ -101,14 +103,14 @@ class EngineStreams:
         finished = False
         try:
             # Inside the try: an engine may refuse at the call (EngineDead) or at the first step.
-            stream = self._engine.generate(request_id, prompt, params)
+            stream = self._engine.generate(request_id, prompt, params, group=self._group)
             async for out in stream:
                 finished = out.finished
                 self._queue.put_nowait((index, out))
                 if finished:
                     return
             self._queue.put_nowait((index, _failed(request_id, "the engine stream ended early")))
-        except (EngineDead, EngineOverloaded) as exc:
+        except (EngineDead, EngineOverloaded, InvalidParameter) as exc:
             self._queue.put_nowait((index, exc))
         except Exception as exc:
             logger.exception("engine request %s failed", request_id)
@@ -130,6 +132,8 @@ class EngineStreams:
                 self._refusals[index] = overloaded(message, code="queue_full")
             elif isinstance(item, EngineDead):
                 self._refusals[index] = engine_dead(message)
+            elif isinstance(item, InvalidParameter):  # the engine refused a token id
+                self._refusals[index] = invalid(message, item.param)
             item = _failed(self._ids[index], message)
         if item.finished:
             self._finished[index] = True

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Callable
 
 from flashserve.engine.client import EngineDead, EngineOverloaded
 from flashserve.engine.engine import LLMEngine
@@ -30,6 +31,7 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,9 @@ class AsyncEngine:
 
     `max_waiting` bounds the requests queued for the engine (new or preempted): past it,
     `generate()` raises EngineOverloaded. `queue_timeout` (seconds) aborts a request, with an
-    error, that has not been scheduled that long after it arrived.
+    error, that has not been scheduled that long after it arrived. `on_dead(reason)` runs on the
+    event loop once the engine loop has died and every open stream has got its error: a server
+    exits then, so that its supervisor restarts it (a CUDA error poisons the whole process).
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class AsyncEngine:
         metrics: Metrics | None = None,
         max_waiting: int | None = None,
         queue_timeout: float | None = None,
+        on_dead: Callable[[str], None] | None = None,
     ) -> None:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
@@ -63,6 +68,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.queue_timeout = queue_timeout
+        self.on_dead = on_dead
         self._inbox: list[_Add | _Abort] = []
         self._wakeup = threading.Condition()
         # Guarded by _wakeup: waiting requests as of the last loop turn, plus adds sent since.
@@ -98,11 +104,16 @@ class AsyncEngine:
                 and self._thread.is_alive())
 
     @property
+    def dead_reason(self) -> str | None:
+        """Why the engine loop died, or None while it lives (or stopped normally)."""
+        return self._dead
+
+    @property
     def num_streams(self) -> int:
         return len(self._streams)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         # From the health check to the registration nothing awaits, so a loop that dies meanwhile
         # finds this stream in _streams when its _fail_all runs on this event loop.
@@ -110,12 +121,15 @@ class AsyncEngine:
             raise EngineDead(self._dead or "the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # Here, not only in the engine loop: a bad id is the client's error (InvalidParameter), and
+        # it never enters the queue.
+        self.engine.check_request(prompt_token_ids, params)
         with self._wakeup:
             if self.max_waiting is not None and self._num_waiting >= self.max_waiting:
                 raise EngineOverloaded(
                     f"the server is overloaded: {self._num_waiting} requests are already waiting; retry later")
             self._num_waiting += 1
-            self._inbox.append(_Add(request_id, list(prompt_token_ids), params))
+            self._inbox.append(_Add(request_id, list(prompt_token_ids), params, group))
             self._wakeup.notify()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = queue
@@ -156,6 +170,11 @@ class AsyncEngine:
         for request_id, queue in list(self._streams.items()):
             queue.put_nowait(_error_output(request_id, 0, message))
 
+    def _died(self, message: str) -> None:
+        self._fail_all(message)
+        if self.on_dead is not None:
+            self.on_dead(message)
+
     # ---- engine-loop side ------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -179,7 +198,7 @@ class AsyncEngine:
             self._dead = f"engine loop died: {exc!r}"
             if self._loop is not None:
                 try:
-                    self._loop.call_soon_threadsafe(self._fail_all, self._dead)
+                    self._loop.call_soon_threadsafe(self._died, self._dead)
                 except RuntimeError:  # the event loop is closed
                     pass
 
@@ -192,7 +211,7 @@ class AsyncEngine:
                     outputs.append(aborted)
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.group)
             except Exception as exc:
                 outputs.append(_error_output(item.request_id, len(item.prompt_token_ids), str(exc)))
         return outputs

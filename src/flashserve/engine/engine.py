@@ -20,7 +20,7 @@ from flashserve.engine.detokenizer import IncrementalDetokenizer, raw_decoder
 from flashserve.engine.outputs import RequestOutput, SampleError, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request
 from flashserve.engine.scheduler import Scheduler
-from flashserve.sampling_params import SamplingParams
+from flashserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,26 @@ class _Live:
     new_text: list[str] = field(default_factory=list)
 
 
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Raises InvalidParameter unless every id indexes a row of the model's embedding: an id past
+    it would fail inside a kernel, which on a GPU poisons the whole process."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise InvalidParameter(
+            param, f"token id {bad} in {param} is out of range: this model's vocabulary has "
+            f"{vocab_size} tokens (ids 0 to {vocab_size - 1})")
+
+
 class LLMEngine:
-    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None, *, vocab_size: int
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's embedding rows; never changes, so any thread may read it
         self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
@@ -60,10 +75,20 @@ class LLMEngine:
     def num_live(self) -> int:
         return len(self._live)
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raises InvalidParameter for token ids the model cannot take (prompt or stop ids)."""
+        check_token_ids(prompt_token_ids, self.vocab_size, "prompt")
+        check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, group: str | None = None
+    ) -> None:
+        """Queue a request; raises InvalidParameter for ids the model cannot take. Requests with the
+        same `group` (the choices and prompts of one API request) share the scheduler's fair share."""
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already running")
-        request = Request(request_id, list(prompt_token_ids), params)
+        self.check_request(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, group=group)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params, self._decode)

@@ -27,6 +27,9 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Requests of one API request (its prompts x n) share a group; the scheduler caps how many
+    # running slots one group may hold. None: a request of its own, uncapped.
+    group: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -8,6 +8,11 @@ prefill chunk; then waiting requests are admitted first-come first-served while 
 the sequence cap and the free pages allow. When a running request needs a page and none is free,
 the newest running request is preempted: its pages are freed and it later recomputes its prompt
 and output so far.
+
+Fair share: the sequences of one API request (its prompts x n, a `group`) hold at most half the
+running slots, so a request that fans out into hundreds of sequences cannot shut every other
+client out until it ends. A waiting request whose group holds its share is passed over for later
+ones; it is admitted as soon as one of its group's sequences ends.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class Scheduler:
         self._finished_unreported: list[Request] = []
         self._in_flight: dict[str, Request] = {}  # the last schedule()'s requests, for update()
         self.num_preemptions = 0  # since start; the engine loop turns it into a metric
+        self.max_running_per_group = max(1, config.max_num_seqs // 2)
+        self._group_running: dict[str, int] = {}  # running requests per group
 
     @property
     def has_unfinished(self) -> bool:
@@ -125,20 +132,25 @@ class Scheduler:
             i += 1
 
         # Admitting right after a preemption would only take the pages back from older requests.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            if request.group is not None and self._group_running.get(request.group, 0) >= self.max_running_per_group:
+                i += 1  # its group holds its fair share; later requests of other groups go first
+                continue
             error = self._capacity_error(request)
             if error is not None:
-                self.waiting.popleft()
                 self._finish(request, FinishReason.ERROR, error)
                 self._finished_unreported.append(request)
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + n):
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # first come, first served: nobody overtakes a request short of pages
+            del self.waiting[i]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.group is not None:
+                self._group_running[request.group] = self._group_running.get(request.group, 0) + 1
             scheduled.append((request, n))
             budget -= n
 
@@ -201,21 +213,29 @@ class Scheduler:
             f"{self.block_manager.page_size} tokens"
         )
 
+    def _leave_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._released.append(request.request_id)
+        if request.group is not None:
+            left = self._group_running[request.group] - 1
+            if left:
+                self._group_running[request.group] = left
+            else:
+                del self._group_running[request.group]
+
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop its K/V and queue it first, to be recomputed in full."""
-        self.running.remove(request)
+        self._leave_running(request)
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        self._released.append(request.request_id)
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-            self._released.append(request.request_id)
+            self._leave_running(request)
         elif request.status is RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)

@@ -99,6 +99,9 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     name: str
+    # Rows of the input embedding: every token id that reaches the model must be below it. A
+    # tokenizer may know more ids than this (added tokens beyond the embedding).
+    vocab_size: int = 0
 
 
 def embedded_gguf_path() -> str:
@@ -231,6 +234,11 @@ def load_model(config: ModelConfig, device: torch.device | str) -> LoadedModel:
             logger.warning("no tokenizer found with %s (%s): prompts must be token ids", source, exc)
             tokenizer = None
     model.eval()
+    vocab_size = int(model.get_input_embeddings().weight.shape[0])
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        logger.warning(
+            "the tokenizer has %d entries but the model's embedding only %d rows: prompts that "
+            "tokenize to ids %d and above are refused", len(tokenizer), vocab_size, vocab_size)
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     max_model_len = config.max_model_len or max_positions
     if max_model_len is None:
@@ -247,4 +255,5 @@ def load_model(config: ModelConfig, device: torch.device | str) -> LoadedModel:
         dtype=dtype,
         device=device,
         name=config.served_model_names[0] if config.served_model_names else name,
+        vocab_size=vocab_size,
     )
