@@ -93,7 +93,7 @@ def evaluate_targets(summary: dict[str, Any], gpu: str, large: str, small: str, 
                      "goal": f"{t.op} {t.goal:g}{t.unit}", "met": _met(value, t.op, t.goal)})
     rows.append({"target": "5", "what": "KV pages sized from free memory, <= 1 partial page per request",
                  "workload": None, "figure": None, "goal": "engine property", "met": None,
-                 "note": "not measured by the suite (see the engine's block manager tests)"})
+                 "note": "not measured by the suite (see the engine's KV cache manager tests)"})
     return rows
 
 

@@ -1,4 +1,4 @@
-"""In-process servers for the production tests: the real AsyncEngine, scheduler and block manager
+"""In-process servers for the production tests: the real AsyncEngine, scheduler and KV cache manager
 over a fast fake model, behind the real app, served by uvicorn on a free port in a thread."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
 from flashserve.config import SchedulerConfig
 from flashserve.engine.async_engine import AsyncEngine
-from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.engine.scheduler import Scheduler
@@ -90,7 +90,7 @@ def make_engine(
 ) -> AsyncEngine:
     runner = FakeModelRunner(sampler or Sampler(0), delay, fail_forward)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
-                          BlockManager(num_pages, PAGE_SIZE), max_model_len=num_pages * PAGE_SIZE)
+                          KVCacheManager(num_pages, PAGE_SIZE), max_model_len=num_pages * PAGE_SIZE)
     return AsyncEngine(LLMEngine(scheduler, runner, None, vocab_size=VOCAB), num_pages * PAGE_SIZE, metrics=metrics,
                        max_waiting=max_waiting, queue_timeout=queue_timeout)
 

@@ -8,7 +8,7 @@ import pytest
 
 from flashserve.config import SchedulerConfig
 from flashserve.engine.async_engine import AsyncEngine
-from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.client import EngineDead
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import NO_TOKEN, SchedulerOutput
@@ -41,7 +41,7 @@ VOCAB = 50_000  # above every id the scripts and tokenizers here use
 
 
 def make_engine(script: list[int], num_pages: int = 64, tokenizer=None, **kw) -> LLMEngine:
-    bm = BlockManager(num_pages, 16)
+    bm = KVCacheManager(num_pages, 16)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm, max_model_len=512)
     return LLMEngine(sched, ScriptedExecutor(script, **kw), tokenizer, vocab_size=VOCAB)
 
@@ -67,7 +67,7 @@ def test_every_request_finishes_with_its_tokens_and_all_pages_return():
         assert [t for o in seq for t in o.new_token_ids] == ([5, 6, 7] * 7)[:20], rid
         assert seq[-1].finished and seq[-1].finish_reason == "length"
         assert seq[-1].num_output_tokens == 20
-    assert engine.scheduler.block_manager.num_used_pages == 0
+    assert engine.scheduler.kv_cache.num_used_pages == 0
 
 
 def test_stop_string_ends_request_and_is_never_emitted(smollm2_tokenizer):
@@ -79,7 +79,7 @@ def test_stop_string_ends_request_and_is_never_emitted(smollm2_tokenizer):
     text = "".join(o.new_text for o in outs)
     assert text == "The answer is 42. "
     assert outs[-1].finish_reason == "stop"
-    assert engine.scheduler.block_manager.num_used_pages == 0
+    assert engine.scheduler.kv_cache.num_used_pages == 0
 
 
 def test_token_of_the_step_in_flight_at_a_stop_string_is_dropped(smollm2_tokenizer):
@@ -93,7 +93,7 @@ def test_token_of_the_step_in_flight_at_a_stop_string_is_dropped(smollm2_tokeniz
     assert [t for o in outs for t in o.new_token_ids] == script[: k + 1]
     assert outs[-1].num_output_tokens == k + 1 and outs[-1].finish_reason == "stop"
     assert engine.executor.steps == k + 2  # the prefill step, k more, and the dropped one
-    assert engine.scheduler.block_manager.num_used_pages == 0
+    assert engine.scheduler.kv_cache.num_used_pages == 0
 
 
 def test_next_step_is_launched_before_this_steps_text_is_made(smollm2_tokenizer):
@@ -125,10 +125,10 @@ def test_abort_frees_pages_now_and_reports_abort():
     engine = make_engine([9])
     engine.add_request("a", list(range(100)), SamplingParams(max_tokens=100))
     engine.step()
-    assert engine.scheduler.block_manager.num_used_pages > 0
+    assert engine.scheduler.kv_cache.num_used_pages > 0
     out = engine.abort("a")
     assert out is not None and out.finished and out.finish_reason == "abort"
-    assert engine.scheduler.block_manager.num_used_pages == 0
+    assert engine.scheduler.kv_cache.num_used_pages == 0
     assert not engine.has_unfinished
 
 
@@ -181,7 +181,7 @@ def test_closing_a_stream_early_aborts_its_request_and_frees_pages():
 
     llm = asyncio.run(main())
     assert not llm.has_unfinished
-    assert llm.scheduler.block_manager.num_used_pages == 0
+    assert llm.scheduler.kv_cache.num_used_pages == 0
 
 
 def test_engine_loop_failure_fails_streams_and_reports_unhealthy():

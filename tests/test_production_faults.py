@@ -48,7 +48,7 @@ def test_sampling_failing_mid_stream_ends_that_stream_with_an_error_event_while_
         assert error["type"] == "server_error" and "injected sampling fault" in error["message"]
         assert_complete(others, 30)
         assert httpx.get(f"{stack.url}/health").status_code == 200
-        capacity = stack.llm.scheduler.block_manager.capacity
+        capacity = stack.llm.scheduler.kv_cache.capacity
         wait_for(lambda: stack.metric("flashserve_kv_pages_free") == capacity, 2, "every page free")
         assert stack.metric("flashserve_requests_finished_total", finish_reason="error") == 1
         assert stack.metric("flashserve_request_errors_total", type="server_error", code="") == 1

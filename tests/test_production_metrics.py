@@ -23,7 +23,7 @@ def test_metrics_count_tokens_latencies_and_finish_reasons_of_served_requests() 
             r = httpx.post(f"{stack.url}/v1/completions", json=completion(5, prompt=[1] * prompt_len))
             assert r.status_code == 200, r.text
         text = httpx.get(f"{stack.url}/metrics").text
-        capacity = stack.llm.scheduler.block_manager.capacity
+        capacity = stack.llm.scheduler.kv_cache.capacity
     assert metric(text, "flashserve_prompt_tokens_total") == 63
     assert metric(text, "flashserve_generation_tokens_total") == 15
     assert metric(text, "flashserve_requests_finished_total", finish_reason="length") == 3
@@ -82,7 +82,7 @@ def test_disconnecting_twenty_streams_frees_their_pages_within_a_second_while_an
             return gone_after, *(await other)
 
     with serve_engine(delay=0.02) as stack:
-        capacity = stack.llm.scheduler.block_manager.capacity
+        capacity = stack.llm.scheduler.kv_cache.capacity
         gone_after, lines, seconds = asyncio.run(main(stack.url))
         wait_for(lambda: stack.metric("flashserve_num_requests_running") == 0, 1.0)
         assert stack.metric("flashserve_kv_pages_free") == capacity
@@ -94,7 +94,7 @@ def test_disconnecting_twenty_streams_frees_their_pages_within_a_second_while_an
 
 def test_aborted_streams_are_gone_from_the_metrics_within_a_second() -> None:
     with serve_engine(delay=0.02) as stack:
-        capacity = stack.llm.scheduler.block_manager.capacity
+        capacity = stack.llm.scheduler.kv_cache.capacity
         with httpx.Client(base_url=stack.url, timeout=10) as client:
             with client.stream("POST", "/v1/completions", json=completion(2000, stream=True)) as r:
                 lines = r.iter_lines()  # held: a dropped iterator closes the connection

@@ -65,7 +65,7 @@ def test_a_full_queue_answers_503_with_retry_after() -> None:
 
 def test_a_request_waiting_past_the_queue_timeout_ends_with_503_and_frees_everything() -> None:
     with serve_engine(max_num_seqs=1, queue_timeout=0.3, delay=0.01) as stack:
-        capacity = stack.llm.scheduler.block_manager.capacity
+        capacity = stack.llm.scheduler.kv_cache.capacity
         with long_streams(stack.url, 1):
             wait_for(lambda: engine_counts(stack) == (1, 0), 5, "one running")
             r = httpx.post(f"{stack.url}/v1/completions", json=completion(5, prompt=[3] * 100), timeout=10)

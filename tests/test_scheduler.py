@@ -11,7 +11,7 @@ from typing import Callable
 
 from flashserve.attention.base import BatchLayout
 from flashserve.config import SchedulerConfig
-from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import NO_TOKEN, SampleError, ScheduledRequest, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request, RequestStatus
 from flashserve.engine.scheduler import Scheduler
@@ -47,7 +47,7 @@ def make(
     max_model_len: int = 4096,
 ) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_per_step)
-    return Scheduler(config, BlockManager(num_pages, page_size), max_model_len)
+    return Scheduler(config, KVCacheManager(num_pages, page_size), max_model_len)
 
 
 def req(rid: str, prompt_len: int = 8, **params: object) -> Request:
@@ -58,7 +58,7 @@ def req(rid: str, prompt_len: int = 8, **params: object) -> Request:
 def step(s: Scheduler, execute: Executor = fixed_token) -> tuple[SchedulerOutput, list[Request]]:
     out = s.schedule()
     # Every step's page tables must describe a valid batch for the attention backend.
-    BatchLayout.build(out.requests, s.block_manager.page_size)
+    BatchLayout.build(out.requests, s.kv_cache.page_size)
     return out, s.update(out, [execute(r) for r in out.requests])
 
 
@@ -72,7 +72,7 @@ def run(s: Scheduler, execute: Executor = fixed_token, max_steps: int = 1000) ->
 
 
 def assert_all_pages_free(s: Scheduler) -> None:
-    bm = s.block_manager
+    bm = s.kv_cache
     assert bm.num_free_pages == bm.capacity and bm.num_used_pages == 0
 
 
@@ -137,7 +137,7 @@ def test_abort_frees_pages_immediately() -> None:
     r = req("a", prompt_len=40)
     s.add_request(r)
     step(s)
-    assert s.block_manager.num_used_pages == 3
+    assert s.kv_cache.num_used_pages == 3
     assert s.abort("a") is r
     assert r.finish_reason is FinishReason.ABORT and r.is_finished
     assert_all_pages_free(s)
@@ -201,7 +201,7 @@ def test_preemption_takes_the_newest_request_which_resumes_and_finishes() -> Non
     for r in reqs:
         s.add_request(r)
     step(s)
-    assert s.block_manager.num_free_pages == 0
+    assert s.kv_cache.num_free_pages == 0
     out, _ = step(s)
     assert out.released_ids == ["r2"]
     assert [r.request_id for r in out.requests] == ["r0", "r1"]
@@ -439,9 +439,9 @@ def test_random_workload_with_aborts_keeps_pages_consistent_and_ends_clean() -> 
         if out.requests and rng.random() < 0.1:
             s.abort(rng.choice(out.requests).request_id)
         s.update(out, [execute(r) for r in out.requests])
-        held = sum(len(s.block_manager.pages(r.request_id)) for r in s.running)
-        assert held == s.block_manager.num_used_pages
-        assert all(not s.block_manager.pages(r.request_id) for r in s.waiting)
+        held = sum(len(s.kv_cache.pages(r.request_id)) for r in s.running)
+        assert held == s.kv_cache.num_used_pages
+        assert all(not s.kv_cache.pages(r.request_id) for r in s.waiting)
     assert not pending and not s.has_unfinished
     assert all(r.is_finished for r in reqs)
     assert_all_pages_free(s)

@@ -66,7 +66,7 @@ def test_greedy_tokens_equal_hf_generate_for_requests_arriving_at_different_step
         step += 1
     for i in range(len(prompts)):
         assert got[str(i)] == expected[i], QUESTIONS[i]
-    assert engine.scheduler.block_manager.num_used_pages == 0
+    assert engine.scheduler.kv_cache.num_used_pages == 0
 
 
 def test_chat_answer_is_the_models_real_answer(llm):

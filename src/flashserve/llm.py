@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import RequestOutput
 from flashserve.engine.scheduler import Scheduler
@@ -43,7 +43,7 @@ def build_engine(
 
     runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph, max_batch_size=scheduler.max_num_seqs)
     # loaded.max_model_len is already capped by what the KV cache holds.
-    sched = Scheduler(scheduler, BlockManager(num_pages, cache.page_size), loaded.max_model_len)
+    sched = Scheduler(scheduler, KVCacheManager(num_pages, cache.page_size), loaded.max_model_len)
     engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size)
     return EngineStack(engine, loaded, num_pages, cache.page_size)
 

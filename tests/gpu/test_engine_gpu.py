@@ -38,7 +38,7 @@ def teacher_forced_logits(llm: LLM, prompt: list[int], output: list[int]) -> tor
     """Logits at every generated position from ONE prefill of prompt + output[:-1] on fresh pages."""
     runner = llm.engine.executor
     tokens = prompt + output[:-1]
-    bm = llm.engine.scheduler.block_manager
+    bm = llm.engine.scheduler.kv_cache
     assert bm.allocate("rescore", len(tokens))
     try:
         req = ScheduledRequest("rescore", tokens, 0, list(bm.pages("rescore")), True, SamplingParams())
@@ -67,7 +67,7 @@ def test_64_requests_under_preemption_finish_and_recompute_corrupts_nothing(llm)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [len(r.token_ids) for r in results] == [p.max_tokens for p in params]
     assert all(r.finish_reason == "length" for r in results)
-    assert llm.engine.scheduler.block_manager.num_used_pages == 0
+    assert llm.engine.scheduler.kv_cache.num_used_pages == 0
     for res in results[::8]:  # every 8th request: re-scoring is one prefill each
         got = torch.stack([recorder.rows[(res.request_id, k)] for k in range(len(res.token_ids))])
         ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)
@@ -92,7 +92,7 @@ def test_engine_variant_samples_the_logits_a_teacher_forced_pass_gives(variant: 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     results = llm.generate(prompts, params)
     assert all(len(r.token_ids) == 24 for r in results)
-    assert llm.engine.scheduler.block_manager.num_used_pages == 0
+    assert llm.engine.scheduler.kv_cache.num_used_pages == 0
     for res in results[::4]:
         got = torch.stack([recorder.rows[(res.request_id, k)] for k in range(len(res.token_ids))])
         ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)

@@ -94,7 +94,7 @@ class FlashInferAttentionBackend:
     dtype (float16 or bfloat16: FlashInfer has no float32 kernels); q/k/v of another dtype (a
     float32 model) are cast to it and the output is cast back to q's dtype. `num_qo_heads` (the
     model's query heads) is needed by every plan, so the constructor takes it.
-    `scratch_page` is a page no request owns (the block manager's page 0): CUDA-graph padding
+    `scratch_page` is a page no request owns (the KV cache manager's page 0): CUDA-graph padding
     rows write their K/V there.
     """
 

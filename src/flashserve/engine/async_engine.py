@@ -256,12 +256,12 @@ class AsyncEngine:
                 if n and out.request_id not in self._scheduled:  # scheduled and done in one step
                     queue_times.append(step_start - out.arrival_time)
                 self._scheduled.discard(out.request_id)
-        block_manager = scheduler.block_manager
+        kv_cache = scheduler.kv_cache
         preemptions = scheduler.num_preemptions - self._preemptions_seen
         self._preemptions_seen = scheduler.num_preemptions
         self.metrics.record_step(StepStats(
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
-            kv_pages_used=block_manager.num_used_pages, kv_pages_free=block_manager.num_free_pages,
+            kv_pages_used=kv_cache.num_used_pages, kv_pages_free=kv_cache.num_free_pages,
             num_preemptions=preemptions, num_prompt_tokens=prompt_tokens,
             num_generation_tokens=generation_tokens, queue_times=queue_times,
         ))

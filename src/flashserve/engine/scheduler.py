@@ -21,19 +21,19 @@ from collections import deque
 from typing import Sequence
 
 from flashserve.config import SchedulerConfig
-from flashserve.engine.block_manager import BlockManager
+from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import NO_TOKEN, SampleError, ScheduledRequest, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be positive: {config}")
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         self.config = config
-        self.block_manager = block_manager
+        self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
@@ -119,7 +119,7 @@ class Scheduler:
                 self._finished_unreported.append(request)
                 continue  # running[i] is now the next request
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate(request.request_id, request.num_computed_tokens + n):
+            while not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + n):
                 victim = self.running[-1]  # never one already scheduled: those are older
                 self._preempt(victim)
                 preempted = True
@@ -144,7 +144,7 @@ class Scheduler:
                 self._finished_unreported.append(request)
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + n):
+            if not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + n):
                 break  # first come, first served: nobody overtakes a request short of pages
             del self.waiting[i]
             request.status = RequestStatus.RUNNING
@@ -204,13 +204,13 @@ class Scheduler:
 
     def _capacity_error(self, request: Request) -> str | None:
         """Why the request can never run even alone in the cache, or None."""
-        needed = self.block_manager.num_pages_needed(request.num_tokens)
-        if needed <= self.block_manager.capacity:
+        needed = self.kv_cache.num_pages_needed(request.num_tokens)
+        if needed <= self.kv_cache.capacity:
             return None
         return (
             f"request {request.request_id} needs {needed} KV cache pages for {request.num_tokens} tokens, "
-            f"but the cache has only {self.block_manager.capacity} pages of "
-            f"{self.block_manager.page_size} tokens"
+            f"but the cache has only {self.kv_cache.capacity} pages of "
+            f"{self.kv_cache.page_size} tokens"
         )
 
     def _leave_running(self, request: Request) -> None:
@@ -226,7 +226,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop its K/V and queue it first, to be recomputed in full."""
         self._leave_running(request)
-        self.block_manager.free(request.request_id)
+        self.kv_cache.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -238,7 +238,7 @@ class Scheduler:
             self._leave_running(request)
         elif request.status is RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.free(request.request_id)
+        self.kv_cache.free(request.request_id)
         self._requests.pop(request.request_id, None)
         request.finish(reason, error)
 
@@ -250,7 +250,7 @@ class Scheduler:
             num_computed_tokens=start,
             # The live table, like the token lists below: valid for this step, which is all a
             # runner reads (it grows only in a later schedule(); free() leaves it as it was).
-            page_ids=self.block_manager.pages(request.request_id),
+            page_ids=self.kv_cache.pages(request.request_id),
             sample=start + n == request.num_tokens,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,

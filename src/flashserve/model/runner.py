@@ -258,7 +258,7 @@ def build_runner(
     backend = get_backend_cls(backend_name)(
         num_layers, num_pages, page_size, num_kv_heads, head_dim, kv_dtype, device, sm_scale, num_qo_heads=num_heads
     )
-    capacity = (num_pages - 1) * page_size  # page 0 is the block manager's scratch page
+    capacity = (num_pages - 1) * page_size  # page 0 is the KV cache manager's scratch page
     if capacity < loaded.max_model_len:
         logger.warning("KV cache holds %d tokens; max_model_len %d lowered to it", capacity, loaded.max_model_len)
         loaded = replace(loaded, max_model_len=capacity)
