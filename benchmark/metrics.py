@@ -98,6 +98,10 @@ def headline(workload: str, phases: Sequence[dict[str, Any]], goodput: dict[str,
         elif workload == "offline":
             out[f"{n}_output_tok_per_s"] = m["output_token_throughput"]
             out[f"{n}_duration_s"] = m["duration_s"]
+        elif workload.startswith("shared_prefix"):
+            out[f"{n}_total_tok_per_s"] = m["total_token_throughput"]
+            out[f"{n}_ttft_median_ms"] = m["ttft_ms"]["median"]
+            out[f"{n}_duration_s"] = m["duration_s"]
     if goodput is not None:
         out["goodput_req_per_s"] = goodput["rate"]
         out["ttft_median_ms"] = goodput.get("median_ttft_ms")

@@ -41,7 +41,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="Hugging Face tokenizer for exact text prompt lengths")
     p.add_argument("--empty-text-chunks", action="store_true", help="count completion chunks with empty text as "
                    "tokens (a server without a tokenizer, e.g. flashserve --load-format dummy)")
-    p.add_argument("--concurrency", type=_ints, default=(), help="streams in flight, e.g. 5,10,25")
+    p.add_argument("--concurrency", type=_ints, default=(), help="streams in flight, e.g. 5,10,25 (shared_prefix: "
+                   "the numbers of groups, e.g. 16,64; its requests go all at once)")
     p.add_argument("--request-rate", type=_floats, default=(), help="Poisson req/s, e.g. 2,4,8")
     p.add_argument("--max-concurrency", type=int, help="cap on streams in flight at a request rate")
     p.add_argument("--arrivals", choices=("poisson", "constant"), default="poisson")

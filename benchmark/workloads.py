@@ -14,7 +14,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 PromptKind = Literal["token_ids", "text"]
-WORKLOAD_NAMES: tuple[str, ...] = ("latency", "random", "goodput", "concurrency", "offline")
+WORKLOAD_NAMES: tuple[str, ...] = ("latency", "random", "goodput", "concurrency", "offline", "shared_prefix")
 
 # Words that are a single token (with their leading space) in the Llama, GPT and SmolLM vocabularies.
 COMMON_WORDS: tuple[str, ...] = tuple(
@@ -153,6 +153,29 @@ def offline_phases(spec: PromptSpec, seed: int = 0, num_requests: int = 256) -> 
     ]
 
 
+def shared_prefix_requests(
+    groups: int, spec: PromptSpec, seed: int = 0, per_group: int = 16, prefix_len: int = 2048,
+    question_len: int = 128, output_len: int = 256,
+) -> list[BenchRequest]:
+    """`groups` x `per_group` prompts, each its group's `prefix_len`-token system prompt followed by
+    a `question_len`-token question of its own, shuffled (SGLang's generated-shared-prefix)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(groups):
+        prefix, prefix_n = make_prompt(rng, prefix_len, spec)
+        for _ in range(per_group):
+            question, question_n = make_prompt(rng, question_len, spec)
+            prompt = prefix + question if isinstance(prefix, list) else f"{prefix} {question}"  # type: ignore[operator]
+            out.append(BenchRequest(prompt, prefix_n + question_n, output_len))
+    order = rng.permutation(len(out))
+    return [out[i] for i in order]
+
+
+def shared_prefix_phases(spec: PromptSpec, seed: int = 0, groups: Sequence[int] = (16,)) -> list[Phase]:
+    """G groups x 16 prompts (2048-token group prefix + 128-token question), 256 out, all at once."""
+    return [Phase(f"g{g}x16", shared_prefix_requests(g, spec, seed + g)) for g in groups]
+
+
 def build_phases(
     workload: str,
     spec: PromptSpec,
@@ -172,4 +195,6 @@ def build_phases(
         return concurrency_phases(spec, seed, concurrencies or (5, 10, 25, 50, 100), repeats or 3)
     if workload == "offline":
         return offline_phases(spec, seed, num_requests or 256)
+    if workload == "shared_prefix":  # --concurrency names the group counts here
+        return shared_prefix_phases(spec, seed, concurrencies or (16,))
     raise ValueError(f"unknown workload {workload!r}; expected one of {WORKLOAD_NAMES}")

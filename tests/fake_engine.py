@@ -2,13 +2,14 @@
 
 FakeEngine.generate() echoes a fixed script of (token id, text) pairs, one output per token,
 stopping at max_tokens ("length") or at the end of the script ("stop"). It records what it was
-asked (`prompts`, `params`), which requests were aborted or closed early, and can be told to fail.
+asked (`prompts`, `params`, `groups`, `salts`), which requests were aborted or closed early, can be
+told to fail, and can report prompt tokens as prefix-cached (`cached_tokens`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -35,6 +36,8 @@ class FakeEngine:
         dead: bool = False,  # generate() raises EngineDead and is_healthy() is False
         healthy: bool = True,
         vocab_size: int = 49152,  # the embedded SmolLM2's embedding rows
+        # num_cached_tokens of every output: a count, or a function of the prompt called once per request
+        cached_tokens: int | Callable[[list[int]], int] = 0,
     ) -> None:
         self.script = list(script if script is not None else SCRIPT)
         self.delay = delay
@@ -43,12 +46,14 @@ class FakeEngine:
         self.dead = dead
         self.healthy = healthy
         self.vocab_size = vocab_size
+        self.cached_tokens = cached_tokens
         self.prompts: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.aborted: list[str] = []  # abort(id) calls
         self.closed: list[str] = []  # iterators closed (or cancelled) before they finished
         self.finished: list[str] = []
         self.groups: dict[str, str | None] = {}
+        self.salts: dict[str, str | None] = {}
 
     def is_healthy(self) -> bool:
         return self.healthy and not self.dead
@@ -57,7 +62,8 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDead("the engine loop died")
@@ -65,7 +71,10 @@ class FakeEngine:
         self.groups[request_id] = group
         self.prompts[request_id] = list(prompt_token_ids)
         self.params[request_id] = params
+        self.salts[request_id] = cache_salt
         n_prompt = len(prompt_token_ids)
+        cached = self.cached_tokens
+        n_cached = cached(list(prompt_token_ids)) if callable(cached) else cached
         done = False
         try:
             for count, (token, text) in enumerate(self.script[: params.max_tokens], start=1):
@@ -73,14 +82,16 @@ class FakeEngine:
                     await asyncio.sleep(self.delay)
                 if self.error_after is not None and count > self.error_after:
                     done = True
-                    yield RequestOutput(request_id, [], "", True, "error", n_prompt, count - 1, error="boom")
+                    yield RequestOutput(request_id, [], "", True, "error", n_prompt, count - 1, error="boom",
+                                        num_cached_tokens=n_cached)
                     return
                 last = count == min(len(self.script), params.max_tokens)
                 reason = None
                 if last:
                     reason = "length" if count == params.max_tokens else "stop"
                 done = last
-                yield RequestOutput(request_id, [token], text, last, reason, n_prompt, count)
+                yield RequestOutput(request_id, [token], text, last, reason, n_prompt, count,
+                                    num_cached_tokens=n_cached)
         finally:
             (self.finished if done else self.closed).append(request_id)
 

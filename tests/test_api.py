@@ -67,7 +67,8 @@ async def test_chat_completion_has_openai_shape_and_usage(tokenizer: Any) -> Non
         }
     ]
     prompt_len = len(hi_prompt(tokenizer))
-    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 4, "total_tokens": prompt_len + 4}
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 4, "total_tokens": prompt_len + 4,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_completion_has_openai_shape_and_usage(tokenizer: Any) -> None:
@@ -75,7 +76,8 @@ async def test_completion_has_openai_shape_and_usage(tokenizer: Any) -> None:
     body = r.json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["choices"] == [{"index": 0, "text": "Hello,", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_chat_prompt_is_the_chat_template_with_generation_prompt(tokenizer: Any) -> None:

@@ -99,7 +99,8 @@ async def test_dead_engine_is_503(tokenizer: Any) -> None:
 class RefusingEngine(FakeEngine):
     """An engine whose generate() raises at the call rather than at the first step."""
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, group: Any = None) -> Any:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, group: Any = None,
+                 cache_salt: Any = None) -> Any:
         raise EngineDead("stopped")
 
 

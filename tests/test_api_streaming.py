@@ -62,7 +62,9 @@ async def test_include_usage_adds_a_final_usage_chunk_without_choices(tokenizer:
     body = {"prompt": [1, 2, 3], "stream_options": {"include_usage": True}}
     chunks = events(await stream(FakeEngine(), tokenizer, "/v1/completions", body))
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}
+    }
     assert all(c["usage"] is None for c in chunks[:-1])
 
 

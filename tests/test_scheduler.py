@@ -45,9 +45,10 @@ def make(
     max_num_seqs: int = 8,
     max_tokens_per_step: int = 64,
     max_model_len: int = 4096,
+    caching: bool = False,  # the requests below share their prompts: caching would change their pages
 ) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_per_step)
-    return Scheduler(config, KVCacheManager(num_pages, page_size), max_model_len)
+    return Scheduler(config, KVCacheManager(num_pages, page_size, caching), max_model_len)
 
 
 def req(rid: str, prompt_len: int = 8, **params: object) -> Request:

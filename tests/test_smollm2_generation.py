@@ -82,3 +82,25 @@ def test_torch_compile_gives_the_same_greedy_tokens(llm):
     params = SamplingParams(max_tokens=12, temperature=0.0)
     expected = [c.token_ids for c in llm.generate(prompts, params)]
     assert [c.token_ids for c in compiled.generate(prompts, params)] == expected
+
+
+def test_prefix_cache_hits_give_the_same_greedy_tokens_as_hf(llm, hf_model):
+    base = chat_ids(llm, "Describe a lighthouse on a stormy night, in detail.")  # asked by no other test
+    mid = len(base) - 5 - (len(base) - 5) % 16 + 7  # a shared prefix that ends mid-page
+    prompts = {
+        "first": base,
+        "shares a prefix ending mid-page": base[:mid] + chat_ids(llm, QUESTIONS[2])[-9:],
+        "extends the first": base + chat_ids(llm, QUESTIONS[3])[-12:],
+        **{f"n=4, choice {i}": base for i in range(4)},
+    }
+    eos = list(llm.stack.loaded.eos_token_ids)
+    params = SamplingParams(max_tokens=12, temperature=0.0, eos_token_ids=tuple(eos))
+    first = llm.generate([base], params)[0]  # computes and registers the shared pages
+    later = dict(zip(list(prompts)[1:], llm.generate(list(prompts.values())[1:], params)))
+    expected = {tuple(p): hf_greedy(hf_model, eos, p, 12) for p in prompts.values()}
+    for name, out in {"first": first, **later}.items():
+        assert out.token_ids == expected[tuple(prompts[name])], name
+    assert first.num_cached_tokens < later["n=4, choice 0"].num_cached_tokens == (len(base) - 1) // 16 * 16
+    assert later["shares a prefix ending mid-page"].num_cached_tokens == mid // 16 * 16 > 0
+    assert later["extends the first"].num_cached_tokens == len(base) // 16 * 16
+    assert llm.engine.scheduler.kv_cache.num_used_pages == 0

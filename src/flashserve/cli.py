@@ -82,6 +82,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--num-pages", int, None, "KV cache pages (default: sized from memory)"),
     Option("--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV cache"),
     Option("--cpu-kv-cache-gb", float, 1.0, "KV cache size on CPU, in GB"),
+    Option("--enable-prefix-caching", _bool, True, "reuse the KV pages of prompt prefixes that earlier "
+           "requests computed (--no-enable-prefix-caching to turn it off)"),
     Option("--max-num-seqs", int, 256, "most requests in one step"),
     Option("--max-num-batched-tokens", int, 2048, "most tokens in one step (prefill chunks + decode tokens)"),
     Option("--cuda-graph", _bool, True, "capture decode steps in CUDA graphs (--no-cuda-graph or --enforce-eager to disable)"),
@@ -165,7 +167,8 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         seed=ns.seed,
     )
     cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,
-                        gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb)
+                        gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
+                        enable_prefix_caching=ns.enable_prefix_caching)
     scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens)
     api_keys = tuple(ns.api_key or ())
     server = ServerConfig(host=ns.host, port=ns.port, log_level=ns.log_level, api_keys=api_keys)

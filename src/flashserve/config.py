@@ -28,6 +28,7 @@ class CacheConfig:
     num_pages: int | None = None  # None: sized from memory (GPU) or cpu_kv_cache_gb (CPU)
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 1.0
+    enable_prefix_caching: bool = True  # full KV pages shared by content across requests
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def build_engine(
 
     runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph, max_batch_size=scheduler.max_num_seqs)
     # loaded.max_model_len is already capped by what the KV cache holds.
-    sched = Scheduler(scheduler, KVCacheManager(num_pages, cache.page_size), loaded.max_model_len)
+    sched = Scheduler(scheduler, KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching), loaded.max_model_len)
     engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size)
     return EngineStack(engine, loaded, num_pages, cache.page_size)
 
@@ -56,6 +56,7 @@ class Completion:
     text: str
     finish_reason: str | None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class LLM:
@@ -109,4 +110,5 @@ def _collect(request_id: str, prompt: list[int], outs: list[RequestOutput]) -> C
         text="".join(o.new_text for o in outs),
         finish_reason=last.finish_reason if last else None,
         error=last.error if last else None,
+        num_cached_tokens=last.num_cached_tokens if last else 0,
     )

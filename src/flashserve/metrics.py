@@ -36,7 +36,10 @@ class StepStats:
     num_waiting: int
     kv_pages_used: int
     kv_pages_free: int
+    kv_pages_cached: int = 0  # free pages still holding a prefix others can reuse
     num_preemptions: int = 0  # since the last step
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since the last step
+    prefix_cache_hits: int = 0  # of those, tokens found cached
     num_prompt_tokens: int = 0  # of requests that got their first token in this step
     num_generation_tokens: int = 0
     queue_times: Sequence[float] = ()  # seconds from arrival to first schedule, per newly scheduled request
@@ -50,7 +53,13 @@ class Metrics:
         self.requests_waiting = Gauge(
             "flashserve_num_requests_waiting", "Requests queued for the engine (new or preempted)", registry=r)
         self.kv_pages_used = Gauge("flashserve_kv_pages_used", "KV cache pages held by requests", registry=r)
-        self.kv_pages_free = Gauge("flashserve_kv_pages_free", "KV cache pages free", registry=r)
+        self.kv_pages_free = Gauge("flashserve_kv_pages_free", "KV cache pages free (cached ones included)",
+                                   registry=r)
+        self.kv_pages_cached = Gauge("flashserve_kv_pages_cached",
+                                     "Free KV cache pages that still hold a reusable prefix", registry=r)
+        self.prefix_queries = Counter("flashserve_prefix_cache_queries", "Tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("flashserve_prefix_cache_hits", "Tokens found in the prefix cache", registry=r)
         self.preemptions = Counter("flashserve_num_preemptions", "Preemptions by recompute", registry=r)
         self.prompt_tokens = Counter("flashserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("flashserve_generation_tokens", "Tokens generated", registry=r)
@@ -72,6 +81,11 @@ class Metrics:
         self.requests_waiting.set(stats.num_waiting)
         self.kv_pages_used.set(stats.kv_pages_used)
         self.kv_pages_free.set(stats.kv_pages_free)
+        self.kv_pages_cached.set(stats.kv_pages_cached)
+        if stats.prefix_cache_queries:
+            self.prefix_queries.inc(stats.prefix_cache_queries)
+        if stats.prefix_cache_hits:
+            self.prefix_hits.inc(stats.prefix_cache_hits)
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
         if stats.num_prompt_tokens:

@@ -98,3 +98,45 @@ def test_engine_variant_samples_the_logits_a_teacher_forced_pass_gives(variant: 
         ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)
         err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
         assert err.max().item() < 3e-2, f"{res.request_id}: max relative error {err.max().item():.3e}"
+
+
+def test_requests_that_hit_the_prefix_cache_sample_the_teacher_forced_logits(llm):
+    rng = random.Random(2)
+    shared = [rng.randrange(1, 128000) for _ in range(200)]
+    llm.generate([shared], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # registers its pages
+    prompts = [shared[: rng.randint(40, 200)] + [rng.randrange(1, 128000) for _ in range(rng.randint(1, 40))]
+               for _ in range(24)]
+    runner = llm.engine.executor
+    recorder = RecordingSampler(runner.sampler)
+    runner.sampler = recorder
+    try:
+        results = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    finally:
+        runner.sampler = recorder.inner
+    assert all(r.num_cached_tokens >= 32 for r in results)
+    assert llm.engine.scheduler.kv_cache.num_used_pages == 0
+    for res in results[::3]:
+        got = torch.stack([recorder.rows[(res.request_id, k)] for k in range(len(res.token_ids))])
+        ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)
+        err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        assert err.max().item() < 3e-2, f"{res.request_id}: max relative error {err.max().item():.3e}"
+
+
+def test_a_mixed_load_with_aborts_and_preemption_leaves_every_page_free_or_cached(llm):
+    rng = random.Random(3)
+    engine = llm.engine
+    shared = [rng.randrange(1, 128000) for _ in range(96)]
+    preemptions = engine.scheduler.num_preemptions
+    for i in range(48):
+        prompt = shared[: rng.randint(0, 96)] + [rng.randrange(1, 128000) for _ in range(rng.randint(8, 250))]
+        engine.add_request(f"mixed-{i}", prompt, SamplingParams(max_tokens=rng.randint(8, 64), ignore_eos=True))
+    for step in range(10_000):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+        if step in (3, 10, 25):
+            for i in rng.sample(range(48), 5):
+                engine.abort(f"mixed-{i}")
+    kv = engine.scheduler.kv_cache
+    assert not engine.has_unfinished and engine.scheduler.num_preemptions > preemptions
+    assert kv.num_used_pages == 0 and kv.num_free_pages == kv.capacity and kv.num_cached_pages > 0

@@ -64,6 +64,9 @@ class GenerationRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None  # accepted only when empty
+    # Requests with different salts never share prefix-cached KV, so a tenant cannot time another's
+    # prompts. An empty salt is refused, as vLLM refuses it: it would read as "salted" yet salt nothing.
+    cache_salt: str | None = Field(None, min_length=1)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -181,10 +184,16 @@ def _or(value: Any, default: Any) -> Any:
 # ---- responses ---------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Optional in OpenAI's schema; this server always fills it.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class AssistantMessage(BaseModel):

@@ -244,7 +244,8 @@ class _OpenAIServing:
             return Response(status_code=CLIENT_CLOSED)
         finally:
             streams.close()
-        info = p.UsageInfo(**usage(num_prompt_tokens, [r.num_output_tokens for r in results]))
+        info = p.UsageInfo(**usage(num_prompt_tokens, [r.num_output_tokens for r in results],
+                                   streams.num_cached_prompt_tokens))
         response: p.ChatCompletionResponse | p.CompletionResponse
         if chat:
             messages = [
@@ -282,7 +283,8 @@ class _OpenAIServing:
             raise engine_dead()
         record = RequestRecord(self.metrics, request_id, sum(len(x) for x in prompts), len(ids), arrival,
                                x_request_id)
-        return EngineStreams(self.engine, ids, choice_prompts, params, record, group=request_id)
+        return EngineStreams(self.engine, ids, choice_prompts, params, record, group=request_id,
+                             cache_salt=body.cache_salt, choices_per_prompt=body.n)
 
 
 def build_app(

@@ -77,10 +77,14 @@ class EngineStreams:
         params: Sequence[SamplingParams],
         record: RequestRecord | None = None,  # metrics and the request's log line
         group: str | None = None,  # the API request's id: its choices share one fair share
+        cache_salt: str | None = None,
+        choices_per_prompt: int = 1,  # n: choice i belongs to prompt i // n
     ) -> None:
         self._engine = engine
         self._ids = list(request_ids)
         self._group = group
+        self._cache_salt = cache_salt
+        self._choices_per_prompt = choices_per_prompt
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._buffer: deque[tuple[int, RequestOutput]] = deque()
         self._finished = [False] * len(self._ids)
@@ -88,6 +92,7 @@ class EngineStreams:
         self._refusals: dict[int, APIError] = {}  # choices the engine refused at generate()
         self._record = record
         self.num_output_tokens = [0] * len(self._ids)
+        self.num_cached_tokens = [0] * len(self._ids)
         self._pumps = [
             asyncio.ensure_future(self._pump(i, prompt, p))
             for i, (prompt, p) in enumerate(zip(prompts, params))
@@ -103,7 +108,8 @@ class EngineStreams:
         finished = False
         try:
             # Inside the try: an engine may refuse at the call (EngineDead) or at the first step.
-            stream = self._engine.generate(request_id, prompt, params, group=self._group)
+            stream = self._engine.generate(request_id, prompt, params, group=self._group,
+                                           cache_salt=self._cache_salt)
             async for out in stream:
                 finished = out.finished
                 self._queue.put_nowait((index, out))
@@ -138,6 +144,8 @@ class EngineStreams:
         if item.finished:
             self._finished[index] = True
         self.num_output_tokens[index] = max(self.num_output_tokens[index], item.num_output_tokens)
+        # max: a failure stand-in from _failed carries 0 and must not erase a count already seen.
+        self.num_cached_tokens[index] = max(self.num_cached_tokens[index], item.num_cached_tokens)
         if self._record is not None:
             self._record.tokens(index, len(item.new_token_ids), item.num_output_tokens)
             if item.finished:
@@ -156,6 +164,15 @@ class EngineStreams:
         if self._engine_dead or not self._engine.is_healthy():
             return APIError(503, out.error or "the engine is not running", UNAVAILABLE, code="engine_dead")
         return APIError(500, out.error or "generation failed", SERVER_ERROR)
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Cached prompt tokens counted the way prompt_tokens counts the prompt: once per prompt
+        however many choices it has. Per prompt, the fewest any of its choices saw: the choice
+        that computed the prompt saw only what was cached before, its siblings then reused its pages."""
+        n = self._choices_per_prompt
+        cached = self.num_cached_tokens
+        return sum(min(cached[i:i + n]) for i in range(0, len(cached), n))
 
     async def start(self) -> None:
         """Wait for every choice's first output, so a failure before the first token is still an
@@ -207,12 +224,13 @@ def finish_reason(out: RequestOutput) -> str:
     return "length" if out.finish_reason == "length" else "stop"
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: Sequence[int]) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_output_tokens: Sequence[int], num_cached_tokens: int = 0) -> dict[str, Any]:
     completion = sum(num_output_tokens)
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": num_prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 
@@ -263,7 +281,8 @@ async def sse_chunks(
                 yield encode({**head, "choices": [make_choice(index, None, finish_reason(out))], **extra})
         else:
             if include_usage:
-                yield encode({**head, "choices": [], "usage": usage(num_prompt_tokens, streams.num_output_tokens)})
+                counts = usage(num_prompt_tokens, streams.num_output_tokens, streams.num_cached_prompt_tokens)
+                yield encode({**head, "choices": [], "usage": counts})
         yield DONE
     finally:
         streams.close()

@@ -32,6 +32,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     group: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ class AsyncEngine:
         self._dead: str | None = None
         # Engine-loop only: ids scheduled at least once and not finished (for queue times).
         self._scheduled: set[str] = set()
-        self._preemptions_seen = 0
+        # Scheduler counters (preemptions, prefix-cache queries and hits) as of the last metrics.
+        self._counters_seen = (0, 0, 0)
 
     # ---- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
@@ -113,7 +115,8 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         # From the health check to the registration nothing awaits, so a loop that dies meanwhile
         # finds this stream in _streams when its _fail_all runs on this event loop.
@@ -129,7 +132,7 @@ class AsyncEngine:
                 raise EngineOverloaded(
                     f"the server is overloaded: {self._num_waiting} requests are already waiting; retry later")
             self._num_waiting += 1
-            self._inbox.append(_Add(request_id, list(prompt_token_ids), params, group))
+            self._inbox.append(_Add(request_id, list(prompt_token_ids), params, group, cache_salt))
             self._wakeup.notify()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = queue
@@ -211,7 +214,7 @@ class AsyncEngine:
                     outputs.append(aborted)
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.group)
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.group, item.cache_salt)
             except Exception as exc:
                 outputs.append(_error_output(item.request_id, len(item.prompt_token_ids), str(exc)))
         return outputs
@@ -256,13 +259,15 @@ class AsyncEngine:
                 if n and out.request_id not in self._scheduled:  # scheduled and done in one step
                     queue_times.append(step_start - out.arrival_time)
                 self._scheduled.discard(out.request_id)
-        kv_cache = scheduler.kv_cache
-        preemptions = scheduler.num_preemptions - self._preemptions_seen
-        self._preemptions_seen = scheduler.num_preemptions
+        kv_cache, prefix = scheduler.kv_cache, scheduler.prefix_cache
+        counters = (scheduler.num_preemptions, prefix.num_queries, prefix.num_hits)
+        preemptions, queries, hits = (now - seen for now, seen in zip(counters, self._counters_seen))
+        self._counters_seen = counters
         self.metrics.record_step(StepStats(
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             kv_pages_used=kv_cache.num_used_pages, kv_pages_free=kv_cache.num_free_pages,
-            num_preemptions=preemptions, num_prompt_tokens=prompt_tokens,
+            kv_pages_cached=kv_cache.num_cached_pages, num_preemptions=preemptions,
+            prefix_cache_queries=queries, prefix_cache_hits=hits, num_prompt_tokens=prompt_tokens,
             num_generation_tokens=generation_tokens, queue_times=queue_times,
         ))
 

@@ -20,14 +20,16 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs step by step; the last one has finished=True.
 
         Raises InvalidParameter (at the first step of the iterator, before anything is queued) for
         token ids the model cannot take, EngineOverloaded when the queue is full and EngineDead when
         the engine loop is gone. Requests with the same `group` (one API request's choices) share
-        a fair share of the running slots.
+        a fair share of the running slots. Requests with different `cache_salt`s never share
+        cached KV pages.
 
         Stop strings in `params.stop` are matched on the detokenized text by the engine, so
         `RequestOutput.new_text` never contains them. Closing the iterator early (a client that

@@ -81,14 +81,16 @@ class LLMEngine:
         check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, group: str | None = None
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, group: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raises InvalidParameter for ids the model cannot take. Requests with the
-        same `group` (the choices and prompts of one API request) share the scheduler's fair share."""
+        same `group` (the choices and prompts of one API request) share the scheduler's fair share;
+        requests with different `cache_salt`s never share cached KV pages."""
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_request(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, group=group)
+        request = Request(request_id, list(prompt_token_ids), params, group=group, cache_salt=cache_salt)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params, self._decode)
@@ -164,4 +166,5 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             error=req.error,
             arrival_time=req.arrival_time,
+            num_cached_tokens=req.num_cached_tokens,
         )

@@ -209,9 +209,11 @@ class KVCacheManager:
             table.append(page)
         return True
 
-    def register(self, request_id: str, hashes: Sequence[PageHash]) -> None:
-        """The request's first len(hashes) pages now hold computed K/V for `hashes` (full pages
-        only): record hash -> page for those not registered yet. Idempotent.
+    def register(self, request_id: str, hashes: Sequence[PageHash], num_pages: int | None = None) -> None:
+        """The request's first `num_pages` pages (default: len(hashes)) now hold computed K/V for
+        `hashes[:num_pages]` (full pages only): record hash -> page for those not registered yet.
+        Idempotent, and O(1) when nothing is new, so a caller may pass a request's whole (growing)
+        hash list every step.
 
         If a different page already holds an equal hash (two requests computed the same prefix),
         the existing mapping stays and this page stays unregistered. Pages looked at by an earlier
@@ -220,10 +222,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         table = self.pages(request_id)
-        if len(hashes) > len(table):
-            raise ValueError(f"{len(hashes)} hashes for request {request_id!r} holding {len(table)} pages")
+        num_pages = len(hashes) if num_pages is None else num_pages
+        if num_pages > min(len(hashes), len(table)):
+            raise ValueError(f"{num_pages} pages to register for request {request_id!r} holding "
+                             f"{len(table)} pages with {len(hashes)} hashes")
         start = self._registered_upto.get(request_id, 0)
-        for i in range(start, len(hashes)):
+        for i in range(start, num_pages):
             page, page_hash = table[i], hashes[i]
             held = self._page_hash[page]
             if held is not None:
@@ -233,8 +237,8 @@ class KVCacheManager:
             if page_hash not in self._hash_to_page:
                 self._hash_to_page[page_hash] = page
                 self._page_hash[page] = page_hash
-        if len(hashes) > start:
-            self._registered_upto[request_id] = len(hashes)
+        if num_pages > start:
+            self._registered_upto[request_id] = num_pages
 
     def free(self, request_id: str) -> None:
         """Drop the request's references; an unknown or already freed id is a no-op.

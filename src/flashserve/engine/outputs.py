@@ -72,3 +72,6 @@ class RequestOutput:
     error: str | None = None
     # Seconds on the monotonic clock; lets the API and metrics compute TTFT and latency.
     arrival_time: float = 0.0
+    # Prompt tokens whose K/V came from the prefix cache when the request was first scheduled
+    # (OpenAI's usage.prompt_tokens_details.cached_tokens); 0 until then.
+    num_cached_tokens: int = 0

@@ -30,6 +30,7 @@ class Request:
     # Requests of one API request (its prompts x n) share a group; the scheduler caps how many
     # running slots one group may hold. None: a request of its own, uncapped.
     group: str | None = None
+    cache_salt: str | None = None  # requests with different salts never share cached pages
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -37,6 +38,10 @@ class Request:
     # recomputes prompt + output so far (preemption by recompute).
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache at the first schedule (usage's cached_tokens).
+    num_cached_tokens: int = 0
+    # Chained hashes of the request's full pages so far (prompt and output), for the prefix cache.
+    page_hashes: list[bytes] = field(default_factory=list, repr=False)
     finish_reason: FinishReason | None = None
     error: str | None = None
 

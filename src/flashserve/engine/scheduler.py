@@ -9,6 +9,11 @@ the sequence cap and the free pages allow. When a running request needs a page a
 the newest running request is preempted: its pages are freed and it later recomputes its prompt
 and output so far.
 
+Prefix caching (`PrefixCache`): a request is admitted with the longest run of cached pages that
+starts its tokens and computes only the rest; one whose next page another running request is
+computing waits for it (it is passed over like a group at its share) instead of computing it too.
+Its pages are registered for others once their K/V is computed, in update().
+
 Fair share: the sequences of one API request (its prompts x n, a `group`) hold at most half the
 running slots, so a request that fans out into hundreds of sequences cannot shut every other
 client out until it ends. A waiting request whose group holds its share is passed over for later
@@ -22,6 +27,7 @@ from typing import Sequence
 
 from flashserve.config import SchedulerConfig
 from flashserve.engine.kv_cache_manager import KVCacheManager
+from flashserve.engine.prefix_cache import PrefixCache
 from flashserve.engine.outputs import NO_TOKEN, SampleError, ScheduledRequest, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request, RequestStatus
 
@@ -34,6 +40,7 @@ class Scheduler:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         self.config = config
         self.kv_cache = kv_cache
+        self.prefix_cache = PrefixCache(kv_cache)
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
@@ -83,6 +90,7 @@ class Scheduler:
             self._finished_unreported.append(request)
             return
         self._requests[request.request_id] = request
+        self.prefix_cache.add(request)
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -143,9 +151,15 @@ class Scheduler:
                 self._finish(request, FinishReason.ERROR, error)
                 self._finished_unreported.append(request)
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + n):
+            cached = self.prefix_cache.lookup(request)  # waiting requests have computed nothing
+            if cached is None:
+                i += 1  # another request is computing its next page: wait for it, let others go
+                continue
+            num_cached = len(cached) * self.kv_cache.page_size
+            n = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate(request.request_id, num_cached + n, cached):
                 break  # first come, first served: nobody overtakes a request short of pages
+            self.prefix_cache.admitted(request, cached)
             del self.waiting[i]
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -173,6 +187,7 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             request.num_computed_tokens = scheduled.kv_len
+            self.prefix_cache.computed(request)
             if isinstance(token, SampleError):
                 self._finish(request, FinishReason.ERROR, token.message)
                 touched.append(request)
@@ -184,6 +199,7 @@ class Scheduler:
                 touched.append(request)
                 continue
             request.output_token_ids.append(token)
+            self.prefix_cache.appended(request)
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
@@ -216,6 +232,7 @@ class Scheduler:
     def _leave_running(self, request: Request) -> None:
         self.running.remove(request)
         self._released.append(request.request_id)
+        self.prefix_cache.released(request)
         if request.group is not None:
             left = self._group_running[request.group] - 1
             if left:
