@@ -61,7 +61,8 @@ class Metrics:
                                       registry=r)
         self.prefix_hits = Counter("flashserve_prefix_cache_hits", "Tokens found in the prefix cache", registry=r)
         self.preemptions = Counter("flashserve_num_preemptions", "Preemptions by recompute", registry=r)
-        self.prompt_tokens = Counter("flashserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("flashserve_prompt_tokens", "Prompt tokens of requests that began generating "
+                                     "(prefix-cached ones included)", registry=r)
         self.generation_tokens = Counter("flashserve_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("flashserve_time_to_first_token_seconds", "Time to first token, as the API saw it",
                               buckets=TTFT_BUCKETS, registry=r)

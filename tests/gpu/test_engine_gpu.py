@@ -53,6 +53,15 @@ def teacher_forced_logits(llm: LLM, prompt: list[int], output: list[int]) -> tor
         bm.free("rescore")
 
 
+def assert_sampled_from_teacher_forced_logits(llm: LLM, recorder: RecordingSampler, results: list) -> None:
+    """The logits each result's tokens were sampled from match a teacher-forced re-scoring (bf16)."""
+    for res in results:
+        got = torch.stack([recorder.rows[(res.request_id, k)] for k in range(len(res.token_ids))])
+        ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)
+        err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        assert err.max().item() < 3e-2, f"{res.request_id}: max relative error {err.max().item():.3e}"
+
+
 def test_64_requests_under_preemption_finish_and_recompute_corrupts_nothing(llm):
     rng = random.Random(0)
     runner = llm.engine.executor
@@ -68,11 +77,7 @@ def test_64_requests_under_preemption_finish_and_recompute_corrupts_nothing(llm)
     assert [len(r.token_ids) for r in results] == [p.max_tokens for p in params]
     assert all(r.finish_reason == "length" for r in results)
     assert llm.engine.scheduler.kv_cache.num_used_pages == 0
-    for res in results[::8]:  # every 8th request: re-scoring is one prefill each
-        got = torch.stack([recorder.rows[(res.request_id, k)] for k in range(len(res.token_ids))])
-        ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)
-        err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
-        assert err.max().item() < 3e-2, f"{res.request_id}: max relative error {err.max().item():.3e}"
+    assert_sampled_from_teacher_forced_logits(llm, recorder, results[::8])  # re-scoring: one prefill each
 
 
 @pytest.mark.parametrize("variant", ["torch_compile", "hf_path"])
@@ -93,11 +98,7 @@ def test_engine_variant_samples_the_logits_a_teacher_forced_pass_gives(variant: 
     results = llm.generate(prompts, params)
     assert all(len(r.token_ids) == 24 for r in results)
     assert llm.engine.scheduler.kv_cache.num_used_pages == 0
-    for res in results[::4]:
-        got = torch.stack([recorder.rows[(res.request_id, k)] for k in range(len(res.token_ids))])
-        ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)
-        err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
-        assert err.max().item() < 3e-2, f"{res.request_id}: max relative error {err.max().item():.3e}"
+    assert_sampled_from_teacher_forced_logits(llm, recorder, results[::4])
 
 
 def test_requests_that_hit_the_prefix_cache_sample_the_teacher_forced_logits(llm):
@@ -115,11 +116,7 @@ def test_requests_that_hit_the_prefix_cache_sample_the_teacher_forced_logits(llm
         runner.sampler = recorder.inner
     assert all(r.num_cached_tokens >= 32 for r in results)
     assert llm.engine.scheduler.kv_cache.num_used_pages == 0
-    for res in results[::3]:
-        got = torch.stack([recorder.rows[(res.request_id, k)] for k in range(len(res.token_ids))])
-        ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)
-        err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
-        assert err.max().item() < 3e-2, f"{res.request_id}: max relative error {err.max().item():.3e}"
+    assert_sampled_from_teacher_forced_logits(llm, recorder, results[::3])
 
 
 def test_a_mixed_load_with_aborts_and_preemption_leaves_every_page_free_or_cached(llm):
