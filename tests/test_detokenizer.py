@@ -168,3 +168,38 @@ def test_raw_decoder_gives_the_tokenizers_own_text(smollm2_tokenizer: Any, clean
     ids = tok.encode("Hello , world . It 's <|im_end|> done ?", add_special_tokens=False)
     for skip in (False, True):
         assert raw_decoder(tok)(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+class _CleaningUp:
+    """A tokenizer whose decode applies clean-up, as transformers does for WordPiece tokenizers."""
+
+    clean_up_tokenization_spaces = True
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.backend_tokenizer = inner.backend_tokenizer
+
+    def encode(self, text: str, **kw: Any) -> list[int]:
+        return self.inner.encode(text, **kw)
+
+    def decode(self, ids: list[int], **kw: Any) -> str:
+        return self.inner.decode(ids, **kw).replace(" .", ".").replace(" ,", ",").replace(" 's", "'s")
+
+
+def test_raw_decoder_keeps_a_tokenizer_that_really_cleans_up(smollm2_tokenizer: Any) -> None:
+    from flashserve.engine.detokenizer import raw_decoder
+
+    tok = _CleaningUp(smollm2_tokenizer)
+    assert raw_decoder(tok) == tok.decode
+
+
+def test_raw_decoder_takes_the_backend_when_clean_up_changes_nothing(smollm2_tokenizer: Any) -> None:
+    import copy
+
+    from flashserve.engine.detokenizer import raw_decoder
+
+    tok = copy.copy(smollm2_tokenizer)
+    tok.clean_up_tokenization_spaces = True
+    probe = tok.encode("x . y 's z ,", add_special_tokens=False)
+    expected_backend = tok.decode(probe) == tok.backend_tokenizer.decode(probe)
+    assert (raw_decoder(tok) == tok.backend_tokenizer.decode) == expected_backend

@@ -25,15 +25,30 @@ MAX_HELD_TOKENS = 8
 _REPLACEMENT = "\ufffd"
 
 
+# Every pattern that transformers' clean_up_tokenization rewrites (" ." -> ".", " n't" -> "n't", ...).
+_CLEAN_UP_PROBE = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're k"
+
+
 def raw_decoder(tokenizer: Any) -> Callable[..., str]:
     """`decode(ids, skip_special_tokens=...)` of the tokenizer, at the lowest level that gives the
     same text: a fast tokenizer that does not clean up tokenization spaces decodes exactly as its
     Rust `backend_tokenizer`, without transformers' per-call conversions (most of the cost when
-    hundreds of requests decode a token each step)."""
+    hundreds of requests decode a token each step; 10.8 vs 2.6 us for 8 Llama-3 tokens on a CPU).
+
+    A tokenizer that sets clean_up_tokenization_spaces may still not clean up (transformers 5
+    ignores it for BPE tokenizers, such as Llama 3's): its own decode of every pattern clean-up
+    rewrites then equals its backend's, and the backend is used."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+    if backend is None:
+        return tokenizer.decode
+    if getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
         return backend.decode
-    return tokenizer.decode
+    try:
+        probe = tokenizer.encode(_CLEAN_UP_PROBE, add_special_tokens=False)
+        same = tokenizer.decode(probe) == backend.decode(probe) == _CLEAN_UP_PROBE
+    except Exception:  # an unusual tokenizer: keep to its own decode
+        same = False
+    return backend.decode if same else tokenizer.decode
 
 
 class IncrementalDetokenizer:
