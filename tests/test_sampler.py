@@ -281,3 +281,26 @@ def test_cuda_sampling_syncs_once_and_matches_seeded_rows() -> None:
     masked[2] = float("-inf")
     assert ids[2] == int(masked.argmax())
     assert ids[1] == sampler.sample(logits[1:2], requests[1:2])[0]
+
+
+def test_logit_bias_minus_100_bans_the_greedy_token() -> None:
+    logits = random_logits(2, 100)
+    top = logits.argmax(dim=-1).tolist()
+    requests = [make_request(temperature=0.0, logit_bias=((top[0], -100.0),)), make_request(temperature=0.0)]
+    ids = Sampler().sample(logits, requests)
+    assert ids[0] != top[0] and ids[0] == logits[0].topk(2).indices[1].item()
+    assert ids[1] == top[1]  # a row without a bias is left alone
+
+
+def test_logit_bias_plus_100_forces_a_token_when_sampling() -> None:
+    logits = random_logits(8, 100)
+    requests = [make_request(temperature=1.0, top_p=0.9, logit_bias=((37, 100.0),)) for _ in range(8)]
+    assert Sampler(3).sample(logits, requests) == [37] * 8
+
+
+def test_logit_bias_adds_to_the_logits_before_the_softmax() -> None:
+    logits = torch.zeros(1, 4)
+    request = make_request(temperature=1.0, logit_bias=((1, 2.0), (3, -1.0)))
+    probs = torch.softmax(torch.tensor([0.0, 2.0, 0.0, -1.0]), dim=0)
+    counts = torch.bincount(torch.tensor([Sampler(s).sample(logits, [request])[0] for s in range(2000)]), minlength=4)
+    assert torch.allclose(counts / 2000, probs, atol=0.04)

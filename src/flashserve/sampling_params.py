@@ -35,6 +35,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Ids that end generation unless ignore_eos; filled from the model's generation config.
     eos_token_ids: tuple[int, ...] = field(default=())
+    # (token id, bias) pairs added to the logits before sampling; the engine checks the ids.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Python's JSON parser accepts NaN and Infinity, and NaN fails every comparison: a range
@@ -67,6 +69,11 @@ class SamplingParams:
             raise InvalidParameter("min_tokens", "min_tokens must not exceed max_tokens")
         if any(not s for s in self.stop):
             raise InvalidParameter("stop", "stop strings must be non-empty")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {token}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidParameter("logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidParameter("stop_token_ids", "stop_token_ids must be non-negative")
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
 from pydantic_core import PydanticCustomError
 
-from flashserve.sampling_params import SamplingParams
+from flashserve.sampling_params import InvalidParameter, SamplingParams
 
 # Upper bound on choices per request; each choice is a full engine request.
 MAX_N = 128
@@ -63,7 +63,7 @@ class GenerationRequest(_Request):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Any] | None = None  # accepted only when empty
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI has it) -> bias
     # Requests with different salts never share prefix-cached KV, so a tenant cannot time another's
     # prompts. An empty salt is refused, as vLLM refuses it: it would read as "salted" yet salt nothing.
     cache_salt: str | None = Field(None, min_length=1)
@@ -123,7 +123,6 @@ class CompletionRequest(GenerationRequest):
 def unsupported_field(req: GenerationRequest) -> str | None:
     """The first field set to something this server does not implement, or None."""
     checks: list[tuple[str, Any]] = [
-        ("logit_bias", bool(req.logit_bias)),
         ("stream_options", req.stream_options is not None and not req.stream),
     ]
     if isinstance(req, ChatCompletionRequest):
@@ -167,7 +166,17 @@ def to_sampling_params(
         min_tokens=req.min_tokens,
         skip_special_tokens=req.skip_special_tokens,
         eos_token_ids=tuple(eos_token_ids),
+        logit_bias=_logit_bias(req.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def for_choice(params: SamplingParams, index: int) -> SamplingParams:

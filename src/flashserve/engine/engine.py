@@ -76,9 +76,10 @@ class LLMEngine:
         return len(self._live)
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raises InvalidParameter for token ids the model cannot take (prompt or stop ids)."""
+        """Raises InvalidParameter for token ids the model cannot take (prompt, stop ids, logit_bias)."""
         check_token_ids(prompt_token_ids, self.vocab_size, "prompt")
         check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+        check_token_ids([token for token, _ in params.logit_bias], self.vocab_size, "logit_bias")
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, group: str | None = None,

@@ -155,6 +155,22 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest])
         logits.view(-1).index_fill_(0, flat_idx, float("-inf"))
 
 
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
+    """In place: each request's logit_bias added to its row (OpenAI's logit_bias; -100 bans a
+    token in practice, +100 all but forces it)."""
+    vocab = logits.shape[1]
+    index: list[int] = []
+    bias: list[float] = []
+    for i, r in enumerate(requests):
+        for token, value in r.params.logit_bias:
+            index.append(i * vocab + token)
+            bias.append(value)
+    if index:
+        # One upload for each list; index_add_ accumulates, so a repeated id adds up as in OpenAI.
+        logits.view(-1).index_add_(0, _to_device(index, logits.device),
+                                   _to_device(bias, logits.device, torch.float32))
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
@@ -222,14 +238,17 @@ class Sampler:
             return torch.empty(0, dtype=torch.long, device=logits.device)
         needs_min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
         needs_penalties = any(r.params.needs_penalties for r in requests)
+        needs_bias = any(r.params.logit_bias for r in requests)
         all_greedy = all(r.params.greedy for r in requests)
         if len(self._history):
             self._history.retain({r.request_id for r in requests})
-        if all_greedy and not needs_penalties and not needs_min_tokens:
+        if all_greedy and not needs_penalties and not needs_min_tokens and not needs_bias:
             return logits.argmax(dim=-1)
 
         # A float32 copy: the caller's logits stay untouched.
         logits = logits.to(torch.float32, copy=True)
+        if needs_bias:
+            apply_logit_bias(logits, requests)
         if needs_penalties:
             apply_penalties(logits, requests, self._history)
         if needs_min_tokens:
