@@ -220,14 +220,16 @@ def median_time_s(fn: Callable[[], Any], device: str, warmup: int, iters: int) -
     return statistics.median(times)
 
 
-def measure_rates(device: str = "auto") -> DeviceRates:
-    """Copy bandwidth and matmul rate of `device` (1 GiB copy, bf16 8192^3 on CUDA; small, fp32 on CPU)."""
+def measure_rates(device: str = "auto", cpu_copy_bytes: int = 32 << 20, cpu_matmul_n: int = 512) -> DeviceRates:
+    """Copy bandwidth and matmul rate of `device` (1 GiB copy, bf16 8192^3 on CUDA; fp32 on CPU,
+    small by default; a CPU floor wants a copy larger than the caches and a matmul that reaches
+    the cores' rate: `benchmark.cpu_bench` passes 512 MiB and 2048)."""
     import torch
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device == "cuda"
-    nbytes, n, dtype = (1 << 30, 8192, torch.bfloat16) if cuda else (32 << 20, 512, torch.float32)
+    nbytes, n, dtype = (1 << 30, 8192, torch.bfloat16) if cuda else (cpu_copy_bytes, cpu_matmul_n, torch.float32)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_s = median_time_s(lambda: dst.copy_(src), device, 3, 10)

@@ -51,3 +51,9 @@ def test_model_impl_selects_the_generic_hf_path():
 def test_torch_compile_flag_reaches_the_model_config():
     assert to_configs(build_parser({}).parse_args(["serve", "--torch-compile"])).model.torch_compile is True
     assert to_configs(build_parser({}).parse_args(["serve"])).model.torch_compile is False
+
+
+def test_step_budget_defaults_to_auto_and_takes_an_explicit_value():
+    assert to_configs(build_parser({}).parse_args(["serve"])).scheduler.max_num_batched_tokens is None
+    args = to_configs(build_parser({}).parse_args(["serve", "--max-num-batched-tokens", "512"]))
+    assert args.scheduler.max_num_batched_tokens == 512

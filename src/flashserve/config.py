@@ -34,7 +34,9 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None: chosen where the device is known (`model/step_budget.py`): 2048 on CUDA, on a CPU the
+    # tokens that one step computes in about 0.4 s, measured at start-up.
+    max_num_batched_tokens: int | None = None
 
 
 @dataclass(frozen=True)

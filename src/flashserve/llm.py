@@ -23,6 +23,7 @@ class EngineStack:
     loaded: Any  # model.loader.LoadedModel
     num_pages: int
     page_size: int
+    max_num_batched_tokens: int  # the step budget, resolved from the device when not given
 
     @property
     def max_model_len(self) -> int:
@@ -42,10 +43,16 @@ def build_engine(
     from flashserve.model.runner import build_runner  # torch is imported here, not at package import
 
     runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph, max_batch_size=scheduler.max_num_seqs)
+    budget = scheduler.max_num_batched_tokens
+    if budget is None:
+        from flashserve.model.step_budget import default_step_budget
+
+        budget = default_step_budget(runner, loaded.device.type, num_pages, cache.page_size)
+        scheduler = replace(scheduler, max_num_batched_tokens=budget)
     # loaded.max_model_len is already capped by what the KV cache holds.
     sched = Scheduler(scheduler, KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching), loaded.max_model_len)
     engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size)
-    return EngineStack(engine, loaded, num_pages, cache.page_size)
+    return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
 
 
 @dataclass(frozen=True)

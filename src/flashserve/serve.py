@@ -110,9 +110,9 @@ async def serve(args: ServeArgs) -> int:
     stack = build_engine(args.model, args.cache, args.scheduler, cuda_graph=args.cuda_graph)
     loaded = stack.loaded
     logger.info(
-        "model %s ready in %.1f s: %s on %s, max_model_len %d, KV cache %d pages x %d tokens",
+        "model %s ready in %.1f s: %s on %s, max_model_len %d, KV cache %d pages x %d tokens, step budget %d tokens",
         loaded.name, time.perf_counter() - t0, loaded.dtype, loaded.device, stack.max_model_len,
-        stack.num_pages, stack.page_size,
+        stack.num_pages, stack.page_size, stack.max_num_batched_tokens,
     )
     metrics = Metrics()
     state = ServerState()

@@ -7,8 +7,11 @@ from typing import Any
 
 # name -> "module:class". Each backend's constructor takes
 # (num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, sm_scale).
+# "torch" is the fast PyTorch path (fused SDPA kernels); "reference" the readable oracle it and
+# FlashInfer are tested against.
 _BACKENDS = {
-    "torch": "flashserve.attention.torch_ref:TorchAttentionBackend",
+    "torch": "flashserve.attention.torch_sdpa:SdpaAttentionBackend",
+    "reference": "flashserve.attention.torch_ref:TorchAttentionBackend",
     "flashinfer": "flashserve.attention.flashinfer:FlashInferAttentionBackend",
 }
 

@@ -1,10 +1,10 @@
 """Reference attention over a paged KV cache in pure PyTorch (CPU and CUDA).
 
-Correctness first: this backend runs the engine on machines without a GPU and is the oracle the
-FlashInfer backend is tested against. `plan` turns the step's `BatchLayout` into index tensors
-once; `forward` scatters the new K/V into their slots and attends with one padded, masked batched
-computation per group of requests (float32 scores and softmax), with no Python loop over tokens
-and no host synchronisation.
+Correctness first: this backend is the oracle that the FlashInfer backend and the fast PyTorch
+path (`torch_sdpa.py`, which the engine runs on a CPU) are tested against. `plan` turns the
+step's `BatchLayout` into index tensors once; `forward` scatters the new K/V into their slots and
+attends with one padded, masked batched computation per group of requests (float32 scores and
+softmax), with no Python loop over tokens and no host synchronisation.
 """
 
 from __future__ import annotations

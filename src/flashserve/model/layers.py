@@ -42,6 +42,10 @@ class Ops:
 
 
 def rmsnorm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same computation as below, with no cast in it, in one fused kernel: on a CPU the
+        # unfused ops cost 8x as much at prefill sizes (2,000 x 576: 5.6 vs 0.7 ms).
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     # HF's order: normalise in float32, cast back, then scale in the model dtype.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -63,14 +67,16 @@ def apply_rope_torch(positions: Tensor, q: Tensor, k: Tensor, head_dim: int, cos
         x1 = heads[..., :half].float()
         x2 = heads[..., half : 2 * half].float()
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([rotated, heads[..., 2 * half :]], dim=-1).view(x.shape[0], -1)
+        if 2 * half < head_dim:  # partial rotary: the tail passes through
+            rotated = torch.cat([rotated, heads[..., 2 * half :]], dim=-1)
+        return rotated.view(x.shape[0], -1)
 
     return rotate(q), rotate(k)
 
 
 def silu_and_mul_torch(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
+    return F.silu(x[..., :half]).mul_(x[..., half:])  # in place on silu's fresh output: one buffer
 
 
 def torch_ops() -> Ops:

@@ -1,0 +1,165 @@
+"""Paged attention through torch's fused `scaled_dot_product_attention` (the CPU default).
+
+Same cache, contract and results as the reference in `torch_ref.py` (which stays the readable
+oracle); what differs is how a step is cut into kernel calls. `plan` sorts each request into one
+of three kinds:
+
+- a whole prompt (new tokens == context): its own q/k/v attend causally with `is_causal=True`,
+  straight from the step's tensors, with no gather from the cache;
+- a continued prompt (a later prefill chunk, or a prompt behind prefix-cached pages): its pages
+  are gathered whole and a bottom-right aligned causal mask is applied;
+- one decode token: all of them go in padded batches, with the query heads of one kv head in
+  the query-length slot of the kernel, so grouped-query attention needs no repeated K/V.
+
+On a 2-core CPU, a 2,000-token prompt (SmolLM2-135M shape) attends in a tenth of the reference's
+time (0.1 vs 1.0 s per layer, measured side by side): the reference materialises float32 scores,
+a mask over them and their softmax for every (query, key) pair of the padded batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashserve.attention.base import BatchLayout
+from flashserve.attention.torch_ref import TorchAttentionBackend
+
+# Padded key slots per decode batch: bounds the gathered K/V (slots x kv heads x head_dim each)
+# when a few long contexts decode beside many short ones.
+_MAX_DECODE_SLOTS = 1 << 17
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """A request's new tokens [start, end); `pages` None: they are its whole context."""
+
+    start: int
+    end: int
+    pages: torch.Tensor | None = None  # [P] long page ids, when earlier tokens sit in the cache
+    mask: torch.Tensor | None = None  # [N, P * page_size] bool: bottom-right causal, in range
+
+
+@dataclass(frozen=True)
+class _Decodes:
+    """Decode tokens of several requests, one query row each."""
+
+    tokens: torch.Tensor  # [B] long: the step tokens (rows of q and of the output)
+    page_table: torch.Tensor  # [B, P] long: each request's pages, padded with page 0
+    mask: torch.Tensor  # [B, 1, 1, P * page_size] bool: key slot within the request's context
+
+
+@dataclass(frozen=True)
+class _SdpaPlan:
+    write_slots: torch.Tensor  # [T] long: flat cache slot of every new token
+    prompts: tuple[_Prompt, ...]
+    decodes: tuple[_Decodes, ...]
+
+
+class SdpaAttentionBackend(TorchAttentionBackend):
+    """The reference backend's KV pages and contract, attended with torch's fused kernels."""
+
+    _sdpa_plan: _SdpaPlan | None = None
+
+    def plan(self, layout: BatchLayout) -> None:
+        if layout.page_size != self.page_size:
+            raise ValueError(f"layout page_size {layout.page_size} != cache page_size {self.page_size}")
+        ps, qo, kv_ptr = self.page_size, layout.qo_indptr, layout.kv_indptr
+        kv_indices = torch.tensor(layout.kv_indices, dtype=torch.long)
+        if kv_indices.numel() and (int(kv_indices.min()) < 0 or int(kv_indices.max()) >= self.num_pages):
+            raise ValueError(f"page ids out of range [0, {self.num_pages})")
+        kv_lens = layout.kv_lens()
+        q_lens = [qo[i + 1] - qo[i] for i in range(layout.batch_size)]
+        # Slot of new token t of request i: its page at position // page_size, then the offset.
+        positions = torch.tensor(layout.positions, dtype=torch.long)
+        owner = torch.repeat_interleave(torch.arange(layout.batch_size), torch.tensor(q_lens, dtype=torch.long))
+        first_page = torch.tensor(kv_ptr[:-1], dtype=torch.long)
+        pages_of_tokens = kv_indices[first_page[owner] + positions // ps] if owner.numel() else owner
+        write_slots = pages_of_tokens * ps + positions % ps
+
+        prompts: list[_Prompt] = []
+        decoding: list[int] = []
+        for i in range(layout.batch_size):
+            if q_lens[i] == kv_lens[i]:
+                prompts.append(_Prompt(qo[i], qo[i + 1]))
+            elif q_lens[i] == 1:
+                decoding.append(i)
+            else:
+                pages = kv_indices[kv_ptr[i] : kv_ptr[i + 1]]
+                n = torch.arange(q_lens[i])[:, None]
+                slot = torch.arange(pages.numel() * ps)[None, :]
+                mask = slot <= kv_lens[i] - q_lens[i] + n  # row n sits at position kv_len - q_len + n
+                prompts.append(_Prompt(qo[i], qo[i + 1], pages.to(self.device), mask.to(self.device)))
+        decodes = [self._plan_decodes(layout, kv_indices, kv_lens, batch) for batch in _decode_batches(decoding, kv_lens, ps)]
+        self._sdpa_plan = _SdpaPlan(write_slots.to(self.device), tuple(prompts), tuple(decodes))
+
+    def _plan_decodes(self, layout: BatchLayout, kv_indices: torch.Tensor, kv_lens: list[int], batch: list[int]) -> _Decodes:
+        ps, kv_ptr = self.page_size, layout.kv_indptr
+        width = max(kv_ptr[i + 1] - kv_ptr[i] for i in batch)
+        page_table = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            page_table[row, : kv_ptr[i + 1] - kv_ptr[i]] = kv_indices[kv_ptr[i] : kv_ptr[i + 1]]
+        lens = torch.tensor([kv_lens[i] for i in batch], dtype=torch.long)
+        mask = torch.arange(width * ps)[None, :] < lens[:, None]
+        tokens = torch.tensor([layout.qo_indptr[i] for i in batch], dtype=torch.long)
+        return _Decodes(tokens.to(self.device), page_table.to(self.device), mask[:, None, None, :].to(self.device))
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D] in q's dtype. See `AttentionBackend`."""
+        plan = self._sdpa_plan
+        if plan is None:
+            raise RuntimeError("plan() must run before forward()")
+        num_q_heads, head_dim = q.shape[1], q.shape[2]
+        hkv = self.num_kv_heads
+        if self.num_qo_heads is not None and num_q_heads != self.num_qo_heads:
+            raise ValueError(f"q has {num_q_heads} heads, the backend was built for {self.num_qo_heads}")
+        if num_q_heads % hkv:
+            raise ValueError(f"{num_q_heads} query heads are not a multiple of {hkv} kv heads")
+        group = num_q_heads // hkv
+        k_cache, v_cache = self.kv_cache[layer]
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        k_cache.view(-1, hkv, head_dim).index_copy_(0, plan.write_slots, k)
+        v_cache.view(-1, hkv, head_dim).index_copy_(0, plan.write_slots, v)
+
+        out = torch.empty_like(q)
+        for p in plan.prompts:
+            if p.pages is None:
+                keys, values = k[p.start : p.end], v[p.start : p.end]
+            else:  # whole pages, [P * page_size, Hkv, D]; the mask hides the slots past the context
+                keys, values = k_cache.index_select(0, p.pages).flatten(0, 1), v_cache.index_select(0, p.pages).flatten(0, 1)
+            # Query head h reads kv head h // group, as transformers' repeat_kv does.
+            o = F.scaled_dot_product_attention(
+                q[p.start : p.end].transpose(0, 1)[None],
+                keys.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                values.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None],
+                attn_mask=p.mask, is_causal=p.pages is None, scale=self.sm_scale,
+            )  # fmt: skip
+            out[p.start : p.end] = o[0].transpose(0, 1)
+        for d in plan.decodes:
+            batch, width = d.page_table.shape
+            # [B * P, page, Hkv, D] -> [B, Hkv, P * page, D]; a request's query heads of one kv
+            # head are the "query rows" of that head, so no K/V is repeated. index_select copies
+            # whole pages, several times faster on a CPU than indexing with the [B, P] table.
+            shape = (batch, width * self.page_size, hkv, head_dim)
+            keys = k_cache.index_select(0, d.page_table.flatten()).view(shape).transpose(1, 2).to(q.dtype)
+            values = v_cache.index_select(0, d.page_table.flatten()).view(shape).transpose(1, 2).to(q.dtype)
+            queries = q[d.tokens].view(batch, hkv, group, head_dim)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=d.mask, scale=self.sm_scale)
+            out.index_copy_(0, d.tokens, o.reshape(batch, num_q_heads, head_dim))
+        return out
+
+
+def _decode_batches(decoding: list[int], kv_lens: list[int], page_size: int) -> list[list[int]]:
+    """Consecutive runs of decode requests whose padded key slots stay under the budget."""
+    batches: list[list[int]] = []
+    widest = 0
+    for i in decoding:
+        slots = -(-kv_lens[i] // page_size) * page_size
+        if batches and (len(batches[-1]) + 1) * max(widest, slots) <= _MAX_DECODE_SLOTS:
+            batches[-1].append(i)
+            widest = max(widest, slots)
+        else:
+            batches.append([i])
+            widest = slots
+    return batches

@@ -1,0 +1,67 @@
+"""The default step budget (`--max-num-batched-tokens`): tokens one engine step may compute.
+
+A step's prefill chunk delays every running stream's next token by the step's time. On a GPU
+2048 tokens take milliseconds; on a CPU they take seconds (SmolLM2-135M: about 7 s on 2 cores),
+so there the budget comes from the rate the runner actually reaches at start-up: as many
+tokens as fit in `CPU_STEP_SECONDS`. A loaded machine measures a lower rate and gets a smaller,
+still safe, budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from flashserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GPU_STEP_TOKENS = 2048
+# Target time of one CPU step at short context. Attention grows with the context, so a chunk late
+# in a 2,000-token prompt takes about 1.5x this; the largest gap of a running stream stays well
+# under a second.
+CPU_STEP_SECONDS = 0.4
+# The least a CPU step may hold: below it a step's fixed costs (every weight read once, the
+# host's work) outweigh its tokens, as on a machine that is busy while it measures.
+CPU_MIN_STEP_TOKENS = 64
+# Tokens of the timed prefill: enough for the matmuls to reach their rate, little start-up time.
+_PROBE_TOKENS = 128
+
+
+def budget_from_rate(seconds_per_token: float, page_size: int, step_seconds: float = CPU_STEP_SECONDS) -> int:
+    """Tokens that fit in `step_seconds`, rounded down to whole pages, within [64, 2048]."""
+    tokens = int(step_seconds / seconds_per_token) // page_size * page_size
+    return max(CPU_MIN_STEP_TOKENS, min(GPU_STEP_TOKENS, tokens))
+
+
+def measure_prefill_seconds_per_token(runner: object, num_pages: int, page_size: int) -> float:
+    """Times prefill steps of `_PROBE_TOKENS` tokens on free KV pages (the best of two, after a
+    short step that warms the allocator), in seconds per token. Run before the engine starts:
+    it writes into pages the KV cache manager has not handed out yet."""
+    pages = list(range(1, 1 + min(num_pages - 1, -(-_PROBE_TOKENS // page_size))))
+    tokens = [1] * min(_PROBE_TOKENS, len(pages) * page_size)
+    params = SamplingParams(temperature=0.0)
+
+    def step(n: int) -> float:
+        request = ScheduledRequest("step-budget-probe", tokens[:n], 0, pages, True, params, tokens[:n], [])
+        t0 = time.perf_counter()
+        runner.execute(SchedulerOutput([request]))  # type: ignore[attr-defined]
+        return time.perf_counter() - t0
+
+    step(page_size)
+    return min(step(len(tokens)) for _ in range(2)) / len(tokens)
+
+
+def default_step_budget(runner: object, device_type: str, num_pages: int, page_size: int) -> int:
+    """`GPU_STEP_TOKENS` on CUDA; on a CPU the tokens that take about `CPU_STEP_SECONDS`."""
+    if device_type == "cuda":
+        return GPU_STEP_TOKENS
+    t0 = time.perf_counter()
+    per_token = measure_prefill_seconds_per_token(runner, num_pages, page_size)
+    budget = budget_from_rate(per_token, page_size)
+    logger.info(
+        "step budget %d tokens (--max-num-batched-tokens): prefill runs at %.0f tokens/s here, so a step "
+        "takes about %.2f s (measured in %.1f s)", budget, 1 / per_token, budget * per_token, time.perf_counter() - t0,
+    )  # fmt: skip
+    return budget

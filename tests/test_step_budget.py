@@ -1,0 +1,88 @@
+"""The default step budget: 2048 tokens on CUDA, on a CPU what one step computes in about 0.4 s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashserve.model import step_budget
+from flashserve.model.step_budget import (
+    CPU_MIN_STEP_TOKENS,
+    CPU_STEP_SECONDS,
+    GPU_STEP_TOKENS,
+    budget_from_rate,
+    default_step_budget,
+)
+
+PAGE = 16
+
+
+class ClockRunner:
+    """A runner whose steps take `seconds_per_token` per scheduled token on a fake clock."""
+
+    def __init__(self, seconds_per_token: float) -> None:
+        self.seconds_per_token = seconds_per_token
+        self.now = 0.0
+        self.steps: list[int] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def execute(self, out) -> list:  # noqa: ANN001 - a SchedulerOutput
+        tokens = sum(r.num_new_tokens for r in out.requests)
+        self.steps.append(tokens)
+        self.now += tokens * self.seconds_per_token
+        return [0] * len(out.requests)
+
+
+def test_cuda_budget_is_2048_without_running_a_step() -> None:
+    runner = ClockRunner(1.0)
+    assert default_step_budget(runner, "cuda", num_pages=100, page_size=PAGE) == GPU_STEP_TOKENS == 2048
+    assert runner.steps == []
+
+
+def test_cpu_budget_holds_the_tokens_one_step_computes_in_the_target_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = ClockRunner(0.002)  # 500 tokens/s
+    monkeypatch.setattr(step_budget.time, "perf_counter", runner.clock)
+    budget = default_step_budget(runner, "cpu", num_pages=100, page_size=PAGE)
+    assert budget == int(CPU_STEP_SECONDS / 0.002) // PAGE * PAGE == 192
+
+
+def test_cpu_probe_writes_only_pages_past_the_scratch_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[int]] = []
+
+    class Recorder(ClockRunner):
+        def execute(self, out) -> list:  # noqa: ANN001
+            seen.extend(r.page_ids for r in out.requests)
+            return super().execute(out)
+
+    runner = Recorder(0.001)
+    monkeypatch.setattr(step_budget.time, "perf_counter", runner.clock)
+    default_step_budget(runner, "cpu", num_pages=100, page_size=PAGE)
+    assert seen and all(0 not in pages and max(pages) < 100 for pages in seen)
+
+
+def test_budget_is_whole_pages() -> None:
+    assert budget_from_rate(0.4 / 250, PAGE) == 240
+
+
+def test_budget_never_exceeds_the_gpu_default_on_a_fast_machine() -> None:
+    assert budget_from_rate(1e-6, PAGE) == GPU_STEP_TOKENS
+
+
+def test_budget_keeps_a_floor_on_a_slow_or_busy_machine() -> None:
+    assert budget_from_rate(1.0, PAGE) == CPU_MIN_STEP_TOKENS
+
+
+def test_engine_on_a_cpu_resolves_the_auto_budget_before_scheduling(tmp_path) -> None:  # noqa: ANN001
+    from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
+    from flashserve.llm import build_engine
+
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = ModelConfig(model=str(tmp_path / "config.json"), load_format="dummy", device="cpu")
+    stack = build_engine(model, CacheConfig(num_pages=32), SchedulerConfig())
+    assert CPU_MIN_STEP_TOKENS <= stack.max_num_batched_tokens <= GPU_STEP_TOKENS
+    assert stack.engine.scheduler.config.max_num_batched_tokens == stack.max_num_batched_tokens
