@@ -126,6 +126,19 @@ class TorchAttentionBackend:
             out_rows=out_rows.to(self.device),
         )
 
+    def _append(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> int:
+        """Checks q's heads, writes this step's k/v into their cache slots; returns q heads per kv head."""
+        num_q_heads, head_dim = q.shape[1], q.shape[2]
+        hkv = self.num_kv_heads
+        if self.num_qo_heads is not None and num_q_heads != self.num_qo_heads:
+            raise ValueError(f"q has {num_q_heads} heads, the backend was built for {self.num_qo_heads}")
+        if num_q_heads % hkv:
+            raise ValueError(f"{num_q_heads} query heads are not a multiple of {hkv} kv heads")
+        k_cache, v_cache = self.kv_cache[layer]
+        k_cache.view(-1, hkv, head_dim).index_copy_(0, slots, k.to(self.dtype))
+        v_cache.view(-1, hkv, head_dim).index_copy_(0, slots, v.to(self.dtype))
+        return num_q_heads // hkv
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D] in q's dtype. See `AttentionBackend`."""
         if self._plan is None:
@@ -133,16 +146,10 @@ class TorchAttentionBackend:
         plan = self._plan
         num_tokens, num_q_heads, head_dim = q.shape
         hkv = self.num_kv_heads
-        if self.num_qo_heads is not None and num_q_heads != self.num_qo_heads:
-            raise ValueError(f"q has {num_q_heads} heads, the backend was built for {self.num_qo_heads}")
-        if num_q_heads % hkv:
-            raise ValueError(f"{num_q_heads} query heads are not a multiple of {hkv} kv heads")
-        group_size = num_q_heads // hkv
+        group_size = self._append(layer, q, k, v, plan.write_slots)
         k_cache, v_cache = self.kv_cache[layer]
         k_flat = k_cache.view(-1, hkv, head_dim)
         v_flat = v_cache.view(-1, hkv, head_dim)
-        k_flat.index_copy_(0, plan.write_slots, k.to(self.dtype))
-        v_flat.index_copy_(0, plan.write_slots, v.to(self.dtype))
 
         out = torch.empty_like(q)
         for g in plan.groups:

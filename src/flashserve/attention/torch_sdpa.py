@@ -112,15 +112,9 @@ class SdpaAttentionBackend(TorchAttentionBackend):
             raise RuntimeError("plan() must run before forward()")
         num_q_heads, head_dim = q.shape[1], q.shape[2]
         hkv = self.num_kv_heads
-        if self.num_qo_heads is not None and num_q_heads != self.num_qo_heads:
-            raise ValueError(f"q has {num_q_heads} heads, the backend was built for {self.num_qo_heads}")
-        if num_q_heads % hkv:
-            raise ValueError(f"{num_q_heads} query heads are not a multiple of {hkv} kv heads")
-        group = num_q_heads // hkv
+        group = self._append(layer, q, k, v, plan.write_slots)
         k_cache, v_cache = self.kv_cache[layer]
         k, v = k.to(self.dtype), v.to(self.dtype)
-        k_cache.view(-1, hkv, head_dim).index_copy_(0, plan.write_slots, k)
-        v_cache.view(-1, hkv, head_dim).index_copy_(0, plan.write_slots, v)
 
         out = torch.empty_like(q)
         for p in plan.prompts:
