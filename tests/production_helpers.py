@@ -36,7 +36,7 @@ POISON_SEED = 666  # requests with this seed make the sampler raise
 
 
 class FakeModelRunner(ModelRunner):
-    """The real ModelRunner.execute (per-request sampling failures become SampleError) over a
+    """The real ModelRunner.execute (a request whose sampling fails gets an error result) over a
     fake forward: `delay` seconds per step, logits that make greedy sampling pick token 7."""
 
     def __init__(self, sampler: Any, delay: float = 0.0, fail_forward: BaseException | None = None) -> None:
@@ -44,12 +44,12 @@ class FakeModelRunner(ModelRunner):
         self.delay = delay
         self.fail_forward = fail_forward
 
-    def forward(self, out: SchedulerOutput) -> torch.Tensor:
+    def forward(self, out: SchedulerOutput, prompt_rows=()) -> torch.Tensor:  # noqa: ANN001
         if self.delay:
             time.sleep(self.delay)
         if self.fail_forward is not None:
             raise self.fail_forward
-        rows = sum(r.sample for r in out.requests)
+        rows = sum(r.sample for r in out.requests) + len(prompt_rows)
         logits = torch.zeros(rows, VOCAB)
         logits[:, 7] = 10.0
         return logits
@@ -62,11 +62,11 @@ class PoisonSampler(Sampler):
         super().__init__(0)
         self.fail_after = fail_after
 
-    def sample_ids(self, logits: torch.Tensor, requests: Any) -> torch.Tensor:
+    def sample_ids(self, logits: torch.Tensor, requests: Any, bitmask: Any = None) -> torch.Tensor:
         for r in requests:
             if r.params.seed == POISON_SEED and len(r.output_token_ids) >= self.fail_after:
                 raise RuntimeError("injected sampling fault")
-        return super().sample_ids(logits, requests)
+        return super().sample_ids(logits, requests, bitmask)
 
 
 @dataclass

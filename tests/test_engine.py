@@ -11,7 +11,7 @@ from flashserve.engine.async_engine import AsyncEngine
 from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.client import EngineDead
 from flashserve.engine.engine import LLMEngine
-from flashserve.engine.outputs import NO_TOKEN, SchedulerOutput
+from flashserve.engine.outputs import NOTHING, SampledTokens, SchedulerOutput, sampled
 from flashserve.engine.scheduler import Scheduler
 from flashserve.sampling_params import SamplingParams
 
@@ -24,16 +24,16 @@ class ScriptedExecutor:
         self.fail_with = fail_with
         self.steps = 0
 
-    def launch(self, out: SchedulerOutput) -> list[int]:
+    def launch(self, out: SchedulerOutput) -> list[SampledTokens]:
         self.steps += 1
         if self.fail_with is not None:
             raise self.fail_with
         return [
-            self.script[len(r.output_token_ids) % len(self.script)] if r.sample else NO_TOKEN
+            sampled(self.script[len(r.output_token_ids) % len(self.script)]) if r.sample else NOTHING
             for r in out.requests
         ]
 
-    def collect(self, handle: list[int]) -> list[int]:
+    def collect(self, handle: list[SampledTokens]) -> list[SampledTokens]:
         return handle
 
 

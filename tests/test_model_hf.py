@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import CacheConfig, ModelConfig
-from flashserve.engine.outputs import NO_TOKEN, SampleError, ScheduledRequest, SchedulerOutput
+from flashserve.engine.outputs import NOTHING, ScheduledRequest, SchedulerOutput, sample_error
 from flashserve.model import hf
 from flashserve.model.loader import LoadedModel
 from flashserve.model.runner import ModelRunner, build_runner, model_shape
@@ -27,7 +27,7 @@ SMALL = dict(
 
 
 class ArgmaxSampler:
-    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], bitmask=None) -> torch.Tensor:  # noqa: ANN001
         return logits.argmax(-1)
 
 
@@ -151,18 +151,18 @@ def test_execute_returns_no_token_for_chunks_that_do_not_sample() -> None:
     reqs.add("b", 4)
     runner = make_runner(build_model("llama-tied"))
     result = runner.execute(SchedulerOutput([reqs.chunk("a", 0, 16, sample=False), reqs.chunk("b", 0, 4)]))
-    assert result[0] == NO_TOKEN
-    assert isinstance(result[1], int) and 0 <= result[1] < VOCAB
+    assert result[0] == NOTHING
+    assert len(result[1].token_ids) == 1 and 0 <= result[1].token_ids[0] < VOCAB
 
 
 class FailsOnRequest(ArgmaxSampler):
     def __init__(self, bad_id: str) -> None:
         self.bad_id = bad_id
 
-    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], bitmask=None) -> torch.Tensor:  # noqa: ANN001
         if any(r.request_id == self.bad_id for r in requests):
             raise ValueError(f"cannot sample {self.bad_id}")
-        return super().sample_ids(logits, requests)
+        return super().sample_ids(logits, requests, bitmask)
 
 
 def test_sampling_error_fails_only_its_request() -> None:
@@ -171,8 +171,8 @@ def test_sampling_error_fails_only_its_request() -> None:
         reqs.add(rid, 6)
     runner = make_runner(build_model("llama-tied"), FailsOnRequest("b"))
     result = runner.execute(SchedulerOutput([reqs.chunk(rid, 0, 6) for rid in ("a", "b", "c")]))
-    assert result[1] == SampleError("cannot sample b")
-    assert all(isinstance(result[i], int) for i in (0, 2))
+    assert result[1] == sample_error("cannot sample b")
+    assert all(len(result[i].token_ids) == 1 for i in (0, 2))
 
 
 def test_execute_of_an_empty_step_returns_nothing() -> None:
@@ -190,4 +190,4 @@ def test_build_runner_sizes_the_cpu_cache_from_gigabytes(tmp_path) -> None:  # t
     assert runner.backend.kv_cache[0][0].shape == (num_pages, PAGE, 2, 16)
     reqs = Requests()
     reqs.add("a", 7)
-    assert isinstance(runner.execute(SchedulerOutput([reqs.chunk("a", 0, 7)]))[0], int)
+    assert len(runner.execute(SchedulerOutput([reqs.chunk("a", 0, 7)]))[0].token_ids) == 1

@@ -1,7 +1,7 @@
 """Scheduler: budgets, chunked prefill, preemption, stopping rules, aborts, errors.
 
 The model is a fake executor: every ScheduledRequest that samples gets token 1000 (or a scripted
-token), every other chunk NO_TOKEN.
+token), every other chunk nothing.
 """
 
 from __future__ import annotations
@@ -12,29 +12,29 @@ from typing import Callable
 from flashserve.attention.base import BatchLayout
 from flashserve.config import SchedulerConfig
 from flashserve.engine.kv_cache_manager import KVCacheManager
-from flashserve.engine.outputs import NO_TOKEN, SampleError, ScheduledRequest, SchedulerOutput
+from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error, sampled
 from flashserve.engine.request import FinishReason, Request, RequestStatus
 from flashserve.engine.scheduler import Scheduler
 from flashserve.sampling_params import SamplingParams
 
 TOKEN = 1000
 EOS = 2
-Executor = Callable[[ScheduledRequest], "int | SampleError"]
+Executor = Callable[[ScheduledRequest], SampledTokens]
 
 
-def fixed_token(r: ScheduledRequest) -> int:
-    return TOKEN if r.sample else NO_TOKEN
+def fixed_token(r: ScheduledRequest) -> SampledTokens:
+    return sampled(TOKEN) if r.sample else NOTHING
 
 
 def scripted(script: dict[str, list[int]]) -> Executor:
     """Request id -> the tokens it samples, in order; TOKEN once the script runs out."""
 
-    def execute(r: ScheduledRequest) -> int:
+    def execute(r: ScheduledRequest) -> SampledTokens:
         if not r.sample:
-            return NO_TOKEN
+            return NOTHING
         tokens = script.get(r.request_id, [])
         n = len(r.output_token_ids)
-        return tokens[n] if n < len(tokens) else TOKEN
+        return sampled(tokens[n] if n < len(tokens) else TOKEN)
 
     return execute
 
@@ -186,7 +186,7 @@ def test_engine_finish_with_stop_string_ends_the_request_and_update_skips_it() -
     s.add_request(r)
     out = s.schedule()
     assert s.finish("a", FinishReason.STOP) is r
-    assert s.update(out, [TOKEN]) == []
+    assert s.update(out, [sampled(TOKEN)]) == []
     assert r.finish_reason is FinishReason.STOP and not s.has_unfinished
     assert_all_pages_free(s)
 
@@ -341,8 +341,8 @@ def test_sample_error_fails_one_request_while_others_continue() -> None:
     s.add_request(b)
     step(s)
 
-    def fail_b(r: ScheduledRequest) -> int | SampleError:
-        return SampleError("nan in logits") if r.request_id == "b" else fixed_token(r)
+    def fail_b(r: ScheduledRequest) -> SampledTokens:
+        return sample_error("nan in logits") if r.request_id == "b" else fixed_token(r)
 
     _, touched = step(s, fail_b)
     assert touched == [a, b]
@@ -427,8 +427,8 @@ def test_random_workload_with_aborts_keeps_pages_consistent_and_ends_clean() -> 
     reqs = [req(f"r{i}", prompt_len=rng.randint(1, 30), max_tokens=rng.randint(1, 15)) for i in range(40)]
     pending = list(reqs)
 
-    def execute(r: ScheduledRequest) -> int:
-        return (EOS if rng.random() < 0.05 else TOKEN) if r.sample else NO_TOKEN
+    def execute(r: ScheduledRequest) -> SampledTokens:
+        return sampled(EOS if rng.random() < 0.05 else TOKEN) if r.sample else NOTHING
 
     for _ in range(3000):
         if pending and rng.random() < 0.5:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class InvalidParameter(ValueError):
@@ -13,6 +14,9 @@ class InvalidParameter(ValueError):
         super().__init__(message)
         self.param = param
 
+
+# OpenAI's limit on top_logprobs; each costs a top-k over the vocabulary per token.
+MAX_LOGPROBS = 20
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -37,6 +41,12 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = field(default=())
     # (token id, bias) pairs added to the logits before sampling; the engine checks the ids.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Logprobs of each sampled token and of the `logprobs` most likely tokens at its position
+    # (0: the sampled token's only); None: none. `prompt_logprobs` likewise for the prompt's tokens.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # A compiled grammar (`flashserve.engine.grammar.Grammar`) the output must follow; None: free text.
+    grammar: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # Python's JSON parser accepts NaN and Infinity, and NaN fails every comparison: a range
@@ -74,6 +84,10 @@ class SamplingParams:
                 raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {token}")
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
                 raise InvalidParameter("logit_bias", f"logit_bias values must be in [-100, 100], got {bias}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidParameter(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidParameter("stop_token_ids", "stop_token_ids must be non-negative")
 

@@ -22,10 +22,10 @@ class RecordingSampler:
         self.inner = inner
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
 
-    def sample_ids(self, logits, requests):
+    def sample_ids(self, logits, requests, bitmask=None):
         for row, r in zip(logits, requests):
             self.rows[(r.request_id, len(r.output_token_ids))] = row.float().cpu()
-        return self.inner.sample_ids(logits, requests)
+        return self.inner.sample_ids(logits, requests, bitmask)
 
 
 @pytest.fixture(scope="module")

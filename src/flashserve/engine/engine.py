@@ -1,5 +1,8 @@
 """The synchronous engine: one step = schedule, execute, update, then text and stop strings.
 
+When a request stops is decided in one place, `check_stop` (engine/stop.py): the scheduler asks it
+after every token, this engine after a stop string.
+
 The device computes the next step while the host detokenizes this one: a step's results are
 applied (`update`), the next step is scheduled and launched, and only then does the host turn
 the results into text and outputs. A stop string found then finishes a request that is already
@@ -17,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from flashserve.engine.detokenizer import IncrementalDetokenizer, raw_decoder
-from flashserve.engine.outputs import RequestOutput, SampleError, SchedulerOutput
+from flashserve.engine.outputs import RequestOutput, SampledTokens, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request
 from flashserve.engine.scheduler import Scheduler
+from flashserve.engine.stop import check_stop
 from flashserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,8 +34,8 @@ class Executor(Protocol):
         """Starts a non-empty step on the device; returns a handle for `collect`."""
         ...
 
-    def collect(self, handle: Any) -> list[int | SampleError]:
-        """Waits for a launched step: an id, NO_TOKEN or a SampleError per scheduled request."""
+    def collect(self, handle: Any) -> list[SampledTokens]:
+        """Waits for a launched step: one result per scheduled request, in order."""
         ...
 
 
@@ -40,6 +44,7 @@ class _Live:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     num_emitted_tokens: int = 0
+    prompt_logprobs_sent: bool = False
     new_text: list[str] = field(default_factory=list)
 
 
@@ -63,6 +68,8 @@ class LLMEngine:
         self.executor = executor
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's embedding rows; never changes, so any thread may read it
+        if scheduler.vocab_size is None:  # the width of grammar bitmasks
+            scheduler.vocab_size = vocab_size
         self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
@@ -92,6 +99,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_request(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, group=group, cache_salt=cache_salt)
+        if params.grammar is not None:
+            request.matcher = params.grammar.new_matcher()
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params, self._decode)
@@ -148,7 +157,8 @@ class LLMEngine:
         for token_id in new_ids:
             live.new_text.append(detok.add(token_id))
             if detok.stopped:
-                self.scheduler.finish(live.request.request_id, FinishReason.STOP)
+                reason = check_stop(live.request, self.scheduler.max_model_len, stop_string=True)
+                self.scheduler.finish(live.request.request_id, reason or FinishReason.STOP)
                 return
         if live.request.is_finished and not detok.stopped:
             live.new_text.append(detok.flush())
@@ -157,6 +167,13 @@ class LLMEngine:
         req = live.request
         text = "".join(live.new_text)
         live.new_text.clear()
+        logprobs = prompt_logprobs = None
+        if new_ids and req.params.logprobs is not None:
+            start = req.num_output_tokens - len(new_ids)
+            logprobs = req.output_logprobs[start : start + len(new_ids)]
+        if req.params.prompt_logprobs is not None and not live.prompt_logprobs_sent and (new_ids or req.is_finished):
+            live.prompt_logprobs_sent = True
+            prompt_logprobs = [None, *req.prompt_logprobs]
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids if new_ids is not None else [],  # already a fresh slice
@@ -168,4 +185,6 @@ class LLMEngine:
             error=req.error,
             arrival_time=req.arrival_time,
             num_cached_tokens=req.num_cached_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flashserve.engine.grammar import TokenBitmask
 from flashserve.sampling_params import SamplingParams
 
 
@@ -38,6 +39,8 @@ class SchedulerOutput:
     # Requests that left the running set since the last step (finished, aborted, preempted):
     # a runner that keeps per-request state drops it.
     released_ids: list[str] = field(default_factory=list)
+    # The allowed tokens of the sampling rows that follow a grammar; None when none does.
+    token_bitmask: TokenBitmask | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -48,14 +51,41 @@ class SchedulerOutput:
         return not self.requests
 
 
-# Runner -> scheduler: one entry per ScheduledRequest, in order. A sampled token id, NO_TOKEN for a
-# chunk that does not sample, or a SampleError when this request's sampling failed (it fails alone).
-NO_TOKEN = -1
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's distribution at its position (log-softmax of the
+    raw logits: before penalties, bias, temperature, filters and grammar masks, as vLLM reports by
+    default), and the `top` most likely tokens there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
-class SampleError:
-    message: str
+class SampledTokens:
+    """The runner's result for one scheduled request (runner -> scheduler, one per
+    `SchedulerOutput.requests` entry, in order)."""
+
+    # Sampled this step, oldest first: [] for a chunk that does not sample (or on error).
+    token_ids: list[int] = field(default_factory=list)
+    # One per token id, when the request asks for logprobs.
+    logprobs: list[TokenLogprob] | None = None
+    # Prompt tokens this chunk computed logits for (the request asks for prompt logprobs): the
+    # entry of prompt position p + 1 for every position p of the chunk but the prompt's last.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # this request's sampling failed; it fails alone
+
+
+NOTHING = SampledTokens()  # a chunk that does not sample
+
+
+def sampled(*token_ids: int) -> SampledTokens:
+    return SampledTokens(list(token_ids))
+
+
+def sample_error(message: str) -> SampledTokens:
+    return SampledTokens(error=message)
 
 
 @dataclass(frozen=True)
@@ -75,3 +105,8 @@ class RequestOutput:
     # Prompt tokens whose K/V came from the prefix cache when the request was first scheduled
     # (OpenAI's usage.prompt_tokens_details.cached_tokens); 0 until then.
     num_cached_tokens: int = 0
+    # One per new token id when the request asks for logprobs, else None.
+    logprobs: list[TokenLogprob] | None = None
+    # On the output that carries the first token, when the request asks for prompt logprobs: one
+    # entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -37,8 +37,9 @@ class PrefixCache:
     def lookup(self, request: Request) -> list[int] | None:
         """Cached pages that start the request's tokens (never all of them: the last token is always
         computed, for its logits), or None when the next page is being computed by another request
-        and the request should wait for it. [] with caching off."""
-        if not self.enabled:
+        and the request should wait for it. [] with caching off, and for a request that asks for its
+        prompt's logprobs: they need the logits of every prompt token."""
+        if not self.enabled or request.params.prompt_logprobs is not None:
             return []
         self._extend(request)
         hashes = request.page_hashes[: (request.num_tokens - 1) // self.page_size]

@@ -5,6 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flashserve.engine.grammar import GrammarMatcher
+    from flashserve.engine.outputs import TokenLogprob
 
 from flashserve.sampling_params import SamplingParams
 
@@ -16,7 +21,7 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
+    STOP = "stop"  # EOS, a stop token id, a stop string, or the end of the request's grammar
     LENGTH = "length"  # max_tokens, or the context length
     ABORT = "abort"  # the client went away
     ERROR = "error"  # this request failed alone; `Request.error` says why
@@ -44,6 +49,12 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list, repr=False)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # The request's grammar state (params.grammar): advanced with every output token.
+    matcher: GrammarMatcher | None = field(default=None, repr=False)
+    # When params.logprobs is set: one per output token.
+    output_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
+    # When params.prompt_logprobs is set: prompt positions 1.. as their chunks are computed.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,12 +28,17 @@ from typing import Sequence
 from flashserve.config import SchedulerConfig
 from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.prefix_cache import PrefixCache
-from flashserve.engine.outputs import NO_TOKEN, SampleError, ScheduledRequest, SchedulerOutput
+from flashserve.engine.grammar import TokenBitmask, step_bitmask
+from flashserve.engine.outputs import SampledTokens, ScheduledRequest, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request, RequestStatus
+from flashserve.engine.stop import check_stop
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int, vocab_size: int | None = None
+    ) -> None:
+        """vocab_size: the model's, for the token bitmasks of requests with a grammar."""
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be positive: {config}")
         if max_model_len < 1:
@@ -42,6 +47,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.prefix_cache = PrefixCache(kv_cache)
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self._requests: dict[str, Request] = {}  # every unfinished request
@@ -170,53 +176,73 @@ class Scheduler:
 
         self._in_flight = {r.request_id: r for r, _ in scheduled}
         released, self._released = self._released, []
-        return SchedulerOutput([self._scheduled_request(r, n) for r, n in scheduled], released)
+        requests = [self._scheduled_request(r, n) for r, n in scheduled]
+        return SchedulerOutput(requests, released, self._bitmask(scheduled, requests))
 
-    def update(self, out: SchedulerOutput, sampled: Sequence[int | SampleError]) -> list[Request]:
-        """Apply a step's results; `sampled[i]` belongs to `out.requests[i]`.
+    def _bitmask(self, scheduled: list[tuple[Request, int]], requests: list[ScheduledRequest]) -> TokenBitmask | None:
+        """The token bitmask of this step's sampling rows, if any follows a grammar."""
+        matchers = [r.matcher for (r, _), s in zip(scheduled, requests) if s.sample]
+        if not any(m is not None for m in matchers):
+            return None
+        if self.vocab_size is None:
+            raise ValueError("requests with a grammar need the scheduler's vocab_size")
+        return step_bitmask(matchers, self.vocab_size)
+
+    def update(self, out: SchedulerOutput, results: Sequence[SampledTokens]) -> list[Request]:
+        """Apply a step's results; `results[i]` belongs to `out.requests[i]`.
 
         Returns the requests that got a token or finished in this step, in schedule order, after
         those the scheduler finished on its own since the last update (invalid or impossible).
         Requests finished with abort()/finish() in the meantime are skipped: their token is dropped.
         """
-        if len(sampled) != len(out.requests):
-            raise ValueError(f"{len(sampled)} sampled entries for {len(out.requests)} scheduled requests")
+        if len(results) != len(out.requests):
+            raise ValueError(f"{len(results)} results for {len(out.requests)} scheduled requests")
         touched, self._finished_unreported = self._finished_unreported, []
-        for scheduled, token in zip(out.requests, sampled):
+        for scheduled, result in zip(out.requests, results):
             request = self._in_flight.get(scheduled.request_id)
             if request is None or request.is_finished:
                 continue
             request.num_computed_tokens = scheduled.kv_len
             self.prefix_cache.computed(request)
-            if isinstance(token, SampleError):
-                self._finish(request, FinishReason.ERROR, token.message)
+            if result.prompt_logprobs:
+                self._add_prompt_logprobs(request, scheduled, result)
+            error = result.error
+            if error is None and scheduled.sample and not result.token_ids:
+                error = "the sampler returned no token"
+            if error is not None:
+                self._finish(request, FinishReason.ERROR, error)
                 touched.append(request)
                 continue
             if not scheduled.sample:
                 continue
-            if token == NO_TOKEN or token < 0:
-                self._finish(request, FinishReason.ERROR, f"the sampler returned no token (got {token})")
-                touched.append(request)
-                continue
-            request.output_token_ids.append(token)
-            self.prefix_cache.appended(request)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
+            self._append(request, result)
             touched.append(request)
         self._in_flight = {}
         return touched
 
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        # The sampler masks EOS and stop ids until min_tokens tokens exist; the token that may
-        # stop is the one after them, so stopping needs more than min_tokens outputs.
-        if request.num_output_tokens > params.min_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in params.eos_token_ids):
-                return FinishReason.STOP  # before LENGTH: the model ended on its own
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+    def _append(self, request: Request, result: SampledTokens) -> None:
+        """The step's tokens of a sampling request, each through the grammar and the stop rules."""
+        for i, token in enumerate(result.token_ids):
+            if request.matcher is not None and not request.matcher.accept_token(token):
+                self._finish(request, FinishReason.ERROR, f"the sampled token {token} does not follow the grammar")
+                return
+            request.output_token_ids.append(token)
+            if result.logprobs is not None:
+                request.output_logprobs.append(result.logprobs[i])
+            self.prefix_cache.appended(request)
+            reason = check_stop(request, self.max_model_len)
+            if reason is not None:
+                self._finish(request, reason)
+                return
+
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, scheduled: ScheduledRequest, result: SampledTokens) -> None:
+        """Keeps the chunk's prompt logprobs not seen before (a recompute after preemption repeats them)."""
+        assert result.prompt_logprobs is not None
+        first_target = scheduled.num_computed_tokens + 1  # the prompt position the chunk's first entry is for
+        skip = len(request.prompt_logprobs) + 1 - first_target
+        if skip >= 0:
+            request.prompt_logprobs.extend(result.prompt_logprobs[skip:])
 
     def _capacity_error(self, request: Request) -> str | None:
         """Why the request can never run even alone in the cache, or None."""

@@ -6,7 +6,7 @@ import importlib.util
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -14,10 +14,12 @@ import torch
 from flashserve.attention import get_backend_cls
 from flashserve.attention.base import AttentionBackend, BatchLayout
 from flashserve.config import CacheConfig, ModelConfig
-from flashserve.engine.outputs import NO_TOKEN, SampleError, ScheduledRequest, SchedulerOutput
+from flashserve.engine.grammar import TokenBitmask
+from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error
 from flashserve.model.hf import HFCausalLM, attention_scale
 from flashserve.model.loader import LoadedModel, load_model
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
+from flashserve.model.logprobs import PendingLogprobs, compute_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +27,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 class TokenSampler(Protocol):
-    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def sample_ids(
+        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], bitmask: TokenBitmask | None = None
+    ) -> torch.Tensor:
         """`logits` [B, V] -> B token ids on the logits' device, without waiting for them."""
         ...
 
@@ -37,7 +41,16 @@ class LaunchedStep:
     num_requests: int
     sampling: list[int]  # indices of the requests that sample
     ids: torch.Tensor | None = None  # their token ids, still on the device
-    results: list[int | SampleError] | None = None  # or already on the host (per-row fallback)
+    results: list[SampledTokens] | None = None  # or already on the host (per-row fallback)
+    # Sampling rows (positions in `sampling`) that asked for logprobs, and how many top tokens.
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_top: list[int] = field(default_factory=list)
+    logprobs: PendingLogprobs | None = None
+    # Requests whose chunk computes prompt logprobs: (request index, number of rows, top tokens),
+    # their rows one after another in `prompt_logprobs`, targets in `prompt_targets`.
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_logprobs: PendingLogprobs | None = None
 
 
 class StepModel(Protocol):
@@ -86,58 +99,128 @@ class ModelRunner:
         self.model: StepModel = model if model is not None else HFCausalLM(loaded.model)
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
 
-    def forward(self, out: SchedulerOutput) -> torch.Tensor:
-        """float32 logits [number of requests with sample=True, V], in schedule order."""
+    def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = ()) -> torch.Tensor:
+        """float32 logits: one row per request with sample=True, in schedule order, then the
+        token rows `prompt_rows` (indices into the step's tokens) for prompt logprobs."""
         with torch.inference_mode():
             layout = BatchLayout.build(out.requests, self.page_size)
             token_ids = [t for r in out.requests for t in r.new_token_ids]
             input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
             positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device, non_blocking=True)
-            if self.graphs is not None and layout.is_decode_only:
+            all_sample = all(r.sample for r in out.requests)
+            if self.graphs is not None and layout.is_decode_only and all_sample and not prompt_rows:
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
                 return self.graphs(input_ids, positions, layout)
             self.backend.plan(layout)
             # The last new token of a sampling request is the row whose logits pick its next token.
             rows = [layout.qo_indptr[i + 1] - 1 for i, r in enumerate(out.requests) if r.sample]
-            logits_indices = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            logits_indices = torch.tensor(rows + list(prompt_rows), dtype=torch.long).to(self.device, non_blocking=True)
             return self.model.forward(input_ids, positions, self.backend, logits_indices)
 
-    def execute(self, out: SchedulerOutput) -> list[int | SampleError]:
-        """One entry per `out.requests`: a sampled id, NO_TOKEN (sample=False) or a SampleError."""
+    def execute(self, out: SchedulerOutput) -> list[SampledTokens]:
+        """One result per `out.requests`, in order (no tokens for a chunk that does not sample)."""
         return self.collect(self.launch(out))
 
     def launch(self, out: SchedulerOutput) -> LaunchedStep:
-        """Enqueues the step's forward and sampling without waiting for the device."""
+        """Enqueues the step's forward, sampling and logprobs without waiting for the device."""
         sampling = [i for i, r in enumerate(out.requests) if r.sample]
         step = LaunchedStep(len(out.requests), sampling)
         if out.is_empty:
             return step
-        logits = self.forward(out)
-        if not sampling:
-            return step
+        prompt_rows = self._plan_prompt_logprobs(out, step)
+        logits = self.forward(out, prompt_rows)
         requests = [out.requests[i] for i in sampling]
         with torch.inference_mode():
+            if step.prompt_spans:
+                targets = torch.tensor(step.prompt_targets, dtype=torch.long).to(self.device, non_blocking=True)
+                top = max(k for _, _, k in step.prompt_spans)
+                step.prompt_logprobs = compute_logprobs(logits[len(sampling):], targets, top)
+            if not sampling:
+                return step
+            logits = logits[: len(sampling)]
             try:
-                step.ids = self.sampler.sample_ids(logits, requests)
+                step.ids = self.sampler.sample_ids(logits, requests, out.token_bitmask)
             except Exception:
                 # One bad request must not fail the batch: retry row by row, failing only it.
                 logger.exception("sampling the batch failed; retrying request by request")
-                step.results = [self._sample_one(logits[j : j + 1], r) for j, r in enumerate(requests)]
+                step.results = [self._sample_one(logits, j, r, out.token_bitmask) for j, r in enumerate(requests)]
+                return step
+            step.logprob_rows = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
+            if step.logprob_rows:
+                step.logprob_top = [requests[j].params.logprobs or 0 for j in step.logprob_rows]
+                index = torch.tensor(step.logprob_rows, dtype=torch.long).to(self.device, non_blocking=True)
+                step.logprobs = compute_logprobs(logits.index_select(0, index), step.ids.index_select(0, index),
+                                                 max(step.logprob_top))
         return step
 
-    def collect(self, step: LaunchedStep) -> list[int | SampleError]:
-        """Waits for a launched step: one entry per request, as `execute` returns."""
-        results: list[int | SampleError] = [NO_TOKEN] * step.num_requests
-        sampled = step.results if step.results is not None else step.ids.tolist() if step.ids is not None else []
-        for i, token in zip(step.sampling, sampled):
-            results[i] = token
+    @staticmethod
+    def _plan_prompt_logprobs(out: SchedulerOutput, step: LaunchedStep) -> list[int]:
+        """The token rows whose logits give prompt logprobs: every token of a chunk whose next token
+        is also in the prompt, for requests that ask."""
+        rows: list[int] = []
+        offset = 0
+        for i, r in enumerate(out.requests):
+            top = r.params.prompt_logprobs
+            if top is not None:
+                prompt_len = len(r.prompt_token_ids)
+                end = min(r.kv_len, prompt_len - 1)  # positions whose next token is a prompt token
+                if end > r.num_computed_tokens:
+                    count = end - r.num_computed_tokens
+                    rows.extend(range(offset, offset + count))
+                    step.prompt_targets.extend(r.prompt_token_ids[r.num_computed_tokens + 1 : end + 1])
+                    step.prompt_spans.append((i, count, top))
+            offset += r.num_new_tokens
+        return rows
+
+    def collect(self, step: LaunchedStep) -> list[SampledTokens]:
+        """Waits for a launched step: one result per request, as `execute` returns."""
+        results: list[SampledTokens] = [NOTHING] * step.num_requests
+        prompt = self._prompt_results(step)
+        if step.results is not None:
+            for i, result in zip(step.sampling, step.results):
+                results[i] = result
+        elif step.ids is not None:
+            ids = step.ids.tolist()
+            logprobs: dict[int, object] = {}
+            if step.logprobs is not None:
+                chosen = [ids[j] for j in step.logprob_rows]
+                logprobs = dict(zip(step.logprob_rows, step.logprobs.to_host(chosen, step.logprob_top)))
+            for j, (i, token) in enumerate(zip(step.sampling, ids)):
+                lp = logprobs.get(j)
+                results[i] = SampledTokens([token], [lp] if lp is not None else None)  # type: ignore[list-item]
+        for i, entries in prompt.items():
+            results[i] = SampledTokens(results[i].token_ids, results[i].logprobs, entries, results[i].error)
         return results
 
-    def _sample_one(self, logits: torch.Tensor, request: ScheduledRequest) -> int | SampleError:
+    @staticmethod
+    def _prompt_results(step: LaunchedStep) -> dict[int, list]:  # type: ignore[type-arg]
+        if step.prompt_logprobs is None:
+            return {}
+        tops = [k for _, count, k in step.prompt_spans for _ in range(count)]
+        entries = step.prompt_logprobs.to_host(step.prompt_targets, tops)
+        out: dict[int, list] = {}  # type: ignore[type-arg]
+        start = 0
+        for i, count, _ in step.prompt_spans:
+            out[i] = entries[start : start + count]
+            start += count
+        return out
+
+    def _sample_one(self, logits: torch.Tensor, row: int, request: ScheduledRequest,
+                    bitmask: TokenBitmask | None) -> SampledTokens:
+        mask = None
+        if bitmask is not None and row in bitmask.rows:
+            j = bitmask.rows.index(row)
+            mask = TokenBitmask([0], bitmask.bitmask[j : j + 1])
         try:
-            return int(self.sampler.sample_ids(logits, [request])[0])
+            token = int(self.sampler.sample_ids(logits[row : row + 1], [request], mask)[0])
         except Exception as exc:  # noqa: BLE001 - the request fails alone, with its message
-            return SampleError(str(exc) or type(exc).__name__)
+            return sample_error(str(exc) or type(exc).__name__)
+        lp = None
+        if request.params.logprobs is not None:
+            pending = compute_logprobs(logits[row : row + 1], torch.tensor([token], device=logits.device),
+                                       request.params.logprobs)
+            lp = pending.to_host([token], [request.params.logprobs])
+        return SampledTokens([token], lp)
 
 
 def pick_device(name: str) -> torch.device:

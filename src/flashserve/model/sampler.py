@@ -12,7 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import ScheduledRequest
+from flashserve.model.logprobs import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -225,11 +227,14 @@ class Sampler:
             self._generators[device] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> list[int]:
-        """`logits` [B, V] (float32), row i for requests[i]; returns B token ids."""
-        return self.sample_ids(logits, requests).tolist()
+    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
+               bitmask: TokenBitmask | None = None) -> list[int]:
+        """`logits` [B, V] (float32), row i for requests[i]; returns B token ids. `bitmask`: the
+        tokens that rows following a grammar may take (applied after penalties and bias)."""
+        return self.sample_ids(logits, requests, bitmask).tolist()
 
-    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
+                   bitmask: TokenBitmask | None = None) -> torch.Tensor:
         """As `sample`, but the ids stay on the logits' device ([B] int64), not synchronised: the
         host may do other work while the device computes them."""
         if logits.shape[0] != len(requests):
@@ -242,7 +247,7 @@ class Sampler:
         all_greedy = all(r.params.greedy for r in requests)
         if len(self._history):
             self._history.retain({r.request_id for r in requests})
-        if all_greedy and not needs_penalties and not needs_min_tokens and not needs_bias:
+        if all_greedy and not needs_penalties and not needs_min_tokens and not needs_bias and bitmask is None:
             return logits.argmax(dim=-1)
 
         # A float32 copy: the caller's logits stay untouched.
@@ -253,6 +258,8 @@ class Sampler:
             apply_penalties(logits, requests, self._history)
         if needs_min_tokens:
             apply_min_tokens(logits, requests)
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
         if all_greedy:
             return logits.argmax(dim=-1)
         return self._sample_random(logits, requests)
