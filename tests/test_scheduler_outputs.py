@@ -1,0 +1,96 @@
+"""The scheduler's side of grammars and logprobs: matchers advance with every token, a grammar's end
+stops its request, a step carries the bitmask of its grammar rows only, and logprobs reach outputs."""
+
+from __future__ import annotations
+
+from test_scheduler import EOS, TOKEN, make, req, step
+
+from flashserve.engine.outputs import SampledTokens, TokenLogprob, sampled
+from flashserve.engine.request import FinishReason
+
+
+class CountingMatcher:
+    """Allows any token; terminates after accepting `end`; rejects `bad`."""
+
+    def __init__(self, end: int = EOS, bad: int = -5) -> None:
+        self.end, self.bad = end, bad
+        self.accepted: list[int] = []
+        self.filled = 0
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id == self.bad:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def is_terminated(self) -> bool:
+        return bool(self.accepted) and self.accepted[-1] == self.end
+
+    def fill_next_token_bitmask(self, bitmask, index: int) -> None:  # noqa: ANN001
+        self.filled += 1
+        bitmask[index, :] = 0
+        bitmask[index, 0] = 1  # only token 0
+
+
+def test_a_step_carries_a_bitmask_for_grammar_rows_only() -> None:
+    s = make()
+    s.vocab_size = 64
+    plain, constrained = req("plain"), req("json")
+    constrained.matcher = CountingMatcher()
+    s.add_request(plain)
+    s.add_request(constrained)
+    out = s.schedule()
+    assert out.token_bitmask is not None and out.token_bitmask.rows == [1]
+    assert out.token_bitmask.bitmask.shape[0] == 1 and out.token_bitmask.bitmask[0, 0] == 1
+
+
+def test_a_step_without_grammar_rows_has_no_bitmask() -> None:
+    s = make()
+    s.add_request(req("plain"))
+    assert s.schedule().token_bitmask is None
+
+
+def test_the_grammar_end_stops_the_request_even_with_ignore_eos() -> None:
+    s = make()
+    s.vocab_size = 64
+    r = req("json", ignore_eos=True, max_tokens=50)
+    r.matcher = CountingMatcher(end=EOS)
+    s.add_request(r)
+    step(s, lambda sr: sampled(TOKEN) if sr.sample else SampledTokens())
+    step(s, lambda sr: sampled(EOS) if sr.sample else SampledTokens())
+    assert r.finish_reason is FinishReason.STOP
+    assert r.matcher.accepted == [TOKEN, EOS]
+
+
+def test_a_token_the_grammar_rejects_fails_only_that_request() -> None:
+    s = make()
+    s.vocab_size = 64
+    r = req("json")
+    r.matcher = CountingMatcher(bad=TOKEN)
+    s.add_request(r)
+    s.add_request(req("plain"))
+    step(s)
+    assert r.finish_reason is FinishReason.ERROR and "grammar" in r.error
+    assert s.get("plain") is not None
+
+
+def test_logprobs_are_kept_one_per_output_token() -> None:
+    s = make()
+    r = req("a", logprobs=1, max_tokens=2)
+    s.add_request(r)
+    lp = TokenLogprob(TOKEN, -0.5, ((TOKEN, -0.5),))
+    for _ in range(2):
+        step(s, lambda sr: SampledTokens([TOKEN], [lp]) if sr.sample else SampledTokens())
+    assert r.output_logprobs == [lp, lp]
+
+
+def test_requests_that_ask_for_prompt_logprobs_compute_their_whole_prompt() -> None:
+    s = make(caching=True)
+    first = req("first", prompt_len=40)
+    s.add_request(first)
+    while s.get("first") is not None:
+        step(s)
+    again = req("again", prompt_len=40, prompt_logprobs=0)
+    s.add_request(again)
+    out, _ = step(s)
+    assert out.requests[0].num_computed_tokens == 0 and again.num_cached_tokens == 0
