@@ -65,7 +65,7 @@ async def test_unknown_model_is_404_model_not_found(tokenizer: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "field, value", [("logprobs", True), ("tools", [{"type": "function"}])]
+    "field, value", [("functions", [{"name": "f"}]), ("function_call", {"name": "f"})]
 )
 async def test_unimplemented_chat_feature_is_400(tokenizer: Any, field: str, value: Any) -> None:
     r = await ask(FakeEngine(), tokenizer, **{field: value})

@@ -110,8 +110,27 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--max-sequences-per-request", _positive_int, 256, "most sequences (prompts x n) one request may "
            "start; more is a 400"),
     Option("--max-body-bytes", _positive_int, 8 << 20, "largest request body; larger ones get 413"),
+    Option("--tool-call-parser", str, "auto", "the model's tool-call format, parsed into tool_calls for "
+           "tool_choice auto: llama3_json, hermes, mistral, or auto (detected from the chat template)",
+           ["auto", "llama3_json", "hermes", "mistral"]),
     Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "
            "(new ones get 503) before the rest end with an error"),
+)
+
+
+# Serve's options that mean nothing without an HTTP listener: run-batch leaves them out, and their
+# defaults fill its ServeArgs.
+SERVER_ONLY_FLAGS = frozenset({
+    "--host", "--port", "--log-requests", "--access-log", "--max-waiting", "--queue-timeout", "--api-key",
+    "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials", "--shutdown-timeout",
+})
+
+RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag not in SERVER_ONLY_FLAGS) + (
+    Option("--max-concurrency", _positive_int, 512, "batch requests in flight at once (keep it above "
+           "--max-num-seqs so that the engine's batch stays full)"),
+    Option("--prefix-grouping", _bool, True, "submit requests grouped by shared prompt prefixes, "
+           "decode-heavy groups first, instead of in file order (--no-prefix-grouping)"),
+    Option("--progress", _bool, True, "progress bar on stderr (--no-progress)"),
 )
 
 
@@ -142,6 +161,16 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add_options(serve, SERVE_OPTIONS, environ)
     serve.add_argument("--enforce-eager", dest="cuda_graph", action="store_false",
                        help="alias of --no-cuda-graph")
+    batch = sub.add_parser(
+        "run-batch", help="run a file of OpenAI batch requests (JSONL) offline",
+        description="Run an OpenAI Batch API input file (one JSON request a line: custom_id, method, url, "
+                    "body) through the server's API in-process and write one result line per request.")
+    batch.add_argument("-i", "--input-file", required=True, help="batch input, JSONL")
+    batch.add_argument("-o", "--output-file", required=True, help="results, JSONL, written as requests finish")
+    add_options(batch, RUN_BATCH_OPTIONS, environ)
+    batch.add_argument("--enforce-eager", dest="cuda_graph", action="store_false",
+                       help="alias of --no-cuda-graph")
+    batch.set_defaults(**{o.dest: o.default for o in SERVE_OPTIONS if o.flag in SERVER_ONLY_FLAGS})
     return parser
 
 
@@ -178,8 +207,23 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         api_keys=api_keys, allowed_origins=tuple(ns.allowed_origins or ()),
         allowed_methods=tuple(ns.allowed_methods), allowed_headers=tuple(ns.allowed_headers),
         allow_credentials=ns.allow_credentials, max_body_bytes=ns.max_body_bytes, log_requests=ns.log_requests,
-        max_sequences_per_request=ns.max_sequences_per_request,
+        max_sequences_per_request=ns.max_sequences_per_request, tool_call_parser=ns.tool_call_parser,
     )
     return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
                      queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,
                      access_log=ns.access_log)
+
+
+@dataclass(frozen=True)
+class BatchArgs:
+    serve: ServeArgs  # the model, cache and scheduler options, as `serve` takes them
+    input_file: str
+    output_file: str
+    max_concurrency: int = 512
+    prefix_grouping: bool = True
+    progress: bool = True
+
+
+def to_batch_args(ns: argparse.Namespace) -> BatchArgs:
+    return BatchArgs(to_configs(ns), ns.input_file, ns.output_file, max_concurrency=ns.max_concurrency,
+                     prefix_grouping=ns.prefix_grouping, progress=ns.progress)

@@ -121,6 +121,7 @@ async def serve(args: ServeArgs) -> int:
     app = build_app(
         engine, loaded.tokenizer, served_names(args, loaded.name), stack.max_model_len,
         eos_token_ids=tuple(loaded.eos_token_ids), options=args.api, metrics=metrics, state=state,
+        vocab_size=loaded.vocab_size,
     )
     config = uvicorn.Config(
         app, host=args.server.host, port=args.server.port, log_level=args.server.log_level,

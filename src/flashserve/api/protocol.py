@@ -1,9 +1,9 @@
 """OpenAI request and response schemas, and the request -> SamplingParams conversion.
 
 Requests are validated strictly (no "5" for 5, no 1 for true) and unknown fields are ignored, the
-way OpenAI treats them. Fields we know but do not implement (logprobs, tools, ...) are declared
-loosely so that `unsupported_field` can answer them with a clear 400 instead of silently ignoring
-something that changes the output.
+way OpenAI treats them. Fields we know but do not implement (functions, best_of, suffix) are
+declared loosely so that `unsupported_field` can answer them with a clear 400 instead of silently
+ignoring something that changes the output.
 """
 
 from __future__ import annotations
@@ -11,10 +11,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_serializer,
+)
 from pydantic_core import PydanticCustomError
 
-from flashserve.sampling_params import InvalidParameter, SamplingParams
+from flashserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 
 # Upper bound on choices per request; each choice is a full engine request.
 MAX_N = 128
@@ -67,6 +75,8 @@ class GenerationRequest(_Request):
     # Requests with different salts never share prefix-cached KV, so a tenant cannot time another's
     # prompts. An empty salt is refused, as vLLM refuses it: it would read as "salted" yet salt nothing.
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's extension: exactly one of {"json": schema, "regex": str, "choice": [str], "grammar": EBNF}.
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -82,21 +92,47 @@ class TextPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # a JSON object, serialized
+
+
+class ToolCallMessage(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[
         str | list[TextPart] | None, _one_of('a string or a list of {"type": "text", "text": ...} parts')
     ] = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the current name of max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -114,7 +150,7 @@ Prompt = Annotated[
 
 class CompletionRequest(GenerationRequest):
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -127,18 +163,11 @@ def unsupported_field(req: GenerationRequest) -> str | None:
     ]
     if isinstance(req, ChatCompletionRequest):
         checks += [
-            ("logprobs", bool(req.logprobs)),
-            ("top_logprobs", bool(req.top_logprobs)),
-            ("tools", bool(req.tools)),
-            ("tool_choice", req.tool_choice not in (None, "none", "auto")),
             ("functions", bool(req.functions)),
             ("function_call", req.function_call not in (None, "none", "auto")),
-            ("response_format", (req.response_format or {}).get("type", "text") != "text"),
         ]
     elif isinstance(req, CompletionRequest):
         checks += [
-            ("logprobs", req.logprobs is not None),
-            ("echo", req.echo),
             ("best_of", req.best_of not in (None, req.n)),
             ("suffix", bool(req.suffix)),
         ]
@@ -146,9 +175,17 @@ def unsupported_field(req: GenerationRequest) -> str | None:
 
 
 def to_sampling_params(
-    req: GenerationRequest, max_tokens: int, eos_token_ids: Sequence[int]
+    req: GenerationRequest, max_tokens: int, eos_token_ids: Sequence[int], grammar: Any = None
 ) -> SamplingParams:
     """SamplingParams for choice 0; raises InvalidParameter for out-of-range values."""
+    logprobs = prompt_logprobs = None
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs set to true")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    elif isinstance(req, CompletionRequest):
+        logprobs = req.logprobs
+        prompt_logprobs = req.logprobs if req.echo else None
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
@@ -167,6 +204,9 @@ def to_sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         eos_token_ids=tuple(eos_token_ids),
         logit_bias=_logit_bias(req.logit_bias),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
     )
 
 
@@ -205,18 +245,37 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None  # left out of the JSON when None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {"content": [{token, logprob, bytes, top_logprobs}]}
     finish_reason: FinishReason
 
 
@@ -233,7 +292,7 @@ class ChatCompletionResponse(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {tokens, token_logprobs, top_logprobs, text_offset}
     finish_reason: FinishReason
 
 

@@ -6,6 +6,7 @@ Handlers never touch scheduling: they build SamplingParams, open one engine requ
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Mapping
@@ -18,20 +19,30 @@ from starlette.background import BackgroundTask
 from starlette.middleware.cors import CORSMiddleware
 
 from flashserve.api import protocol as p
+from flashserve.api.choices import (
+    ChatChoiceStream,
+    CompletionChoiceStream,
+    ToolMode,
+    chat_choice_logprobs,
+    chat_message,
+    completion_choice_logprobs,
+    json_arguments,
+)
 from flashserve.api.errors import APIError, engine_dead, install_error_handlers, invalid, overloaded
 from flashserve.api.middleware import GuardMiddleware, RequestIdMiddleware
+from flashserve.api.logprobs import TokenTexts
 from flashserve.api.options import APIOptions, ServerState
 from flashserve.api.streaming import (
     CLIENT_CLOSED,
-    EngineStreams,
     ClientGone,
-    chat_choice,
+    EngineStreams,
     chat_opening,
-    completion_choice,
     sse_chunks,
     unless_disconnected,
     usage,
 )
+from flashserve.api.structured import GrammarCompiler, GrammarSpec, spec_from_request, tool_call_spec
+from flashserve.api.tool_parsers import detect_tool_parser, get_tool_parser
 from flashserve.engine.client import EngineClient
 from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
 from flashserve.sampling_params import SamplingParams
@@ -46,6 +57,23 @@ def _message_text(content: str | list[p.TextPart] | None) -> str:
         if part.text is None:
             raise invalid("a text content part needs a text field", "messages")
     return "\n".join(part.text or "" for part in content)
+
+
+def _template_message(m: p.ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: tool-call arguments as objects (templates render them
+    with `tojson`), the tool message's call id kept."""
+    message: dict[str, Any] = {"role": m.role, "content": _message_text(m.content)}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": json_arguments(c.function.arguments)}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 def _as_ids(encoded: Any) -> list[int]:
@@ -70,6 +98,7 @@ class _OpenAIServing:
         options: APIOptions,
         metrics: Metrics,
         state: ServerState,
+        vocab_size: int | None = None,
     ) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -84,6 +113,10 @@ class _OpenAIServing:
         fallback = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(eos_token_ids) or ((fallback,) if isinstance(fallback, int) else ())
         self.created = int(time.time())
+        self.vocab_size = vocab_size
+        self.text_of = TokenTexts(tokenizer)
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
+        self._grammars_lock = asyncio.Lock()
 
     # ---- endpoints -----------------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
@@ -91,22 +124,32 @@ class _OpenAIServing:
         model = self._check(body)
         if self.tokenizer is None:
             raise invalid("chat completions need a tokenizer; this server runs without one", "messages")
-        conversation = [
-            {"role": m.role, "content": _message_text(m.content), **({"name": m.name} if m.name else {})}
-            for m in body.messages
-        ]
+        tools = self._tool_mode(body)
+        conversation = [_template_message(m) for m in body.messages]
+        kwargs: dict[str, Any] = {}
+        if body.tools and body.tool_choice != "none":
+            kwargs["tools"] = [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
+                               for t in body.tools]
         try:
             encoded = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
             )
         except Exception as exc:  # templates raise on shapes they refuse (roles out of order, ...)
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from exc
         prompt = _as_ids(encoded)
         self._check_fan_out(1, body.n, "messages")
+        tool_spec = tool_call_spec([t.model_dump(exclude_none=True) for t in body.tools or []], body.tool_choice) \
+            if tools is not None else None
+        spec = spec_from_request(body.response_format, body.structured_outputs)
+        if tool_spec is not None and spec is not None:
+            raise invalid("tool_choice 'required' or a named function cannot be combined with response_format "
+                          "or structured_outputs", "tool_choice")
+        grammar = await self._grammar(tool_spec or spec)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if self.options.log_requests:
             request_logger.info("request %s: messages=%r", request_id, conversation)
-        return await self._generate(raw, body, request_id, model, [prompt], chat=True, arrival=arrival)
+        return await self._generate(raw, body, request_id, model, [prompt], chat=True, arrival=arrival,
+                                    grammar=grammar, tools=tools)
 
     async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
@@ -114,10 +157,64 @@ class _OpenAIServing:
         items = self._prompt_items(body.prompt)
         self._check_fan_out(len(items), body.n, "prompt")
         prompts = [self._tokenize(item) for item in items]
+        grammar = await self._grammar(spec_from_request(None, body.structured_outputs))
+        echo = None
+        if body.echo:
+            echo = [item if isinstance(item, str) else self._decode(item) for item in items]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if self.options.log_requests:
             request_logger.info("request %s: prompt=%r", request_id, body.prompt)
-        return await self._generate(raw, body, request_id, model, prompts, chat=False, arrival=arrival)
+        return await self._generate(raw, body, request_id, model, prompts, chat=False, arrival=arrival,
+                                    grammar=grammar, echo=echo)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _tool_mode(self, body: p.ChatCompletionRequest) -> ToolMode | None:
+        """How the request's tools shape its output; None without tools or with tool_choice "none"."""
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none", "auto"):
+                raise invalid("tool_choice needs tools", "tool_choice")
+            return None
+        if choice == "none":
+            return None
+        if choice is None or choice == "auto":
+            name = self.options.tool_call_parser
+            if name == "auto":
+                name = detect_tool_parser(getattr(self.tokenizer, "chat_template", None))
+            if name is None:
+                raise invalid(
+                    "tool_choice 'auto' needs the model's tool-call format, and this model's chat template "
+                    "does not show it: start the server with --tool-call-parser (llama3_json, hermes, "
+                    "mistral), or send tool_choice 'required' or a named function, which work with any model",
+                    "tool_choice")
+            return ToolMode("auto", get_tool_parser(name))
+        if choice == "required":
+            return ToolMode("required", get_tool_parser("forced"))
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") == "function" and isinstance(name, str):
+                return ToolMode("named", None, name)
+        raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                      '"function": {"name": ...}}', "tool_choice")
+
+    async def _grammar(self, spec: GrammarSpec | None) -> Any:
+        """The compiled grammar of `spec` (compiled off the event loop, cached), or None."""
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise invalid("structured output needs a tokenizer; this server runs without one", spec.param)
+        if self._grammars is None:
+            async with self._grammars_lock:
+                if self._grammars is None:
+                    vocab = self.vocab_size or len(self.tokenizer)
+                    self._grammars = await asyncio.to_thread(
+                        GrammarCompiler, self.tokenizer, vocab, self.eos_token_ids)
+        return await self._grammars.compile(spec)
 
     async def models(self) -> JSONResponse:
         cards = [self._card(n) for n in self.names]
@@ -208,10 +305,11 @@ class _OpenAIServing:
     # ---- generation ----------------------------------------------------------------------------
     async def _generate(
         self, raw: Request, body: p.GenerationRequest, request_id: str, model: str,
-        prompts: list[list[int]], chat: bool, arrival: float,
+        prompts: list[list[int]], chat: bool, arrival: float, grammar: Any = None, tools: ToolMode | None = None,
+        echo: list[str] | None = None,
     ) -> Response:
         streams = self._open(body, request_id, prompts, param="messages" if chat else "prompt", arrival=arrival,
-                             x_request_id=raw.state.request_id)
+                             x_request_id=raw.state.request_id, grammar=grammar)
         try:
             await unless_disconnected(raw, streams.start())
         except ClientGone:
@@ -223,16 +321,22 @@ class _OpenAIServing:
 
         created = int(time.time())
         num_prompt_tokens = sum(len(prompt) for prompt in prompts)
+        prompt_of = [i // body.n for i in range(streams.num_choices)]  # choice -> its prompt
         if body.stream:
             kind = "chat.completion.chunk" if chat else "text_completion"
+            choices: list[Any] = [
+                ChatChoiceStream(i, self.text_of, tools) if chat else
+                CompletionChoiceStream(i, self.text_of, prompts[prompt_of[i]], echo[prompt_of[i]] if echo else None)
+                for i in range(streams.num_choices)
+            ]
             chunks = sse_chunks(
                 streams,
                 head={"id": request_id, "object": kind, "created": created, "model": model},
-                make_choice=chat_choice if chat else completion_choice,
+                choices=choices,
                 opening=[chat_opening(i) for i in range(streams.num_choices)] if chat else [],
                 num_prompt_tokens=num_prompt_tokens,
                 include_usage=body.include_usage,
-                emit_empty=self.tokenizer is None,
+                empty_choice=None if self.tokenizer is not None else _empty_chat_choice if chat else _empty_text_choice,
                 on_error=lambda err: self.metrics.record_error(err.type, err.code),
             )
             # The background close covers a client that leaves before the body iterator starts.
@@ -248,24 +352,27 @@ class _OpenAIServing:
                                    streams.num_cached_prompt_tokens))
         response: p.ChatCompletionResponse | p.CompletionResponse
         if chat:
-            messages = [
-                p.ChatChoice(index=i, message=p.AssistantMessage(content=r.text), finish_reason=r.finish_reason)
-                for i, r in enumerate(results)
-            ]
+            messages = []
+            for i, r in enumerate(results):
+                message, reason = chat_message(r, tools)
+                messages.append(p.ChatChoice(index=i, message=p.AssistantMessage(**message), finish_reason=reason,
+                                             logprobs=chat_choice_logprobs(r, self.text_of)))
             response = p.ChatCompletionResponse(
                 id=request_id, created=created, model=model, choices=messages, usage=info
             )
         else:
-            texts = [
-                p.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
-                for i, r in enumerate(results)
-            ]
+            texts = []
+            for i, r in enumerate(results):
+                prefix = echo[prompt_of[i]] if echo else ""
+                logprobs = completion_choice_logprobs(r, self.text_of, prompts[prompt_of[i]] if echo else None, prefix)
+                texts.append(p.CompletionChoice(index=i, text=prefix + r.text, finish_reason=r.finish_reason,
+                                                logprobs=logprobs))
             response = p.CompletionResponse(id=request_id, created=created, model=model, choices=texts, usage=info)
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(exclude_none=False))
 
     def _open(
         self, body: p.GenerationRequest, request_id: str, prompts: list[list[int]], param: str, arrival: float,
-        x_request_id: str | None = None,
+        x_request_id: str | None = None, grammar: Any = None,
     ) -> EngineStreams:
         """One engine request per choice: n per prompt, numbered across prompts."""
         ids: list[str] = []
@@ -273,7 +380,7 @@ class _OpenAIServing:
         params: list[SamplingParams] = []
         for prompt in prompts:
             max_tokens = self._max_tokens(len(prompt), body.requested_max_tokens, param)
-            base = p.to_sampling_params(body, max_tokens, self.eos_token_ids)
+            base = p.to_sampling_params(body, max_tokens, self.eos_token_ids, grammar)
             for _ in range(body.n):
                 index = len(ids)
                 ids.append(f"{request_id}-{index}")
@@ -287,6 +394,14 @@ class _OpenAIServing:
                              cache_salt=body.cache_salt, choices_per_prompt=body.n)
 
 
+def _empty_chat_choice(index: int) -> dict[str, Any]:
+    return {"index": index, "delta": {"content": ""}, "logprobs": None, "finish_reason": None}
+
+
+def _empty_text_choice(index: int) -> dict[str, Any]:
+    return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+
+
 def build_app(
     engine: EngineClient,
     tokenizer: Any,
@@ -297,15 +412,17 @@ def build_app(
     options: APIOptions = APIOptions(),
     metrics: Metrics | None = None,
     state: ServerState | None = None,
+    vocab_size: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. `tokenizer` is an HF tokenizer, or None for token-id prompts
     only; `eos_token_ids` end generation unless a request sets ignore_eos (empty: the tokenizer's
     eos_token_id). `max_model_len` bounds prompt + max_tokens. `metrics` is shared with the engine
-    loop (a fresh registry if None); `state` is shared with whoever drains the server at shutdown."""
+    loop (a fresh registry if None); `state` is shared with whoever drains the server at shutdown.
+    `vocab_size`: the model's logit width, for grammar masks (default: the tokenizer's length)."""
     metrics = metrics if metrics is not None else Metrics()
     state = state if state is not None else ServerState()
     serving = _OpenAIServing(engine, tokenizer, served_model_names, max_model_len, eos_token_ids,
-                             options, metrics, state)
+                             options, metrics, state, vocab_size)
     app = FastAPI(title="flashserve", version="0.1.0")
     install_error_handlers(app, metrics)
     for prefix in ("/v1", ""):

@@ -11,11 +11,11 @@ import asyncio
 import json
 import logging
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from starlette.requests import Request
 
+from flashserve.api.choices import ChoiceResult
 from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, engine_dead, invalid, overloaded
 from flashserve.engine.client import EngineClient, EngineDead, EngineOverloaded
 from flashserve.engine.outputs import RequestOutput
@@ -53,13 +53,6 @@ async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
     finally:
         task.cancel()
         watch.cancel()
-
-
-@dataclass(frozen=True)
-class ChoiceResult:
-    text: str
-    finish_reason: str  # "stop" | "length"
-    num_output_tokens: int
 
 
 def _failed(request_id: str, message: str) -> RequestOutput:
@@ -194,16 +187,15 @@ class EngineStreams:
             yield await self._next()
 
     async def collect(self) -> list[ChoiceResult]:
-        texts: list[list[str]] = [[] for _ in self._ids]
-        reasons = ["stop"] * len(self._ids)
+        results = [ChoiceResult(i) for i in range(len(self._ids))]
         async for index, out in self.outputs():
             err = self.failure(index, out)
             if err is not None:
                 raise err
-            texts[index].append(out.new_text)
-            if out.finished:
-                reasons[index] = finish_reason(out)
-        return [ChoiceResult("".join(t), r, n) for t, r, n in zip(texts, reasons, self.num_output_tokens)]
+            results[index].add(out)
+        for result, n in zip(results, self.num_output_tokens):
+            result.num_output_tokens = n
+        return results
 
     def close(self) -> None:
         """Abort whatever has not finished. Synchronous on purpose: it runs in `finally` blocks of
@@ -220,10 +212,6 @@ class EngineStreams:
         self.close()
 
 
-def finish_reason(out: RequestOutput) -> str:
-    return "length" if out.finish_reason == "length" else "stop"
-
-
 def usage(num_prompt_tokens: int, num_output_tokens: Sequence[int], num_cached_tokens: int = 0) -> dict[str, Any]:
     completion = sum(num_output_tokens)
     return {
@@ -238,29 +226,26 @@ def encode(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def chat_choice(index: int, text: str | None, finish: str | None) -> dict[str, Any]:
-    delta = {} if text is None else {"content": text}
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-
 def chat_opening(index: int) -> dict[str, Any]:
     """A chat choice's first delta names the role, as OpenAI's does."""
     return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
 
-def completion_choice(index: int, text: str | None, finish: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+class ChoiceStream(Protocol):
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The `choices[]` entries to send for one engine output of this choice, one chunk each."""
+        ...
 
 
 async def sse_chunks(
     streams: EngineStreams,
     *,
     head: dict[str, Any],  # id, object, created, model: the same on every chunk
-    make_choice: Callable[[int, str | None, str | None], dict[str, Any]],
+    choices: Sequence[ChoiceStream],  # one per choice: shapes its outputs
     opening: Sequence[dict[str, Any]] = (),  # choices sent before any token (chat's role deltas)
     num_prompt_tokens: int,
     include_usage: bool,
-    emit_empty: bool,  # tokenizer-free mode: a chunk per step even though its text is ""
+    empty_choice: Callable[[int], dict[str, Any]] | None = None,  # tokenizer-free mode: sent per step
     on_error: Callable[[APIError], None] = lambda err: None,  # counts error events
 ) -> AsyncIterator[bytes]:
     """OpenAI's `data: {chunk}` stream ending in `data: [DONE]`; closes the engine streams on exit,
@@ -275,10 +260,11 @@ async def sse_chunks(
                 on_error(err)
                 yield encode(err.body())
                 break
-            if out.new_text or (emit_empty and out.new_token_ids):
-                yield encode({**head, "choices": [make_choice(index, out.new_text, None)], **extra})
-            if out.finished:
-                yield encode({**head, "choices": [make_choice(index, None, finish_reason(out))], **extra})
+            entries = choices[index].chunks(out)
+            if empty_choice is not None and out.new_token_ids and not out.new_text and not out.logprobs:
+                entries.insert(0, empty_choice(index))  # without text, a chunk still marks the step
+            for entry in entries:
+                yield encode({**head, "choices": [entry], **extra})
         else:
             if include_usage:
                 counts = usage(num_prompt_tokens, streams.num_output_tokens, streams.num_cached_prompt_tokens)

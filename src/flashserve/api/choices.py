@@ -1,0 +1,178 @@
+"""One choice's output in OpenAI's shapes: text, logprobs and tool calls, whole or streamed.
+
+The engine hands out text and token ids; this module turns them into a chat message (content or
+`tool_calls`) or a completion's text, with logprobs when asked. Streaming builders return the
+`choices[]` entries of the chunks to send for each engine output, in order.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashserve.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from flashserve.api.tool_parsers import ToolParser, forced_named_call
+from flashserve.engine.outputs import RequestOutput, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How a chat request's tools shape its output: `auto` parses the model's own tool-call format
+    (`parser`); `required` and `named` outputs follow a grammar (a JSON array of calls, or the named
+    function's arguments)."""
+
+    kind: str  # "auto" | "required" | "named"
+    parser: ToolParser | None = None  # auto: the model's format; required: the forced array
+    name: str | None = None  # named: the function
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced, gathered from its engine outputs."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str = "stop"
+    num_output_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
+        if out.finished:
+            self.finish_reason = "length" if out.finish_reason == "length" else "stop"
+
+
+def _call_dict(call: Any) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_message(result: ChoiceResult, tools: ToolMode | None) -> tuple[dict[str, Any], str]:
+    """(the assistant message, finish_reason) of a finished chat choice."""
+    content: str | None = result.text
+    calls: list[Any] = []
+    if tools is not None and result.finish_reason != "length":
+        parsed = (forced_named_call(tools.name, result.text) if tools.kind == "named" and tools.name
+                  else tools.parser.parse(result.text) if tools.parser is not None else None)
+        if parsed is not None:
+            content, calls = parsed.content, parsed.tool_calls
+    reason = "tool_calls" if calls else result.finish_reason
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [_call_dict(c) for c in calls]
+    return message, reason
+
+
+def chat_choice_logprobs(result: ChoiceResult, text_of: TokenTexts) -> dict[str, Any] | None:
+    return chat_logprobs(result.logprobs, text_of) if result.logprobs is not None else None
+
+
+def completion_choice_logprobs(result: ChoiceResult, text_of: TokenTexts, prompt_ids: list[int] | None,
+                               prompt_text: str = "") -> dict[str, Any] | None:
+    """The completion's logprobs; with `prompt_ids` (echo) the prompt's tokens come first."""
+    if result.logprobs is None:
+        return None
+    parts: list[dict[str, Any]] = []
+    offset = 0
+    if prompt_ids is not None and result.prompt_logprobs is not None:
+        parts.append(completion_logprobs(prompt_ids, result.prompt_logprobs, text_of))
+        offset = len(prompt_text)
+    parts.append(completion_logprobs(result.token_ids, result.logprobs, text_of, offset))
+    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
+
+
+class ChatChoiceStream:
+    """The chunks' choices for one streamed chat choice: content deltas, or tool-call deltas."""
+
+    def __init__(self, index: int, text_of: TokenTexts, tools: ToolMode | None) -> None:
+        self.index = index
+        self._text_of = text_of
+        self._tools = tools
+        self._streamer = tools.parser.streamer() if tools is not None and tools.parser is not None else None
+        self._named_id = f"call_{uuid.uuid4().hex[:24]}" if tools is not None and tools.kind == "named" else None
+        self._named_started = False
+
+    def _choice(self, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+        return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def _deltas(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        if self._streamer is not None:
+            return self._streamer.feed(text)
+        if self._named_id is not None:
+            assert self._tools is not None
+            delta: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if not self._named_started:
+                self._named_started = True
+                delta = {"index": 0, "id": self._named_id, "type": "function",
+                         "function": {"name": self._tools.name, "arguments": text}}
+            return [{"tool_calls": [delta]}]
+        return [{"content": text}]
+
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The choices to send for one engine output (final ones included when it finished)."""
+        logprobs = chat_logprobs(out.logprobs, self._text_of) if out.logprobs else None
+        deltas = self._deltas(out.new_text)
+        choices = [self._choice(d) for d in deltas]
+        if logprobs is not None:
+            if choices:
+                choices[0]["logprobs"] = logprobs
+            else:
+                choices.append(self._choice({}, logprobs))
+        if out.finished:
+            if self._streamer is not None:
+                choices += [self._choice(d) for d in self._streamer.finish()]
+            called = self._named_started or (self._streamer is not None and self._streamer.num_tool_calls > 0)
+            reason = "length" if out.finish_reason == "length" else "tool_calls" if called else "stop"
+            choices.append(self._choice({}, None, reason))
+        return choices
+
+
+class CompletionChoiceStream:
+    """The chunks' choices for one streamed text completion (echo and logprobs included)."""
+
+    def __init__(self, index: int, text_of: TokenTexts, prompt_ids: list[int], prompt_text: str | None) -> None:
+        self.index = index
+        self._text_of = text_of
+        self._prompt_ids = prompt_ids
+        self._echo = prompt_text  # None: no echo; sent before the first completion text
+        self._offset = 0
+
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        text = out.new_text
+        parts: list[dict[str, Any]] = []
+        if self._echo is not None:
+            if out.prompt_logprobs is not None:
+                parts.append(completion_logprobs(self._prompt_ids, out.prompt_logprobs, self._text_of))
+            text, self._echo = self._echo + text, None
+            self._offset = len(text) - len(out.new_text)
+        if out.logprobs:
+            parts.append(completion_logprobs(out.new_token_ids, out.logprobs, self._text_of, self._offset))
+        self._offset += len(out.new_text)
+        logprobs = {key: [v for p in parts for v in p[key]] for key in parts[0]} if parts else None
+        choices = []
+        if text or logprobs is not None:
+            choices.append({"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": None})
+        if out.finished:
+            reason = "length" if out.finish_reason == "length" else "stop"
+            choices.append({"index": self.index, "text": "", "logprobs": None, "finish_reason": reason})
+        return choices
+
+
+def json_arguments(text: str) -> Any:
+    """Tool-call arguments as a template expects them: an object when the JSON text is one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
