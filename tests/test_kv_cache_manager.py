@@ -416,6 +416,84 @@ def test_caching_off_never_matches_and_frees_blank_pages() -> None:
     assert kv.num_cached_pages == 0 and kv.num_free_pages == 7
 
 
+# --- pins --------------------------------------------------------------------------------------
+
+
+def test_a_pinned_prefix_survives_pressure_that_would_evict_it() -> None:
+    kv = KVCacheManager(num_pages=5, page_size=4)
+    hashes = computed(kv, "a", range(8))
+    held = list(kv.pages("a"))
+    kv.pin(hashes)
+    kv.free("a")
+    assert kv.allocate("b", 8)  # takes the two blank pages, not the pinned ones
+    assert not kv.allocate("c", 4)  # the cache is full: pinned pages are not evicted
+    assert kv.match(hashes) == held
+
+
+def test_unpinning_makes_the_prefix_evictable_again() -> None:
+    kv = KVCacheManager(num_pages=3, page_size=4)
+    hashes = computed(kv, "a", range(8))
+    kv.unpin(kv.pin(hashes))
+    kv.free("a")
+    assert kv.num_cached_pages == 2
+    assert kv.allocate("b", 8)  # evicts both
+    assert kv.match(hashes) == []
+
+
+def test_pinned_pages_at_no_request_count_as_used_not_free_or_cached() -> None:
+    kv = KVCacheManager(num_pages=6, page_size=4)
+    hashes = computed(kv, "a", range(12))
+    kv.pin(hashes[:2])
+    kv.free("a")
+    assert (kv.num_used_pages, kv.num_free_pages, kv.num_cached_pages) == (2, 3, 1)
+    assert kv.num_free_pages + kv.num_used_pages == kv.capacity
+    assert kv.num_pinned_pages == 2
+
+
+def test_a_pin_on_hashes_not_yet_computed_holds_them_once_registered() -> None:
+    kv = KVCacheManager(num_pages=4, page_size=4)
+    hashes = chain(range(8))
+    kv.pin(hashes)
+    assert kv.num_pinned_pages == 0 and kv.num_free_pages == 3  # nothing held before the K/V exists
+    assert kv.allocate("a", 8)
+    kv.register("a", hashes)
+    held = list(kv.pages("a"))
+    kv.free("a")
+    assert kv.num_used_pages == 2 and kv.num_cached_pages == 0
+    assert kv.allocate("b", 4) and not kv.allocate("c", 4)
+    assert kv.match(hashes) == held
+
+
+def test_pins_nest_until_the_last_one_is_dropped() -> None:
+    kv = KVCacheManager(num_pages=3, page_size=4)
+    hashes = computed(kv, "a", range(8))
+    first, second = kv.pin(hashes), kv.pin(hashes[:1])
+    kv.free("a")
+    kv.unpin(first)
+    assert kv.num_used_pages == 1 and kv.num_cached_pages == 1  # the first page is still pinned
+    kv.unpin(second)
+    assert kv.num_used_pages == 0 and kv.num_cached_pages == 2
+
+
+def test_a_hit_on_a_pinned_page_takes_no_free_page() -> None:
+    kv = KVCacheManager(num_pages=4, page_size=4)
+    hashes = computed(kv, "a", range(8))
+    kv.pin(hashes)
+    kv.free("a")
+    hit = kv.match(hashes)
+    assert kv.allocate("b", 12, hit)  # 2 pinned pages + 1 fresh of the 1 free
+    kv.free("b")
+    assert kv.num_used_pages == 2 and kv.num_free_pages == 1
+
+
+def test_unpinning_an_unknown_or_released_handle_raises() -> None:
+    kv = KVCacheManager(num_pages=4, page_size=4)
+    handle = kv.pin(chain(range(4)))
+    kv.unpin(handle)
+    with pytest.raises(ValueError, match="unknown"):
+        kv.unpin(handle)
+
+
 # --- randomized run against a reference model --------------------------------------------------
 
 

@@ -9,6 +9,23 @@ from flashserve.engine.outputs import SampledTokens, TokenLogprob, sampled
 from flashserve.engine.request import FinishReason
 
 
+class AnyGrammar:
+    def new_matcher(self) -> "CountingMatcher":
+        return CountingMatcher()
+
+    def fill_bitmasks(self, matchers, bitmask) -> None:  # noqa: ANN001
+        for j, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, j)
+
+
+def with_grammar(r):  # noqa: ANN001, ANN201
+    """The request follows a grammar whose matcher is `r.matcher` (set by the test)."""
+    import dataclasses
+
+    r.params = dataclasses.replace(r.params, grammar=AnyGrammar())
+    return r
+
+
 class CountingMatcher:
     """Allows any token; terminates after accepting `end`; rejects `bad`."""
 
@@ -35,13 +52,15 @@ class CountingMatcher:
 def test_a_step_carries_a_bitmask_for_grammar_rows_only() -> None:
     s = make()
     s.vocab_size = 64
-    plain, constrained = req("plain"), req("json")
+    plain, constrained = req("plain"), with_grammar(req("json"))
     constrained.matcher = CountingMatcher()
     s.add_request(plain)
     s.add_request(constrained)
     out = s.schedule()
     assert out.token_bitmask is not None and out.token_bitmask.rows == [1]
-    assert out.token_bitmask.bitmask.shape[0] == 1 and out.token_bitmask.bitmask[0, 0] == 1
+    assert constrained.matcher.filled == 0  # filled when the runner reads it, after the forward
+    array = out.token_bitmask.array()
+    assert array.shape[0] == 1 and array[0, 0] == 1 and constrained.matcher.filled == 1
 
 
 def test_a_step_without_grammar_rows_has_no_bitmask() -> None:
@@ -53,7 +72,7 @@ def test_a_step_without_grammar_rows_has_no_bitmask() -> None:
 def test_the_grammar_end_stops_the_request_even_with_ignore_eos() -> None:
     s = make()
     s.vocab_size = 64
-    r = req("json", ignore_eos=True, max_tokens=50)
+    r = with_grammar(req("json", ignore_eos=True, max_tokens=50))
     r.matcher = CountingMatcher(end=EOS)
     s.add_request(r)
     step(s, lambda sr: sampled(TOKEN) if sr.sample else SampledTokens())
@@ -65,7 +84,7 @@ def test_the_grammar_end_stops_the_request_even_with_ignore_eos() -> None:
 def test_a_token_the_grammar_rejects_fails_only_that_request() -> None:
     s = make()
     s.vocab_size = 64
-    r = req("json")
+    r = with_grammar(req("json"))
     r.matcher = CountingMatcher(bad=TOKEN)
     s.add_request(r)
     s.add_request(req("plain"))

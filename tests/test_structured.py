@@ -284,10 +284,11 @@ def test_step_bitmask_allows_exactly_the_grammar_tokens(compiler: GrammarCompile
     grammar = compiler.compile_sync(GrammarSpec("choice", json.dumps(choices), "structured_outputs"))
     m1, m2 = grammar.new_matcher(), grammar.new_matcher()
     assert m2.accept_token(tokenizer.encode("n", add_special_tokens=False)[0])
-    mask = step_bitmask([m1, None, m2], VOCAB)
+    mask = step_bitmask([m1, None, m2], [grammar, None, grammar], VOCAB)
     assert mask is not None and mask.rows == [0, 2]
-    assert mask.bitmask.shape == (2, bitmask_words(VOCAB)) and mask.bitmask.dtype == np.int32
-    allowed = [set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))) for row in mask.bitmask]
+    array = mask.array()
+    assert array.shape == (2, bitmask_words(VOCAB)) and array.dtype == np.int32
+    allowed = [set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))) for row in array]
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     special = set(tokenizer.all_special_ids)
     ok0 = {i for i, t in enumerate(texts) if t and i not in special and any(c.startswith(t) for c in choices)}
@@ -299,10 +300,11 @@ def test_step_bitmask_allows_exactly_the_grammar_tokens(compiler: GrammarCompile
 
 def test_padded_vocab_masks_padding_ids(smollm2_tokenizer: Any) -> None:
     padded = GrammarCompiler(smollm2_tokenizer, VOCAB + 40, [smollm2_tokenizer.eos_token_id])
-    matcher = padded.compile_sync(GrammarSpec("json_object", "", "response_format")).new_matcher()
-    mask = step_bitmask([matcher], VOCAB + 40)
-    assert mask is not None and mask.bitmask.shape == (1, bitmask_words(VOCAB + 40))
-    bits = np.unpackbits(mask.bitmask[0].view(np.uint8), bitorder="little")
+    grammar = padded.compile_sync(GrammarSpec("json_object", "", "response_format"))
+    matcher = grammar.new_matcher()
+    mask = step_bitmask([matcher], [grammar], VOCAB + 40)
+    assert mask is not None and mask.array().shape == (1, bitmask_words(VOCAB + 40))
+    bits = np.unpackbits(mask.array()[0].view(np.uint8), bitorder="little")
     assert bits[:VOCAB].any() and not bits[VOCAB:].any()
     assert matcher.accept_token(VOCAB + 3) is False
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -11,6 +12,7 @@ from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 from flashserve.engine.scheduler import Scheduler
 from flashserve.sampling_params import SamplingParams
 
@@ -66,6 +68,24 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
+@dataclass(frozen=True)
+class GenerateStats:
+    """What the last `LLM.generate` did, for a summary: prompt tokens as sent (logical) against
+    those computed, the rest coming from the prefix cache."""
+
+    num_requests: int = 0
+    num_groups: int = 0  # groups of two or more prompts sharing a prefix
+    num_pinned_groups: int = 0  # of those, the ones whose prefix was pinned while they ran
+    num_prompt_tokens: int = 0  # every prompt's length
+    num_cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    num_output_tokens: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def num_computed_prompt_tokens(self) -> int:
+        return self.num_prompt_tokens - self.num_cached_prompt_tokens
+
+
 class LLM:
     """Offline generation without HTTP: `LLM(model).generate(prompts, params)`."""
 
@@ -75,37 +95,126 @@ class LLM:
         cuda_graph = kwargs.pop("cuda_graph", True)
         self.stack = build_engine(ModelConfig(model=model, **kwargs), CacheConfig(**cache_kw),
                                   SchedulerConfig(**sched_kw), cuda_graph=cuda_graph)
+        self.last_stats = GenerateStats()
 
     @property
     def engine(self) -> LLMEngine:
         return self.stack.engine
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+        prefix_grouping: bool = True,
     ) -> list[Completion]:
-        """Run every prompt to completion (text prompts need a tokenizer); results in prompt order."""
+        """Run every prompt to completion (text prompts need a tokenizer); results in prompt order.
+
+        With `prefix_grouping` (and prefix caching on), prompts that share a page-aligned prefix
+        are submitted together, each group's prefix pinned in the KV cache until its last request
+        ends, groups decode-heavy first (`engine/prefix_groups.py`); without it, in input order.
+        Either way the engine is fed as it drains (`_Feeder`), so a batch far larger than the KV
+        cache runs too. Raises InvalidParameter, before anything runs, for ids the model cannot take.
+        """
+        start = time.perf_counter()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         eos = tuple(self.stack.loaded.eos_token_ids)
-        ids: list[str] = []
-        prompt_ids: dict[str, list[int]] = {}
-        for prompt, p in zip(prompts, params_list):
-            if isinstance(prompt, str):
-                if self.stack.tokenizer is None:
-                    raise ValueError("this model has no tokenizer: pass token ids")
-                tokens = self.stack.tokenizer.encode(prompt)
-            else:
-                tokens = list(prompt)
-            if not p.eos_token_ids and eos:
-                p = replace(p, eos_token_ids=eos)
-            rid = uuid.uuid4().hex
-            ids.append(rid)
-            prompt_ids[rid] = tokens
-            self.engine.add_request(rid, tokens, p)
-        results: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
-        while self.engine.has_unfinished:
-            for out in self.engine.step():
-                results[out.request_id].append(out)
-        return [_collect(rid, prompt_ids[rid], results[rid]) for rid in ids]
+        params_list = [replace(p, eos_token_ids=eos) if not p.eos_token_ids and eos else p for p in params_list]
+        tokens = [self._tokenize(prompt) for prompt in prompts]
+        for prompt_ids, p in zip(tokens, params_list):
+            self.engine.check_request(prompt_ids, p)
+        kv_cache = self.engine.scheduler.kv_cache
+        if prefix_grouping and kv_cache.enable_caching:
+            plan = plan_prefix_groups(tokens, kv_cache.page_size, [p.max_tokens for p in params_list])
+        else:
+            plan = GroupPlan.in_order(len(tokens))
+        ids = [uuid.uuid4().hex for _ in tokens]
+        feeder = _Feeder(self.engine, plan, ids, tokens, params_list, self.stack.max_model_len)
+        outputs = feeder.run()
+        results = [_collect(rid, prompt_ids, outputs[rid]) for rid, prompt_ids in zip(ids, tokens)]
+        self.last_stats = GenerateStats(
+            num_requests=len(results),
+            num_groups=sum(len(g.members) > 1 for g in plan.groups),
+            num_pinned_groups=feeder.num_pinned_groups,
+            num_prompt_tokens=sum(len(t) for t in tokens),
+            num_cached_prompt_tokens=sum(r.num_cached_tokens for r in results),
+            num_output_tokens=sum(len(r.token_ids) for r in results),
+            elapsed_s=time.perf_counter() - start,
+        )
+        return results
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.stack.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return list(self.stack.tokenizer.encode(prompt))
+
+
+class _Feeder:
+    """Feeds an offline batch to the engine in plan order while stepping it.
+
+    The engine holds at most `2 * max_num_seqs` unfinished requests: enough that every slot the
+    scheduler frees is refilled at once, few enough that its waiting queue (which it scans every
+    step for requests whose prefix another request is still computing) stays short and that pins
+    are taken only as their groups start. A group's prefix is pinned when its first request is
+    submitted and unpinned when its last one ends. Pinned pages are kept below capacity minus the
+    largest request's pages, so any request can still run whatever is pinned (the scheduler
+    would otherwise wait forever for pages a pin holds); a group past that budget runs unpinned.
+    """
+
+    def __init__(self, engine: LLMEngine, plan: GroupPlan, ids: list[str], tokens: list[list[int]],
+                 params: list[SamplingParams], max_model_len: int) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.ids, self.tokens, self.params = ids, tokens, params
+        scheduler = engine.scheduler
+        self.kv_cache = scheduler.kv_cache
+        self.hasher = scheduler.prefix_cache.hasher
+        self.max_live = 2 * scheduler.config.max_num_seqs
+        largest = max((min(len(t) + p.max_tokens, max_model_len) for t, p in zip(tokens, params)), default=0)
+        self.pin_budget = self.kv_cache.capacity - self.kv_cache.num_pages_needed(largest)
+        self.num_pinned_groups = 0
+
+    def run(self) -> dict[str, list[RequestOutput]]:
+        engine, kv_cache = self.engine, self.kv_cache
+        outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in self.ids}
+        queue = [(g, i) for g, group in enumerate(self.plan.groups) for i in group.members]
+        left = [len(group.members) for group in self.plan.groups]  # unfinished requests per group
+        group_of: dict[str, int] = {}
+        pins: dict[int, tuple[int, int]] = {}  # group -> (pin handle, pages)
+        pinned_pages = 0
+        next_up = 0
+        try:
+            while next_up < len(queue) or engine.has_unfinished:
+                while next_up < len(queue) and engine.num_live < self.max_live:
+                    g, i = queue[next_up]
+                    next_up += 1
+                    prefix_len = self.plan.groups[g].prefix_len
+                    pages = prefix_len // kv_cache.page_size
+                    if pages and g not in pins and pinned_pages + pages <= self.pin_budget:
+                        hashes: list[bytes] = []
+                        self.hasher.extend(hashes, self.tokens[i][:prefix_len], None)  # requests' salt
+                        pins[g] = (kv_cache.pin(hashes), pages)
+                        pinned_pages += pages
+                        self.num_pinned_groups += 1
+                    group_of[self.ids[i]] = g
+                    engine.add_request(self.ids[i], self.tokens[i], self.params[i])
+                for out in engine.step():
+                    outputs[out.request_id].append(out)
+                    if not out.finished:
+                        continue
+                    g = group_of[out.request_id]
+                    left[g] -= 1
+                    if not left[g] and g in pins:
+                        handle, pages = pins.pop(g)
+                        kv_cache.unpin(handle)
+                        pinned_pages -= pages
+        finally:  # interrupted: leave the engine and the cache as they were
+            for rid in group_of:
+                engine.abort(rid)
+            for handle, _ in pins.values():
+                kv_cache.unpin(handle)
+        return outputs
 
 
 def _collect(request_id: str, prompt: list[int], outs: list[RequestOutput]) -> Completion:

@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from types import FrameType
 from typing import Any, Awaitable, Callable
 
@@ -32,10 +31,6 @@ ABORT_GRACE_SECONDS = 5.0
 DEATH_GRACE_SECONDS = 1.0
 DEATH_EXIT_SECONDS = 10.0
 EXIT_ENGINE_DIED = 1
-
-
-def served_names(args: ServeArgs, loaded_name: str) -> list[str]:
-    return list(args.model.served_model_names) or [loaded_name]
 
 
 def graceful_server(config: Any, drain: Callable[[], Awaitable[None]]) -> Any:
@@ -100,29 +95,10 @@ async def serve(args: ServeArgs) -> int:
     """Serves until shutdown; returns the process's exit code."""
     import uvicorn
 
-    from flashserve.api.options import ServerState
-    from flashserve.api.server import build_app
-    from flashserve.engine.async_engine import AsyncEngine
-    from flashserve.llm import build_engine
-    from flashserve.metrics import Metrics
+    from flashserve.server_stack import build_server, load_engine
 
-    t0 = time.perf_counter()
-    stack = build_engine(args.model, args.cache, args.scheduler, cuda_graph=args.cuda_graph)
-    loaded = stack.loaded
-    logger.info(
-        "model %s ready in %.1f s: %s on %s, max_model_len %d, KV cache %d pages x %d tokens, step budget %d tokens",
-        loaded.name, time.perf_counter() - t0, loaded.dtype, loaded.device, stack.max_model_len,
-        stack.num_pages, stack.page_size, stack.max_num_batched_tokens,
-    )
-    metrics = Metrics()
-    state = ServerState()
-    engine = AsyncEngine(stack.engine, stack.max_model_len, metrics=metrics, max_waiting=args.max_waiting,
-                         queue_timeout=args.queue_timeout)
-    app = build_app(
-        engine, loaded.tokenizer, served_names(args, loaded.name), stack.max_model_len,
-        eos_token_ids=tuple(loaded.eos_token_ids), options=args.api, metrics=metrics, state=state,
-        vocab_size=loaded.vocab_size,
-    )
+    built = build_server(args, load_engine(args))
+    engine, app, state = built.engine, built.app, built.state
     config = uvicorn.Config(
         app, host=args.server.host, port=args.server.port, log_level=args.server.log_level,
         access_log=args.access_log, timeout_graceful_shutdown=5,

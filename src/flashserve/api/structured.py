@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -224,12 +225,18 @@ def _ebnf_literal(text: str) -> str:
 class XGrammar:
     """A compiled grammar; the engine makes one matcher per request from it."""
 
-    def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar,
+                 batch: xgr.BatchGrammarMatcher | None = None) -> None:
         self.spec = spec
         self.compiled = compiled
+        self._batch = batch if batch is not None else xgr.BatchGrammarMatcher(max_threads=1)
 
     def new_matcher(self) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(self.compiled)
+
+    def fill_bitmasks(self, matchers: Sequence[xgr.GrammarMatcher], bitmask: Any) -> None:
+        """One batched call over every row of a step (on the compiler's threads)."""
+        self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask)
 
 
 class GrammarCompiler:
@@ -242,13 +249,16 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *, cache_size: int = 256,
-                 max_threads: int = 2) -> None:
+                 max_threads: int | None = None) -> None:
+        """max_threads: for compiling and for filling a step's masks (default: up to 8 cores)."""
+        max_threads = max_threads or max(1, min(8, os.cpu_count() or 1))
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids) or None
         )
         # xgrammar's own cache is unbounded; ours is bounded and also shares in-flight compiles.
         self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="grammar-compile")
         self._cache_size = cache_size
         self._cache: OrderedDict[GrammarSpec, XGrammar] = OrderedDict()
@@ -305,7 +315,7 @@ class GrammarCompiler:
             self.num_compiles += 1
         what = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice"}
         try:
-            return XGrammar(spec, self._compile(spec))
+            return XGrammar(spec, self._compile(spec), self._batch)
         except (RuntimeError, ValueError) as exc:
             detail = _XGR_PREFIX.sub("", str(exc).strip()).strip()
             detail = detail.split(". The JSON string is:")[0]

@@ -9,12 +9,17 @@ grammar means.
 
 A bitmask row is int32 [ceil(vocab_size / 32)]: bit j of word i set allows token 32 * i + j. The
 step's bitmask is a numpy array (no torch in the engine); the runner uploads and applies it.
+
+Filling a mask costs up to half a millisecond per row for a large vocabulary inside a JSON string,
+so a step's masks are filled late and together: the scheduler names the rows, and the runner asks
+for the array only after it has launched the step's forward pass, so the host fills while the
+device computes, and the grammar fills its rows in one batched call (on several threads).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -38,36 +43,51 @@ class Grammar(Protocol):
         """A matcher at the start of the output."""
         ...
 
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: Any) -> None:
+        """Row j of `bitmask` gets the tokens `matchers[j]` allows next, for matchers of grammars of
+        this kind (the same library); may use several threads."""
+        ...
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class TokenBitmask:
     """The sampling rows of one step that follow a grammar, and their allowed tokens.
 
     `rows[j]` indexes the step's sampling requests (those with `sample=True`, in schedule order);
-    `bitmask[j]` is that row's packed mask.
+    row j of `array()` is that row's packed mask. A mask made by `step_bitmask` is filled on the
+    first call to `array()`.
     """
 
     rows: list[int]
-    bitmask: np.ndarray = None  # type: ignore[assignment]
+    bitmask: np.ndarray
+    fill: Callable[[np.ndarray], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.bitmask is None or len(self.rows) != self.bitmask.shape[0]:
+        if len(self.rows) != self.bitmask.shape[0]:
             raise ValueError("one bitmask row per grammar row is needed")
 
+    def array(self) -> np.ndarray:
+        if self.fill is not None:
+            fill, self.fill = self.fill, None
+            fill(self.bitmask)
+        return self.bitmask
 
-def step_bitmask(matchers: Sequence[GrammarMatcher | None], vocab_size: int) -> TokenBitmask | None:
-    """The bitmask of one step's sampling rows (`matchers[i]` is row i's matcher, or None for a row
-    without a grammar); None when no row has one, so plain batches pay nothing."""
+
+def step_bitmask(
+    matchers: Sequence[GrammarMatcher | None], grammars: Sequence[Grammar | None], vocab_size: int
+) -> TokenBitmask | None:
+    """The bitmask of one step's sampling rows (`matchers[i]` is row i's matcher and `grammars[i]`
+    the grammar it came from, or None for a row without one), to be filled when first read; None
+    when no row has a grammar, so plain batches pay nothing."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
     bitmask = np.full((len(rows), bitmask_words(vocab_size)), -1, dtype=np.int32)
-    for j, i in enumerate(rows):
-        matcher = matchers[i]
-        assert matcher is not None
-        matcher.fill_next_token_bitmask(bitmask, j)
-    return TokenBitmask(rows, bitmask)
+    grammar = grammars[rows[0]]
+    assert grammar is not None
+    active = [matchers[i] for i in rows]
+    return TokenBitmask(rows, bitmask, lambda array: grammar.fill_bitmasks(active, array))  # type: ignore[arg-type]

@@ -9,6 +9,12 @@ page with match() and takes a reference instead of recomputing it. When its last
 page keeps its hash and waits in the free queue, still reusable, until allocate() needs a fresh page
 and evicts it (least recently freed first).
 
+A pin keeps a chain of hashes cached whatever the LRU says (an offline batch's shared prefix, until
+the last request that needs it ends): each pinned hash, once registered, holds one reference on
+its page, so the page never enters the free queue and is never evicted. A pin may name hashes no
+request has computed yet; they are held from the moment they are registered. Pinned pages count
+as used pages.
+
 Page 0 is reserved as a scratch page: padded slots of a CUDA-graph batch write their K/V there, so
 it is never handed to a request and is not counted in `capacity`, `num_free_pages` or
 `num_used_pages` (free + used == capacity == num_pages - 1).
@@ -103,6 +109,9 @@ class KVCacheManager:
         # How many of a request's pages register() has already looked at: without it every step
         # would rescan every page of every running request.
         self._registered_upto: dict[str, int] = {}
+        self._pins: dict[PageHash, int] = {}  # pinned hash -> how many pins name it
+        self._pin_handles: dict[int, tuple[PageHash, ...]] = {}
+        self._next_pin = 1
 
     @property
     def capacity(self) -> int:
@@ -116,13 +125,18 @@ class KVCacheManager:
 
     @property
     def num_used_pages(self) -> int:
-        """Pages owned by at least one request."""
+        """Pages owned by at least one request or held by a pin."""
         return self.capacity - len(self._free)
 
     @property
     def num_cached_pages(self) -> int:
         """Free pages that still hold a registered hash (reusable by a hit until evicted)."""
         return self._num_cached_free
+
+    @property
+    def num_pinned_pages(self) -> int:
+        """Registered pages held by a pin (some may be in use by requests too)."""
+        return sum(page_hash in self._hash_to_page for page_hash in self._pins)
 
     def pages(self, request_id: str) -> list[int]:
         """The request's page table, by reference (it grows in place); [] for an unknown id."""
@@ -191,10 +205,7 @@ class KVCacheManager:
             return False
         table = self._tables.setdefault(request_id, [])
         for page in cached_pages:
-            if self._ref_counts[page] == 0:
-                del self._free[page]
-                self._num_cached_free -= 1
-            self._ref_counts[page] += 1
+            self._take(page)
             table.append(page)
         for _ in range(fresh):
             page, _ = self._free.popitem(last=False)
@@ -237,6 +248,8 @@ class KVCacheManager:
             if page_hash not in self._hash_to_page:
                 self._hash_to_page[page_hash] = page
                 self._page_hash[page] = page_hash
+                if page_hash in self._pins:
+                    self._take(page)  # a pin waiting for this hash holds the page from now on
         if num_pages > start:
             self._registered_upto[request_id] = num_pages
 
@@ -255,6 +268,46 @@ class KVCacheManager:
         for page in reversed(table):
             self._release(page)
         # The list stays as it was: a ScheduledRequest built from it still describes its step.
+
+    def pin(self, hashes: Sequence[PageHash]) -> int:
+        """Keep the pages of `hashes` (a PageHasher chain) cached until unpin(handle): a registered
+        one gets a reference now, any other when it is registered. A hash stays pinned while any
+        pin names it. A pin reserves nothing, but the pages it holds are not free for allocate():
+        the caller bounds what it pins. With caching off nothing is registered, nothing held."""
+        handle = self._next_pin
+        self._next_pin += 1
+        unique = tuple(dict.fromkeys(hashes))
+        self._pin_handles[handle] = unique
+        for page_hash in unique:
+            count = self._pins.get(page_hash, 0)
+            self._pins[page_hash] = count + 1
+            page = self._hash_to_page.get(page_hash)
+            if count == 0 and page is not None:
+                self._take(page)
+        return handle
+
+    def unpin(self, handle: int) -> None:
+        """Drop a pin: pages no other pin names lose its reference, and at ref 0 join the free
+        queue as cached pages (evictable again). Raises ValueError for an unknown handle."""
+        unique = self._pin_handles.pop(handle, None)
+        if unique is None:
+            raise ValueError(f"unknown or already released pin {handle}")
+        for page_hash in reversed(unique):  # the chain's last pages are evicted before its first
+            count = self._pins[page_hash] - 1
+            if count:
+                self._pins[page_hash] = count
+                continue
+            del self._pins[page_hash]
+            page = self._hash_to_page.get(page_hash)
+            if page is not None:
+                self._release(page)
+
+    def _take(self, page: int) -> None:
+        """One more reference on a registered page (out of the free queue at ref 0, hash kept)."""
+        if self._ref_counts[page] == 0:
+            del self._free[page]
+            self._num_cached_free -= 1
+        self._ref_counts[page] += 1
 
     def _release(self, page: int) -> None:
         if page == SCRATCH_PAGE or self._ref_counts[page] <= 0:

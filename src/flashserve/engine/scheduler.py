@@ -181,12 +181,12 @@ class Scheduler:
 
     def _bitmask(self, scheduled: list[tuple[Request, int]], requests: list[ScheduledRequest]) -> TokenBitmask | None:
         """The token bitmask of this step's sampling rows, if any follows a grammar."""
-        matchers = [r.matcher for (r, _), s in zip(scheduled, requests) if s.sample]
-        if not any(m is not None for m in matchers):
+        sampling = [r for (r, _), s in zip(scheduled, requests) if s.sample]
+        if all(r.matcher is None for r in sampling):
             return None
         if self.vocab_size is None:
             raise ValueError("requests with a grammar need the scheduler's vocab_size")
-        return step_bitmask(matchers, self.vocab_size)
+        return step_bitmask([r.matcher for r in sampling], [r.params.grammar for r in sampling], self.vocab_size)
 
     def update(self, out: SchedulerOutput, results: Sequence[SampledTokens]) -> list[Request]:
         """Apply a step's results; `results[i]` belongs to `out.requests[i]`.

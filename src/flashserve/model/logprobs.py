@@ -53,7 +53,7 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
     Unpacked on the logits' device, after one upload of the packed words."""
     device = logits.device
     vocab = logits.shape[1]
-    words = torch.from_numpy(mask.bitmask)
+    words = torch.from_numpy(mask.array())
     rows = torch.tensor(mask.rows, dtype=torch.long)
     if device.type != "cpu":
         words = words.pin_memory().to(device, non_blocking=True)

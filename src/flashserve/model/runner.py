@@ -210,7 +210,7 @@ class ModelRunner:
         mask = None
         if bitmask is not None and row in bitmask.rows:
             j = bitmask.rows.index(row)
-            mask = TokenBitmask([0], bitmask.bitmask[j : j + 1])
+            mask = TokenBitmask([0], bitmask.array()[j : j + 1])
         try:
             token = int(self.sampler.sample_ids(logits[row : row + 1], [request], mask)[0])
         except Exception as exc:  # noqa: BLE001 - the request fails alone, with its message

@@ -1,0 +1,74 @@
+"""The server's pieces short of the HTTP listener: the engine, its `AsyncEngine` loop and the
+OpenAI app over it.
+
+`flashserve serve` puts uvicorn in front of them; `flashserve run-batch` sends each line of a batch
+file through the very same app in-process, so that a batch result carries exactly the body (and
+the status code) the server would have answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flashserve.cli import ServeArgs
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from flashserve.api.options import ServerState
+    from flashserve.engine.async_engine import AsyncEngine
+    from flashserve.llm import EngineStack
+    from flashserve.metrics import Metrics
+
+logger = logging.getLogger("flashserve")
+
+
+@dataclass
+class ServerStack:
+    stack: EngineStack
+    engine: AsyncEngine  # not started: start() it on the event loop that reads its outputs
+    app: FastAPI
+    metrics: Metrics
+    state: ServerState
+
+
+def load_engine(args: ServeArgs) -> EngineStack:
+    """Load the model and build the synchronous engine (torch is imported here)."""
+    from flashserve.llm import build_engine
+
+    t0 = time.perf_counter()
+    stack = build_engine(args.model, args.cache, args.scheduler, cuda_graph=args.cuda_graph)
+    loaded = stack.loaded
+    logger.info(
+        "model %s ready in %.1f s: %s on %s, max_model_len %d, KV cache %d pages x %d tokens, step budget %d tokens",
+        loaded.name, time.perf_counter() - t0, loaded.dtype, loaded.device, stack.max_model_len,
+        stack.num_pages, stack.page_size, stack.max_num_batched_tokens,
+    )
+    return stack
+
+
+def served_names(args: ServeArgs, loaded_name: str) -> list[str]:
+    return list(args.model.served_model_names) or [loaded_name]
+
+
+def build_server(args: ServeArgs, stack: EngineStack) -> ServerStack:
+    """The AsyncEngine (not started) and the app over a loaded engine, as `serve` configures them."""
+    from flashserve.api.options import ServerState
+    from flashserve.api.server import build_app
+    from flashserve.engine.async_engine import AsyncEngine
+    from flashserve.metrics import Metrics
+
+    loaded = stack.loaded
+    metrics = Metrics()
+    state = ServerState()
+    engine = AsyncEngine(stack.engine, stack.max_model_len, metrics=metrics, max_waiting=args.max_waiting,
+                         queue_timeout=args.queue_timeout)
+    app = build_app(
+        engine, loaded.tokenizer, served_names(args, loaded.name), stack.max_model_len,
+        eos_token_ids=tuple(loaded.eos_token_ids), options=args.api, metrics=metrics, state=state,
+        vocab_size=loaded.vocab_size,
+    )
+    return ServerStack(stack, engine, app, metrics, state)

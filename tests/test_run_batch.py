@@ -1,0 +1,168 @@
+"""`flashserve run-batch`: batch lines parsed, ordered by shared prefixes, sent through the server's
+app in-process; result lines for every input line, shaped like the OpenAI Batch API's, with the
+server's own bodies. The end-to-end run uses the embedded SmolLM2 model once per module."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flashserve.batch import main
+from flashserve.batch_lines import BatchRequest, LineError, order_requests, parse_line
+from flashserve.cli import RUN_BATCH_OPTIONS, SERVER_ONLY_FLAGS, build_parser, to_batch_args
+
+
+def batch_args(*argv: str) -> Any:
+    return to_batch_args(build_parser({}).parse_args(["run-batch", *argv]))
+
+
+def line(custom_id: str, url: str, body: Any, method: str = "POST") -> str:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+
+# --- lines ------------------------------------------------------------------------------------
+
+
+def test_a_valid_line_becomes_a_request() -> None:
+    parsed = parse_line(line("a", "/v1/completions", {"prompt": "hi"}), 1)
+    assert parsed == BatchRequest(1, "a", "/v1/completions", {"prompt": "hi"})
+
+
+@pytest.mark.parametrize(("text", "code"), [
+    ("{not json", "invalid_json"),
+    ("[1, 2]", "invalid_request"),
+    (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), "missing_custom_id"),
+    (line("a", "/v1/completions", {}, method="GET"), "invalid_method"),
+    (line("a", "/v1/embeddings", {}), "invalid_url"),
+    (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions"}), "missing_body"),
+    (line("a", "/v1/completions", {"prompt": "hi", "stream": True}), "invalid_request"),
+])
+def test_a_malformed_line_becomes_an_error_with_its_code(text: str, code: str) -> None:
+    parsed = parse_line(text, 3)
+    assert isinstance(parsed, LineError) and parsed.code == code and parsed.line_no == 3
+
+
+def test_requests_sharing_a_prompt_prefix_are_submitted_together(smollm2_tokenizer: Any) -> None:
+    system = {"role": "system", "content": "You are a terse assistant for a library. " * 6}
+    chat = [BatchRequest(n, f"c{n}", "/v1/chat/completions",
+                         {"messages": [system, {"role": "user", "content": f"Question {n}?"}]}) for n in range(3)]
+    other = [BatchRequest(10 + n, f"p{n}", "/v1/completions", {"prompt": f"Unrelated text number {n}"})
+             for n in range(2)]
+    requests = [chat[0], other[0], chat[1], other[1], chat[2]]
+    ids = [r.custom_id for r in order_requests(requests, smollm2_tokenizer, 16, 2048)]
+    start = ids.index("c0")
+    assert sorted(ids[start:start + 3]) == ["c0", "c1", "c2"]
+
+
+def test_run_batch_options_leave_out_the_listener_and_add_the_batch_ones() -> None:
+    flags = {o.flag for o in RUN_BATCH_OPTIONS}
+    assert not flags & SERVER_ONLY_FLAGS
+    assert {"--model", "--max-concurrency", "--prefix-grouping"} <= flags
+
+
+def test_run_batch_help_lists_its_options() -> None:
+    out = subprocess.run([sys.executable, "-m", "flashserve", "run-batch", "--help"], capture_output=True,
+                         text=True, env={"COLUMNS": "200", "PATH": ""}, check=True).stdout
+    for flag in ("--input-file", "--output-file", "--model", "--max-concurrency", "--prefix-grouping"):
+        assert flag in out
+
+
+def test_an_unreadable_input_file_exits_non_zero(tmp_path: Path) -> None:
+    args = batch_args("-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "out.jsonl"))
+    assert main(args) != 0
+
+
+# --- a run on the embedded model ------------------------------------------------------------
+
+
+INPUT = [
+    line("chat-1", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 4, "temperature": 0}),
+    line("chat-2", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 4, "temperature": 0}),
+    line("text-1", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+    line("ids-1", "/v1/completions", {"prompt": [504, 3575, 282], "max_tokens": 3, "temperature": 0}),
+    "{this is not json",
+    "",
+    line("too-hot", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 5}),
+    line("bad-url", "/v1/embeddings", {"input": "x"}),
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[Any, dict[str, Any]], Any]:
+    """(exit code, result lines by custom_id, the engine stack) of one run over INPUT."""
+    from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
+    from flashserve.llm import build_engine
+
+    stack = build_engine(ModelConfig(), CacheConfig(num_pages=128), SchedulerConfig(max_num_seqs=8,
+                                                                                    max_num_batched_tokens=256))
+    tmp = tmp_path_factory.mktemp("batch")
+    (tmp / "in.jsonl").write_text("\n".join(INPUT) + "\n")
+    code = main(batch_args("-i", str(tmp / "in.jsonl"), "-o", str(tmp / "out.jsonl"), "--no-progress",
+                           "--max-concurrency", "3"), stack=stack)
+    results = [json.loads(text) for text in (tmp / "out.jsonl").read_text().splitlines()]
+    return code, {r["custom_id"]: r for r in results}, stack
+
+
+@pytest.mark.slow
+def test_the_run_exits_0_although_some_lines_failed(run: Any) -> None:
+    assert run[0] == 0
+
+
+@pytest.mark.slow
+def test_every_non_blank_line_gets_one_result_line(run: Any) -> None:
+    assert set(run[1]) == {"chat-1", "chat-2", "text-1", "ids-1", None, "too-hot", "bad-url"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("custom_id", "kind"), [("chat-1", "chat.completion"), ("chat-2", "chat.completion"),
+                                                 ("text-1", "text_completion"), ("ids-1", "text_completion")])
+def test_a_valid_line_gets_the_servers_completion_body(run: Any, custom_id: str, kind: str) -> None:
+    result = run[1][custom_id]
+    assert result["id"].startswith("batch_req_") and result["error"] is None
+    response = result["response"]
+    assert response["status_code"] == 200 and response["request_id"]
+    body = response["body"]
+    assert body["object"] == kind and body["choices"][0]["finish_reason"] in ("length", "stop")
+    assert body["usage"]["completion_tokens"] >= 1 and "prompt_tokens_details" in body["usage"]
+
+
+@pytest.mark.slow
+def test_an_invalid_body_gets_the_servers_400_as_the_response(run: Any) -> None:
+    result = run[1]["too-hot"]
+    assert result["error"] is None and result["response"]["status_code"] == 400
+    assert result["response"]["body"]["error"]["param"] == "temperature"
+
+
+@pytest.mark.slow
+def test_the_400_body_equals_what_the_server_answers_over_http(run: Any) -> None:
+    import asyncio
+
+    import httpx
+
+    from flashserve.server_stack import build_server
+
+    server = build_server(batch_args("-i", "x", "-o", "y").serve, run[2])
+    body = json.loads(INPUT[6])["body"]
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/chat/completions", json=body)
+
+    answer = asyncio.run(ask())
+    assert (answer.status_code, answer.json()) == (400, run[1]["too-hot"]["response"]["body"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("custom_id", "code"), [(None, "invalid_json"), ("bad-url", "invalid_url")])
+def test_a_malformed_line_gets_an_error_line_without_a_response(run: Any, custom_id: Any, code: str) -> None:
+    result = run[1][custom_id]
+    assert result["response"] is None and result["error"]["code"] == code and result["error"]["message"]
