@@ -27,7 +27,9 @@ TOKEN_IDS = PromptSpec("token_ids")
 def _server():
     server = FakeServer(FakeConfig(ttft_s=0.0, itl_s=0.0))
     server.start()
-    load(server, 2, 2)  # warm-up, as serve_bench does: first use of the HTTP stack is slow
+    # Warm-up, as serve_bench does: the first use of each endpoint's HTTP path is slow.
+    load(server, 2, 2)
+    load(server, 2, 2, endpoint="chat")
     yield server
     server.stop()
 
