@@ -46,6 +46,14 @@ SCHEMA = {
 }
 
 
+def unbounded(schema: Any) -> Any:
+    """The schema without maxLength / maxItems: xgrammar's mask inside a length-bounded string
+    costs far more per row than inside a free one."""
+    if isinstance(schema, dict):
+        return {k: unbounded(v) for k, v in schema.items() if k not in ("maxLength", "maxItems")}
+    return schema
+
+
 def prompt(i: int) -> str:
     return f"Describe person number {i} as JSON with name, age, colour, hobbies and address:\n"
 
@@ -89,12 +97,13 @@ async def phase(base: str, model: str, bodies: Sequence[dict[str, Any]]) -> dict
             "token_counts": [r["tokens"] for r in results], "_texts": [r["text"] for r in results]}
 
 
-async def schema_ttft(base: str, model: str, rounds: int) -> dict[str, Any]:
+async def schema_ttft(base: str, model: str, rounds: int, base_schema: dict[str, Any]) -> dict[str, Any]:
     """TTFT of a request whose schema the server has not seen (compile) and of the same again (cached)."""
     new, cached = [], []
     async with httpx.AsyncClient(timeout=600) as client:
         for i in range(rounds):
-            schema = {**SCHEMA, "properties": {**SCHEMA["properties"], f"field_{i}_{time.time_ns()}": {"type": "integer"}}}
+            fresh = {f"field_{i}_{time.time_ns()}": {"type": "integer"}}
+            schema = {**base_schema, "properties": {**base_schema["properties"], **fresh}}
             body = {"prompt": prompt(i), "max_tokens": 4, "temperature": 0, "structured_outputs": {"json": schema}}
             new.append((await complete(client, base, model, body))["ttft"])
             cached.append((await complete(client, base, model, body))["ttft"])
@@ -102,9 +111,10 @@ async def schema_ttft(base: str, model: str, rounds: int) -> dict[str, Any]:
             "rounds": rounds}
 
 
-async def run(base: str, model: str, concurrency: int, max_tokens: int, rounds: int) -> dict[str, Any]:
+async def run(base: str, model: str, concurrency: int, max_tokens: int, rounds: int,
+              schema: dict[str, Any]) -> dict[str, Any]:
     constrained = [{"prompt": prompt(i), "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
-                    "structured_outputs": {"json": SCHEMA}} for i in range(concurrency)]
+                    "structured_outputs": {"json": schema}} for i in range(concurrency)]
     await phase(base, model, constrained[:4])  # compile the schema once, outside the timing
     json_run = await phase(base, model, constrained)
     plain = [{"prompt": prompt(i), "max_tokens": max(n, 1), "temperature": 0.8, "seed": i, "ignore_eos": True}
@@ -118,7 +128,7 @@ async def run(base: str, model: str, concurrency: int, max_tokens: int, rounds: 
             pass
     plain_run.pop("_texts")
     return {"json_schema": {**json_run, "valid_json": valid}, "unconstrained": plain_run,
-            "compile": await schema_ttft(base, model, rounds)}
+            "compile": await schema_ttft(base, model, rounds, schema)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--unbounded", action="store_true", help="the schema without maxLength / maxItems")
     p.add_argument("--server-arg", action="append", default=[])
     args = p.parse_args(argv)
 
@@ -138,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = fl.measure_rates()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    out_dir = Path(args.out) / gpu.replace(" ", "_") / "structured"
+    out_dir = Path(args.out) / gpu.replace(" ", "_") / ("structured_unbounded" if args.unbounded else "structured")
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "flashserve", "serve", "--load-format", "dummy", "--model", args.model,
            "--tokenizer", args.tokenizer, "--port", str(port), "--log-level", "warning", *args.server_arg]
@@ -149,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if error:
                 raise SystemExit(f"server: {error}")
             model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-            doc = asyncio.run(run(base, model, args.concurrency, args.max_tokens, args.rounds))
+            schema = unbounded(SCHEMA) if args.unbounded else SCHEMA
+            doc = asyncio.run(run(base, model, args.concurrency, args.max_tokens, args.rounds, schema))
         finally:
             stop(proc)
     from benchmark.suite import model_config
@@ -158,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mean_len = statistics.mean(doc["json_schema"]["token_counts"]) / 2 + 30
     floor_ms = 1e3 * fl.decode_step_floor_s(shape, rates, [int(mean_len)] * args.concurrency)
     js, un = doc["json_schema"], doc["unconstrained"]
-    doc.update(gpu=gpu, model=args.model, rates=rates.to_json(), decode_step_floor_ms=floor_ms,
+    doc.update(gpu=gpu, model=args.model, schema="unbounded" if args.unbounded else "bounded", rates=rates.to_json(), decode_step_floor_ms=floor_ms,
                throughput_ratio=js["tokens_per_s"] / un["tokens_per_s"])
     rows = [("phase", "tokens", "tok/s", "median TPOT ms", "median TTFT ms"),
             *[(name, r["tokens"], f"{r['tokens_per_s']:.0f}", f"{r['median_tpot_ms']:.2f}", f"{r['median_ttft_ms']:.1f}")

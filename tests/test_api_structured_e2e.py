@@ -7,27 +7,13 @@ import enum
 import json
 import math
 import re
-from collections.abc import Iterator
 
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
-from live_server import live_server
+from test_server_e2e import MODEL, client, server  # noqa: F401 - `server` is this module's fixture too
 
 pytestmark = pytest.mark.slow
-
-MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    with live_server() as (base, _proc):
-        yield base
-
-
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
 class Colour(str, enum.Enum):

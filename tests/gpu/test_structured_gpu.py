@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from test_engine_gpu import RecordingSampler
+
 from flashserve.engine.grammar import TokenBitmask, bitmask_words
 from flashserve.engine.outputs import ScheduledRequest
 from flashserve.llm import LLM
@@ -71,17 +73,6 @@ def test_logprobs_on_the_gpu_equal_the_cpu_ones() -> None:
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM("llama-3.2-1b", load_format="dummy", tokenizer=TOKENIZER, num_pages=512, max_num_seqs=32)
-
-
-class RecordingSampler:
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.rows: dict[tuple[str, int], torch.Tensor] = {}
-
-    def sample_ids(self, logits, requests, bitmask=None):
-        for row, r in zip(logits, requests):
-            self.rows[(r.request_id, len(r.output_token_ids))] = row.float().cpu()
-        return self.inner.sample_ids(logits, requests, bitmask)
 
 
 def test_a_batch_of_grammar_logprob_and_plain_rows_under_cuda_graphs(llm: LLM) -> None:

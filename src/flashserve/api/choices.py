@@ -33,18 +33,24 @@ class ChoiceResult:
     """Everything one choice produced, gathered from its engine outputs."""
 
     index: int
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the text, joined once at the end
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str = "stop"
     num_output_tokens: int = 0
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
     def add(self, out: RequestOutput) -> None:
-        self.text += out.new_text
+        self.pieces.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         if out.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(out.logprobs)
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
@@ -88,6 +94,38 @@ def completion_choice_logprobs(result: ChoiceResult, text_of: TokenTexts, prompt
         offset = len(prompt_text)
     parts.append(completion_logprobs(result.token_ids, result.logprobs, text_of, offset))
     return {key: [v for part in parts for v in part[key]] for key in parts[0]}
+
+
+def chat_choices(results: list[ChoiceResult], tools: ToolMode | None, text_of: TokenTexts) -> list[dict[str, Any]]:
+    """The `choices` of a finished chat completion."""
+    choices = []
+    for r in results:
+        message, reason = chat_message(r, tools)
+        choices.append({"index": r.index, "message": message, "finish_reason": reason,
+                        "logprobs": chat_choice_logprobs(r, text_of)})
+    return choices
+
+
+def completion_choices(results: list[ChoiceResult], text_of: TokenTexts, prompts: list[list[int]],
+                       echo: list[str] | None) -> list[dict[str, Any]]:
+    """The `choices` of a finished text completion; `prompts[i]` and `echo[i]` (the prompt's text,
+    when the request echoes it) belong to choice i."""
+    choices = []
+    for r in results:
+        prefix = echo[r.index] if echo else ""
+        logprobs = completion_choice_logprobs(r, text_of, prompts[r.index] if echo else None, prefix)
+        choices.append({"index": r.index, "text": prefix + r.text, "finish_reason": r.finish_reason,
+                        "logprobs": logprobs})
+    return choices
+
+
+def empty_chat_choice(index: int) -> dict[str, Any]:
+    """A token without text (a server without a tokenizer) still gets a chunk."""
+    return {"index": index, "delta": {"content": ""}, "logprobs": None, "finish_reason": None}
+
+
+def empty_text_choice(index: int) -> dict[str, Any]:
+    return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
 
 
 class ChatChoiceStream:

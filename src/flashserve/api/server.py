@@ -6,10 +6,8 @@ Handlers never touch scheduling: they build SamplingParams, open one engine requ
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import Mapping
 from typing import Any, Sequence
 
 from fastapi import FastAPI, Request
@@ -19,14 +17,15 @@ from starlette.background import BackgroundTask
 from starlette.middleware.cors import CORSMiddleware
 
 from flashserve.api import protocol as p
+from flashserve.api.chat_input import Grammars, as_ids, template_message, tool_mode
 from flashserve.api.choices import (
     ChatChoiceStream,
     CompletionChoiceStream,
     ToolMode,
-    chat_choice_logprobs,
-    chat_message,
-    completion_choice_logprobs,
-    json_arguments,
+    chat_choices,
+    completion_choices,
+    empty_chat_choice,
+    empty_text_choice,
 )
 from flashserve.api.errors import APIError, engine_dead, install_error_handlers, invalid, overloaded
 from flashserve.api.middleware import GuardMiddleware, RequestIdMiddleware
@@ -41,46 +40,10 @@ from flashserve.api.streaming import (
     unless_disconnected,
     usage,
 )
-from flashserve.api.structured import GrammarCompiler, GrammarSpec, spec_from_request, tool_call_spec
-from flashserve.api.tool_parsers import detect_tool_parser, get_tool_parser
+from flashserve.api.structured import spec_from_request, tool_call_spec
 from flashserve.engine.client import EngineClient
 from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
 from flashserve.sampling_params import SamplingParams
-
-
-def _message_text(content: str | list[p.TextPart] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    for part in content:
-        if part.type != "text":
-            raise invalid(f"content parts of type {part.type!r} are not supported; only text", "messages")
-        if part.text is None:
-            raise invalid("a text content part needs a text field", "messages")
-    return "\n".join(part.text or "" for part in content)
-
-
-def _template_message(m: p.ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it: tool-call arguments as objects (templates render them
-    with `tojson`), the tool message's call id kept."""
-    message: dict[str, Any] = {"role": m.role, "content": _message_text(m.content)}
-    if m.name:
-        message["name"] = m.name
-    if m.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": json_arguments(c.function.arguments)}}
-            for c in m.tool_calls
-        ]
-    if m.tool_call_id is not None:
-        message["tool_call_id"] = m.tool_call_id
-    return message
-
-
-def _as_ids(encoded: Any) -> list[int]:
-    # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True) by default.
-    if isinstance(encoded, Mapping):
-        encoded = encoded["input_ids"]
-    return [int(t) for t in encoded]
 
 
 def _model_not_found(model: str) -> APIError:
@@ -115,8 +78,7 @@ class _OpenAIServing:
         self.created = int(time.time())
         self.vocab_size = vocab_size
         self.text_of = TokenTexts(tokenizer)
-        self._grammars: GrammarCompiler | None = None  # built on the first structured request
-        self._grammars_lock = asyncio.Lock()
+        self.grammars = Grammars(tokenizer, vocab_size, self.eos_token_ids)
 
     # ---- endpoints -----------------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
@@ -124,8 +86,8 @@ class _OpenAIServing:
         model = self._check(body)
         if self.tokenizer is None:
             raise invalid("chat completions need a tokenizer; this server runs without one", "messages")
-        tools = self._tool_mode(body)
-        conversation = [_template_message(m) for m in body.messages]
+        tools = tool_mode(body, self.options.tool_call_parser, self.tokenizer)
+        conversation = [template_message(m) for m in body.messages]
         kwargs: dict[str, Any] = {}
         if body.tools and body.tool_choice != "none":
             kwargs["tools"] = [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
@@ -136,7 +98,7 @@ class _OpenAIServing:
             )
         except Exception as exc:  # templates raise on shapes they refuse (roles out of order, ...)
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from exc
-        prompt = _as_ids(encoded)
+        prompt = as_ids(encoded)
         self._check_fan_out(1, body.n, "messages")
         tool_spec = tool_call_spec([t.model_dump(exclude_none=True) for t in body.tools or []], body.tool_choice) \
             if tools is not None else None
@@ -144,7 +106,7 @@ class _OpenAIServing:
         if tool_spec is not None and spec is not None:
             raise invalid("tool_choice 'required' or a named function cannot be combined with response_format "
                           "or structured_outputs", "tool_choice")
-        grammar = await self._grammar(tool_spec or spec)
+        grammar = await self.grammars.compile(tool_spec or spec)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if self.options.log_requests:
             request_logger.info("request %s: messages=%r", request_id, conversation)
@@ -157,7 +119,7 @@ class _OpenAIServing:
         items = self._prompt_items(body.prompt)
         self._check_fan_out(len(items), body.n, "prompt")
         prompts = [self._tokenize(item) for item in items]
-        grammar = await self._grammar(spec_from_request(None, body.structured_outputs))
+        grammar = await self.grammars.compile(spec_from_request(None, body.structured_outputs))
         echo = None
         if body.echo:
             echo = [item if isinstance(item, str) else self._decode(item) for item in items]
@@ -171,50 +133,6 @@ class _OpenAIServing:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def _tool_mode(self, body: p.ChatCompletionRequest) -> ToolMode | None:
-        """How the request's tools shape its output; None without tools or with tool_choice "none"."""
-        choice = body.tool_choice
-        if not body.tools:
-            if choice not in (None, "none", "auto"):
-                raise invalid("tool_choice needs tools", "tool_choice")
-            return None
-        if choice == "none":
-            return None
-        if choice is None or choice == "auto":
-            name = self.options.tool_call_parser
-            if name == "auto":
-                name = detect_tool_parser(getattr(self.tokenizer, "chat_template", None))
-            if name is None:
-                raise invalid(
-                    "tool_choice 'auto' needs the model's tool-call format, and this model's chat template "
-                    "does not show it: start the server with --tool-call-parser (llama3_json, hermes, "
-                    "mistral), or send tool_choice 'required' or a named function, which work with any model",
-                    "tool_choice")
-            return ToolMode("auto", get_tool_parser(name))
-        if choice == "required":
-            return ToolMode("required", get_tool_parser("forced"))
-        if isinstance(choice, dict):
-            function = choice.get("function")
-            name = function.get("name") if isinstance(function, dict) else None
-            if choice.get("type") == "function" and isinstance(name, str):
-                return ToolMode("named", None, name)
-        raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                      '"function": {"name": ...}}', "tool_choice")
-
-    async def _grammar(self, spec: GrammarSpec | None) -> Any:
-        """The compiled grammar of `spec` (compiled off the event loop, cached), or None."""
-        if spec is None:
-            return None
-        if self.tokenizer is None:
-            raise invalid("structured output needs a tokenizer; this server runs without one", spec.param)
-        if self._grammars is None:
-            async with self._grammars_lock:
-                if self._grammars is None:
-                    vocab = self.vocab_size or len(self.tokenizer)
-                    self._grammars = await asyncio.to_thread(
-                        GrammarCompiler, self.tokenizer, vocab, self.eos_token_ids)
-        return await self._grammars.compile(spec)
 
     async def models(self) -> JSONResponse:
         cards = [self._card(n) for n in self.names]
@@ -272,7 +190,7 @@ class _OpenAIServing:
         if isinstance(item, str):
             if self.tokenizer is None:
                 raise invalid("text prompts need a tokenizer; send token ids instead", "prompt")
-            ids = _as_ids(self.tokenizer.encode(item))
+            ids = as_ids(self.tokenizer.encode(item))
         else:
             ids = list(item)
         if not ids:
@@ -336,7 +254,7 @@ class _OpenAIServing:
                 opening=[chat_opening(i) for i in range(streams.num_choices)] if chat else [],
                 num_prompt_tokens=num_prompt_tokens,
                 include_usage=body.include_usage,
-                empty_choice=None if self.tokenizer is not None else _empty_chat_choice if chat else _empty_text_choice,
+                empty_choice=None if self.tokenizer is not None else empty_chat_choice if chat else empty_text_choice,
                 on_error=lambda err: self.metrics.record_error(err.type, err.code),
             )
             # The background close covers a client that leaves before the body iterator starts.
@@ -352,22 +270,14 @@ class _OpenAIServing:
                                    streams.num_cached_prompt_tokens))
         response: p.ChatCompletionResponse | p.CompletionResponse
         if chat:
-            messages = []
-            for i, r in enumerate(results):
-                message, reason = chat_message(r, tools)
-                messages.append(p.ChatChoice(index=i, message=p.AssistantMessage(**message), finish_reason=reason,
-                                             logprobs=chat_choice_logprobs(r, self.text_of)))
             response = p.ChatCompletionResponse(
-                id=request_id, created=created, model=model, choices=messages, usage=info
-            )
+                id=request_id, created=created, model=model, usage=info,
+                choices=[p.ChatChoice(**c) for c in chat_choices(results, tools, self.text_of)])
         else:
-            texts = []
-            for i, r in enumerate(results):
-                prefix = echo[prompt_of[i]] if echo else ""
-                logprobs = completion_choice_logprobs(r, self.text_of, prompts[prompt_of[i]] if echo else None, prefix)
-                texts.append(p.CompletionChoice(index=i, text=prefix + r.text, finish_reason=r.finish_reason,
-                                                logprobs=logprobs))
-            response = p.CompletionResponse(id=request_id, created=created, model=model, choices=texts, usage=info)
+            choices = completion_choices(results, self.text_of, [prompts[i] for i in prompt_of],
+                                         [echo[i] for i in prompt_of] if echo else None)
+            response = p.CompletionResponse(id=request_id, created=created, model=model, usage=info,
+                                            choices=[p.CompletionChoice(**c) for c in choices])
         return JSONResponse(response.model_dump(exclude_none=False))
 
     def _open(
@@ -392,14 +302,6 @@ class _OpenAIServing:
                                x_request_id)
         return EngineStreams(self.engine, ids, choice_prompts, params, record, group=request_id,
                              cache_salt=body.cache_salt, choices_per_prompt=body.n)
-
-
-def _empty_chat_choice(index: int) -> dict[str, Any]:
-    return {"index": index, "delta": {"content": ""}, "logprobs": None, "finish_reason": None}
-
-
-def _empty_text_choice(index: int) -> dict[str, Any]:
-    return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
 
 
 def build_app(
