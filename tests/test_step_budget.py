@@ -86,3 +86,12 @@ def test_engine_on_a_cpu_resolves_the_auto_budget_before_scheduling(tmp_path) ->
     stack = build_engine(model, CacheConfig(num_pages=32), SchedulerConfig())
     assert CPU_MIN_STEP_TOKENS <= stack.max_num_batched_tokens <= GPU_STEP_TOKENS
     assert stack.engine.scheduler.config.max_num_batched_tokens == stack.max_num_batched_tokens
+
+
+def test_cpu_steps_without_a_waiting_stream_may_hold_a_whole_8k_prompt() -> None:
+    assert step_budget.default_prefill_only_budget("cpu", 160) == 8192
+    assert step_budget.default_prefill_only_budget("cpu", 10_000) == 10_000
+
+
+def test_gpu_steps_keep_the_step_budget_for_prefills_too() -> None:
+    assert step_budget.default_prefill_only_budget("cuda", 2048) is None

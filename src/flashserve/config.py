@@ -37,6 +37,10 @@ class SchedulerConfig:
     # None: chosen where the device is known (`model/step_budget.py`): 2048 on CUDA, on a CPU the
     # tokens that one step computes in about 0.4 s, measured at start-up.
     max_num_batched_tokens: int | None = None
+    # Tokens a step may hold when no running request has output yet (nobody's stream waits on the
+    # step, so chunking a prompt only costs time). None: max_num_batched_tokens. On a CPU with the
+    # budget left to the default, a lone prompt of up to 8,192 tokens prefills in one step.
+    prefill_only_budget: int | None = None
 
 
 @dataclass(frozen=True)

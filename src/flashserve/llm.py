@@ -47,10 +47,11 @@ def build_engine(
     runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph, max_batch_size=scheduler.max_num_seqs)
     budget = scheduler.max_num_batched_tokens
     if budget is None:
-        from flashserve.model.step_budget import default_step_budget
+        from flashserve.model.step_budget import default_prefill_only_budget, default_step_budget
 
         budget = default_step_budget(runner, loaded.device.type, num_pages, cache.page_size)
-        scheduler = replace(scheduler, max_num_batched_tokens=budget)
+        prefill_only = scheduler.prefill_only_budget or default_prefill_only_budget(loaded.device.type, budget)
+        scheduler = replace(scheduler, max_num_batched_tokens=budget, prefill_only_budget=prefill_only)
     # loaded.max_model_len is already capped by what the KV cache holds.
     sched = Scheduler(scheduler, KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching), loaded.max_model_len)
     engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size)

@@ -6,10 +6,16 @@ of three kinds:
 
 - a whole prompt (new tokens == context): its own q/k/v attend causally with `is_causal=True`,
   straight from the step's tensors, with no gather from the cache;
-- a continued prompt (a later prefill chunk, or a prompt behind prefix-cached pages): its pages
-  are gathered whole and a bottom-right aligned causal mask is applied;
+- a continued prompt (a later prefill chunk, or a prompt behind prefix-cached pages): the chunk
+  attends to the context before it (its pages, gathered; no mask) and to itself (causal) in two
+  fused calls whose results merge by their log-sum-exps, instead of one call over everything
+  with an explicit mask (which visits every masked pair: 1.6x slower for 160 new tokens over a
+  4,000-token context on 2 cores);
 - one decode token: all of them go in padded batches, with the query heads of one kv head in
   the query-length slot of the kernel, so grouped-query attention needs no repeated K/V.
+
+Grouped-query attention never repeats K/V over the context: `enable_gqa` for whole prompts, and
+query heads folded into the query rows of their kv head where no causal mask applies.
 
 On a 2-core CPU, a 2,000-token prompt (SmolLM2-135M shape) attends in a tenth of the reference's
 time (0.1 vs 1.0 s per layer, measured side by side): the reference materialises float32 scores,
@@ -26,6 +32,10 @@ import torch.nn.functional as F
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.torch_ref import TorchAttentionBackend
 
+# torch's CPU flash-attention kernel, which also returns the log-sum-exp (what SDPA calls on a CPU);
+# without it continued prompts take one masked call.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 # Padded key slots per decode batch: bounds the gathered K/V (slots x kv heads x head_dim each)
 # when a few long contexts decode beside many short ones.
 _MAX_DECODE_SLOTS = 1 << 17
@@ -38,7 +48,7 @@ class _Prompt:
     start: int
     end: int
     pages: torch.Tensor | None = None  # [P] long page ids, when earlier tokens sit in the cache
-    mask: torch.Tensor | None = None  # [N, P * page_size] bool: bottom-right causal, in range
+    past: int = 0  # tokens of the context before the new ones
 
 
 @dataclass(frozen=True)
@@ -86,11 +96,9 @@ class SdpaAttentionBackend(TorchAttentionBackend):
             elif q_lens[i] == 1:
                 decoding.append(i)
             else:
-                pages = kv_indices[kv_ptr[i] : kv_ptr[i + 1]]
-                n = torch.arange(q_lens[i])[:, None]
-                slot = torch.arange(pages.numel() * ps)[None, :]
-                mask = slot <= kv_lens[i] - q_lens[i] + n  # row n sits at position kv_len - q_len + n
-                prompts.append(_Prompt(qo[i], qo[i + 1], pages.to(self.device), mask.to(self.device)))
+                past = kv_lens[i] - q_lens[i]
+                pages = kv_indices[kv_ptr[i] : kv_ptr[i] + -(-past // ps)]  # the pages holding the past
+                prompts.append(_Prompt(qo[i], qo[i + 1], pages.to(self.device), past))
         decodes = [self._plan_decodes(layout, kv_indices, kv_lens, batch) for batch in _decode_batches(decoding, kv_lens, ps)]
         self._sdpa_plan = _SdpaPlan(write_slots.to(self.device), tuple(prompts), tuple(decodes))
 
@@ -118,18 +126,18 @@ class SdpaAttentionBackend(TorchAttentionBackend):
 
         out = torch.empty_like(q)
         for p in plan.prompts:
+            queries = q[p.start : p.end].transpose(0, 1)[None]  # [1, Hq, N, D]
+            new_k, new_v = k[p.start : p.end].to(q.dtype), v[p.start : p.end].to(q.dtype)
             if p.pages is None:
-                keys, values = k[p.start : p.end], v[p.start : p.end]
-            else:  # whole pages, [P * page_size, Hkv, D]; the mask hides the slots past the context
-                keys, values = k_cache.index_select(0, p.pages).flatten(0, 1), v_cache.index_select(0, p.pages).flatten(0, 1)
-            # Query head h reads kv head h // group, as transformers' repeat_kv does.
-            o = F.scaled_dot_product_attention(
-                q[p.start : p.end].transpose(0, 1)[None],
-                keys.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None],
-                values.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)[None],
-                attn_mask=p.mask, is_causal=p.pages is None, scale=self.sm_scale,
-            )  # fmt: skip
-            out[p.start : p.end] = o[0].transpose(0, 1)
+                o = F.scaled_dot_product_attention(
+                    queries, new_k.transpose(0, 1)[None], new_v.transpose(0, 1)[None],
+                    is_causal=True, scale=self.sm_scale, enable_gqa=True,
+                )[0]  # fmt: skip
+            else:  # the past from whole pages, cut to its length
+                past_k = k_cache.index_select(0, p.pages).flatten(0, 1)[: p.past].to(q.dtype)
+                past_v = v_cache.index_select(0, p.pages).flatten(0, 1)[: p.past].to(q.dtype)
+                o = _continued(queries[0], past_k, past_v, new_k, new_v, self.sm_scale)
+            out[p.start : p.end] = o.transpose(0, 1)
         for d in plan.decodes:
             batch, width = d.page_table.shape
             # [B * P, page, Hkv, D] -> [B, Hkv, P * page, D]; a request's query heads of one kv
@@ -142,6 +150,38 @@ class SdpaAttentionBackend(TorchAttentionBackend):
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=d.mask, scale=self.sm_scale)
             out.index_copy_(0, d.tokens, o.reshape(batch, num_q_heads, head_dim))
         return out
+
+
+def _continued(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, new_k: torch.Tensor,
+               new_v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """A chunk's attention over its past context and itself: q [Hq, N, D], past_k/v [P, Hkv, D],
+    new_k/v [N, Hkv, D] -> [Hq, N, D]. New token n sees the whole past and new tokens 0..n."""
+    hq, n, d = q.shape
+    hkv = past_k.shape[1]
+    group = hq // hkv
+    if _FLASH_WITH_LSE is None or q.device.type != "cpu":  # one masked call over past + new
+        keys = torch.cat([past_k, new_k]).transpose(0, 1)[None]
+        values = torch.cat([past_v, new_v]).transpose(0, 1)[None]
+        mask = torch.arange(keys.shape[2], device=q.device)[None, :] <= past_k.shape[0] + torch.arange(n, device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True)[0]
+    # The past, unmasked: a kv head's query heads are its query rows, so no K/V is repeated.
+    folded = q.reshape(1, hkv, group * n, d)
+    o_past, lse_past = _FLASH_WITH_LSE(folded, past_k.transpose(0, 1)[None], past_v.transpose(0, 1)[None], scale=scale)
+    o_past, lse_past = o_past.reshape(hq, n, d), lse_past.reshape(hq, n)
+    # The chunk itself, causal (its K/V is short: repeating it costs little).
+    o_new, lse_new = _FLASH_WITH_LSE(
+        q[None], new_k.repeat_interleave(group, dim=1).transpose(0, 1)[None],
+        new_v.repeat_interleave(group, dim=1).transpose(0, 1)[None], is_causal=True, scale=scale,
+    )  # fmt: skip
+    return merge_attention(o_past, lse_past, o_new[0], lse_new[0]).to(q.dtype)
+
+
+def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's output [H, N, D] and natural-log
+    log-sum-exp [H, N], in float32."""
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m)[..., None], torch.exp(lse_b - m)[..., None]
+    return (o_a.float() * w_a + o_b.float() * w_b) / (w_a + w_b)
 
 
 def _decode_batches(decoding: list[int], kv_lens: list[int], page_size: int) -> list[list[int]]:

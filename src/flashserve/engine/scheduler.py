@@ -5,9 +5,10 @@ happen in these two calls and in `add_request` / `abort` / `finish`, all made fr
 
 Policy (like vLLM v1): running requests first, oldest first, each gets one decode token or its next
 prefill chunk; then waiting requests are admitted first-come first-served while the token budget,
-the sequence cap and the free pages allow. When a running request needs a page and none is free,
-the newest running request is preempted: its pages are freed and it later recomputes its prompt
-and output so far.
+the sequence cap and the free pages allow. A step in which no running request has output yet may
+hold `prefill_only_budget` tokens instead: the budget protects running streams, and there are none.
+When a running request needs a page and none is free, the newest running request is preempted: its
+pages are freed and it later recomputes its prompt and output so far.
 
 Prefix caching (`PrefixCache`): a request is admitted with the longest run of cached pages that
 starts its tokens and computes only the rest; one whose next page another running request is
@@ -121,6 +122,8 @@ class Scheduler:
         update(out, []) anyway.
         """
         budget = self.config.max_num_batched_tokens
+        if self.config.prefill_only_budget is not None and all(not r.output_token_ids for r in self.running):
+            budget = max(budget, self.config.prefill_only_budget)  # no stream waits on this step
         scheduled: list[tuple[Request, int]] = []
         preempted = False
 
