@@ -3,12 +3,18 @@
 A step's batch is packed as one sequence of new tokens (prefill chunks and decode tokens mixed);
 `BatchLayout` says which tokens belong to which request and where each request's K/V pages are,
 in FlashInfer's CSR vocabulary. It is built on the CPU once per step and shared by all layers.
+
+With `cascade=True` it may also carry a prefix level (`cascade.PrefixLevel`): groups of requests
+that share cached pages, for backends that attend a shared prefix once per group. The flat
+fields mean the same with or without it, so a backend may ignore it and attend flat (exact).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
+
+from flashserve.attention.cascade import PrefixLevel, build_prefix_level
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +37,7 @@ class BatchLayout:
     kv_indices: list[int]  # page ids of all requests, concatenated
     kv_last_page_len: list[int]  # [B] always in [1, page_size]
     positions: list[int]  # [T] absolute position of every new token (RoPE and the append)
+    prefix: PrefixLevel | None = None  # groups sharing cached pages; None: attend flat
 
     @property
     def batch_size(self) -> int:
@@ -51,8 +58,25 @@ class BatchLayout:
             for i in range(self.batch_size)
         ]
 
+    def saved_kv_reads(self) -> int:
+        """KV tokens the prefix level reads once per group instead of once per member (0 without it)."""
+        return 0 if self.prefix is None else self.prefix.saved_page_reads() * self.page_size
+
     @classmethod
-    def build(cls, requests: Sequence[ScheduledRequest], page_size: int) -> BatchLayout:
+    def build(
+        cls,
+        requests: Sequence[ScheduledRequest],
+        page_size: int,
+        cascade: bool = False,
+        *,
+        min_group: int = 2,
+        min_pages: int = 1,
+    ) -> BatchLayout:
+        """The step's flat layout; with `cascade`, also its prefix level when a group forms.
+
+        A group is >= `min_group` consecutive requests sharing >= `min_pages` whole pages of
+        computed tokens (`cascade.find_groups`).
+        """
         qo_indptr, kv_indptr, kv_indices, last, positions = [0], [0], [], [], []
         for r in requests:
             kv_len = r.kv_len
@@ -64,14 +88,18 @@ class BatchLayout:
             kv_indptr.append(len(kv_indices))
             last.append(last_page_len(kv_len, page_size))
             positions.extend(range(r.num_computed_tokens, kv_len))
-        return cls(page_size, qo_indptr, kv_indptr, kv_indices, last, positions)
+        prefix = None
+        if cascade:
+            prefix = build_prefix_level(requests, page_size, qo_indptr, kv_indptr, kv_indices, min_group, min_pages)
+        return cls(page_size, qo_indptr, kv_indptr, kv_indices, last, positions, prefix)
 
 
 class AttentionBackend(Protocol):
     """Owns the paged KV cache of every layer; attends one layer at a time.
 
     `plan` runs once per step on the CPU index arrays; `forward` runs once per layer and must not
-    synchronise with the device.
+    synchronise with the device. A backend with cascade attention reads `layout.prefix`; any other
+    reads only the flat fields and attends flat, with the same result.
     """
 
     def plan(self, layout: BatchLayout) -> None: ...

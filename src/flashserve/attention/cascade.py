@@ -1,0 +1,171 @@
+"""The prefix level of a batch layout: groups of requests that read the same cached pages.
+
+When consecutive requests of a step hold the same page ids for their first pages (a shared
+system prompt, the n choices of one prompt: the prefix cache hands them the same pages), a
+cascade attends each group's query tokens to the shared pages once (non-causal) and each request
+to its own remaining pages (causal), then merges the two results by their log-sum-exps. The
+prefix level says which requests form groups and where each level's pages are, in FlashInfer's
+CSR vocabulary; the flat fields of `BatchLayout` keep their meaning, so a backend that ignores
+the prefix level attends flat, which is exact.
+
+Pure Python (no torch): the layout is built on the host once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from flashserve.engine.outputs import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class PrefixLevel:
+    """Level 0 of a two-level cascade (G groups) and the per-request offsets of level 1 (B requests).
+
+    A group is a run of consecutive requests, so its query tokens are contiguous in the step: group
+    g's tokens are step tokens [token_start[g], token_start[g] + qo_indptr[g+1] - qo_indptr[g]).
+    Prefixes are whole pages, so every prefix page is full (`kv_last_page_len` is page_size).
+    Level 1 (the suffix) of request i is its flat pages after the first `prefix_pages[i]`; its
+    last page is the flat last page, so its last_page_len is the flat `kv_last_page_len[i]`.
+    """
+
+    request_start: list[int]  # [G] first request of each group
+    request_end: list[int]  # [G] one past its last request
+    token_start: list[int]  # [G] step token of each group's first query token
+    qo_indptr: list[int]  # [G+1] the groups' query tokens, concatenated in group order
+    kv_indptr: list[int]  # [G+1] shared pages per group
+    kv_indices: list[int]  # the groups' shared page ids, concatenated
+    kv_last_page_len: list[int]  # [G] always page_size
+    prefix_pages: list[int]  # [B] pages each request reads at level 0 (0: in no group)
+    suffix_kv_indptr: list[int]  # [B+1] pages per request at level 1
+    suffix_kv_indices: list[int]  # each request's own pages after its prefix, concatenated
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.request_start)
+
+    def saved_page_reads(self) -> int:
+        """Pages read once per group instead of once per member: sum of (members - 1) * pages."""
+        return sum(
+            (self.request_end[g] - self.request_start[g] - 1) * (self.kv_indptr[g + 1] - self.kv_indptr[g])
+            for g in range(self.num_groups)
+        )
+
+    def token_index(self) -> list[int]:
+        """The step token of every level-0 query row, in `qo_indptr` order."""
+        qo = self.qo_indptr
+        return [self.token_start[g] + n for g in range(self.num_groups) for n in range(qo[g + 1] - qo[g])]
+
+
+def shareable_pages(request: ScheduledRequest, page_size: int) -> int:
+    """Leading pages a request may read at the non-causal level: whole pages of computed tokens.
+
+    A page that holds any of this step's new tokens (or that they will write) stays causal.
+    """
+    return min(request.num_computed_tokens // page_size, len(request.page_ids))
+
+
+def _common_pages(a: list[int], b: list[int], limit: int) -> int:
+    if a[:limit] == b[:limit]:  # the usual case, compared at C speed
+        return limit
+    n = 0
+    while a[n] == b[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class _Run:
+    """An open run of requests whose adjacent members share >= `level` pages (a stack entry)."""
+
+    level: int
+    first: int
+    saved: int = 0  # page reads saved by the groups chosen inside it so far
+    groups: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def find_groups(
+    requests: Sequence[ScheduledRequest], page_size: int, min_group: int = 2, min_pages: int = 1
+) -> list[tuple[int, int, int]]:
+    """Groups of consecutive requests as (first, end, shared pages), chosen to save many reads.
+
+    The pages a run of requests shares is the smallest common prefix of adjacent members (page
+    ids equal position by position), capped by each member's `shareable_pages`. The maximal runs
+    at each sharing level nest (a system prompt's run holds the runs of each prompt's n choices);
+    for every run, from the innermost out, the choice is one group over the whole run or the best
+    choices inside it, whichever saves more page reads, (members - 1) * pages summed; a tie goes
+    to the whole run (fewer groups). One pass with a stack, O(B), so it can run every step; it
+    does not consider groups that cut a run of a deeper level in two.
+    """
+    if min_group < 2:
+        raise ValueError(f"a group has at least 2 requests (a single one saves nothing), got min_group={min_group}")
+    if min_pages < 1:
+        raise ValueError(f"a group shares at least 1 page, got min_pages={min_pages}")
+    if len(requests) < 2:
+        return []
+    caps = [shareable_pages(r, page_size) for r in requests]
+    # adjacent[k]: pages requests k and k+1 may share.
+    adjacent = [
+        _common_pages(requests[k].page_ids, requests[k + 1].page_ids, min(caps[k], caps[k + 1]))
+        for k in range(len(requests) - 1)
+    ]
+    stack = [_Run(level=-1, first=0)]  # the whole batch, below every sharing level
+    for k in range(len(adjacent) + 1):
+        level = adjacent[k] if k < len(adjacent) else -1  # -1 closes every run at the end
+        first, closed = k, None
+        while stack[-1].level > level:
+            run = stack.pop()  # it covers requests [run.first, k + 1)
+            members = k + 1 - run.first
+            whole = (members - 1) * run.level
+            if members >= min_group and run.level >= min_pages and whole >= run.saved:
+                run.saved, run.groups = whole, [(run.first, k + 1, run.level)]
+            first, closed = run.first, run
+            if stack[-1].level >= level:  # the closed run lies inside the one below
+                stack[-1].saved += run.saved
+                stack[-1].groups += run.groups
+                closed = None
+        if stack[-1].level < level:  # a deeper run starts; a run just closed lies inside it
+            stack.append(_Run(level, first, closed.saved, closed.groups) if closed else _Run(level, first))
+    return stack[0].groups
+
+
+def build_prefix_level(
+    requests: Sequence[ScheduledRequest],
+    page_size: int,
+    qo_indptr: list[int],
+    kv_indptr: list[int],
+    kv_indices: list[int],
+    min_group: int = 2,
+    min_pages: int = 1,
+) -> PrefixLevel | None:
+    """The prefix level over a flat layout's arrays, or None when no group forms."""
+    groups = find_groups(requests, page_size, min_group, min_pages)
+    if not groups:
+        return None
+    token_start: list[int] = []
+    qo, kv_ptr, pages_of_groups = [0], [0], []
+    prefix_pages = [0] * len(requests)
+    for first, end, pages in groups:
+        token_start.append(qo_indptr[first])
+        qo.append(qo[-1] + qo_indptr[end] - qo_indptr[first])
+        pages_of_groups.extend(requests[first].page_ids[:pages])
+        kv_ptr.append(len(pages_of_groups))
+        prefix_pages[first:end] = [pages] * (end - first)
+    suffix_ptr, suffix_pages = [0], []  # level 1: the flat pages after each prefix
+    for i, skip in enumerate(prefix_pages):
+        suffix_pages.extend(kv_indices[kv_indptr[i] + skip : kv_indptr[i + 1]])
+        suffix_ptr.append(len(suffix_pages))
+    return PrefixLevel(
+        request_start=[g[0] for g in groups],
+        request_end=[g[1] for g in groups],
+        token_start=token_start,
+        qo_indptr=qo,
+        kv_indptr=kv_ptr,
+        kv_indices=pages_of_groups,
+        kv_last_page_len=[page_size] * len(groups),
+        prefix_pages=prefix_pages,
+        suffix_kv_indptr=suffix_ptr,
+        suffix_kv_indices=suffix_pages,
+    )
