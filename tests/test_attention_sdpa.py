@@ -122,15 +122,3 @@ def test_continued_chunks_without_the_lse_kernel_match_the_reference(monkeypatch
     monkeypatch.setattr(torch_sdpa, "_FLASH_WITH_LSE", None)  # one masked call instead of two merged
     run_steps([[(0, 21)], [(21, 45)], [(45, 46)]], [46])
 
-
-def test_merging_two_halves_of_the_keys_equals_attention_over_all_of_them() -> None:
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 5, 8, generator=gen) for _ in range(3))
-    k2, v2 = torch.randn(2, 7, 8, generator=gen), torch.randn(2, 7, 8, generator=gen)
-
-    def part(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = q @ keys.transpose(-1, -2)
-        return torch.softmax(scores, -1) @ values, torch.logsumexp(scores, -1)
-
-    full, _ = part(torch.cat([k, k2], 1), torch.cat([v, v2], 1))
-    torch.testing.assert_close(torch_sdpa.merge_attention(*part(k, v), *part(k2, v2)), full, atol=1e-6, rtol=1e-5)

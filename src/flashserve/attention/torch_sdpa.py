@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from flashserve.attention.base import BatchLayout
-from flashserve.attention.torch_ref import TorchAttentionBackend
+from flashserve.attention.torch_ref import TorchAttentionBackend, merge_attention_states
 
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp (what SDPA calls on a CPU);
 # without it continued prompts take one masked call.
@@ -173,15 +173,7 @@ def _continued(q: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, new_
         q[None], new_k.repeat_interleave(group, dim=1).transpose(0, 1)[None],
         new_v.repeat_interleave(group, dim=1).transpose(0, 1)[None], is_causal=True, scale=scale,
     )  # fmt: skip
-    return merge_attention(o_past, lse_past, o_new[0], lse_new[0]).to(q.dtype)
-
-
-def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Attention over two disjoint key sets from each one's output [H, N, D] and natural-log
-    log-sum-exp [H, N], in float32."""
-    m = torch.maximum(lse_a, lse_b)
-    w_a, w_b = torch.exp(lse_a - m)[..., None], torch.exp(lse_b - m)[..., None]
-    return (o_a.float() * w_a + o_b.float() * w_b) / (w_a + w_b)
+    return merge_attention_states(o_past.float(), lse_past, o_new[0].float(), lse_new[0])[0].to(q.dtype)
 
 
 def _decode_batches(decoding: list[int], kv_lens: list[int], page_size: int) -> list[list[int]]:
