@@ -11,11 +11,19 @@ name in `weights.py`. The runner's seam:
     model = LlamaModel.from_hf(loaded.model, loaded.hf_config, loaded.dtype, loaded.device)
     hidden = model(input_ids, positions, backend)        # backend.plan(layout) already ran
     logits = model.compute_logits(hidden[sample_rows])   # float32 [N, V]
+
+Tensor parallelism: built with a `TPGroup` of N ranks (`from_hf(..., group=g)` or
+`from_safetensors`), a model holds its rank's shard (`model.shard`, see `parallel/sharding.py`)
+and every rank runs the same step with the same inputs. The rank's attention backend has
+`model.shard.num_heads` query and `model.shard.num_kv_heads` KV heads; o_proj and down_proj are
+followed by an all-reduce, and `compute_logits` gathers the vocabulary so that every rank returns
+the full [N, V] row. On one rank none of this runs: the forward is the single-process one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import os
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +37,8 @@ from flashserve.model.weights import (
     WeightMismatchError,
     convert_hf_state_dict,
 )
+from flashserve.parallel.comm import SingleRankGroup, TPGroup
+from flashserve.parallel.sharding import ShardLayout
 
 Tensor = torch.Tensor
 
@@ -99,6 +109,14 @@ def attention_output(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """A layer from attention on: o_proj, add + RMSNorm, the SiLU MLP. Returns it and the residual."""
     hidden = F.linear(attn.reshape(attn.shape[0], spec.q_size), o_w, o_b)
+    return mlp(spec, ops, hidden, residual, norm_w, gate_up_w, gate_up_b, down_w, down_b)
+
+
+def mlp(
+    spec: LlamaSpec, ops: Ops, hidden: Tensor, residual: Tensor, norm_w: Tensor,
+    gate_up_w: Tensor, gate_up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """`attention_output` after o_proj: a tensor-parallel rank all-reduces o_proj's output first."""
     hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)
     return F.linear(ops.silu_and_mul(F.linear(hidden, gate_up_w, gate_up_b)), down_w, down_b), residual
 
@@ -110,14 +128,22 @@ def final_norm(spec: LlamaSpec, ops: Ops, hidden: Tensor | None, residual: Tenso
 
 
 class LlamaModel(nn.Module):
-    """The decoder and its LM head, with fused weights. See the module docstring for the seam."""
+    """The decoder and its LM head, with fused weights. See the module docstring for the seam.
 
-    def __init__(self, spec: LlamaSpec, ops: Ops, *, compile: bool = False) -> None:
+    spec: the whole model's. group: the tensor-parallel ranks (default: one); the model holds
+    the shard of `group.rank`, and `rank_spec` is the spec of its layers (its heads and columns).
+    """
+
+    def __init__(self, spec: LlamaSpec, ops: Ops, *, compile: bool = False, group: TPGroup | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.ops = ops
         self.compiled = compile
-        pieces: list[Any] = [attention_input, attention_output, final_norm]
+        self.group: TPGroup = group if group is not None else SingleRankGroup()
+        self.shard = ShardLayout.for_spec(spec, self.group.rank, self.group.world_size)
+        self.sharded = not self.shard.is_whole
+        self.rank_spec: LlamaSpec = self.shard.rank_spec(spec)
+        pieces: list[Any] = [attention_input, attention_output, final_norm, mlp]
         if compile:
             # Shapes start static and turn dynamic in the token dimension when it first changes;
             # one token is a graph of its own. Run every step size class once before capturing
@@ -125,12 +151,13 @@ class LlamaModel(nn.Module):
             # first layer or not) is a cache entry of the function's code, shared process-wide.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
             pieces = [torch.compile(p, fullgraph=True) for p in pieces]
-        self._attention_input, self._attention_output, self._final_norm = pieces
+        self._attention_input, self._attention_output, self._final_norm, self._mlp = pieces
         self.embed_tokens = nn.ParameterDict({"weight": _param(spec.vocab_size, spec.hidden_size)})
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(self.rank_spec) for _ in range(spec.num_layers))
         self.norm = nn.ParameterDict({"weight": _param(spec.hidden_size)})
-        if not spec.tie_word_embeddings:
-            self.lm_head = nn.ParameterDict({"weight": _param(spec.vocab_size, spec.hidden_size)})
+        if not spec.tie_word_embeddings or self.sharded:
+            # A rank's LM head is its (padded) rows of the vocabulary, tied or not.
+            self.lm_head = nn.ParameterDict({"weight": _param(self.shard.vocab_size, spec.hidden_size)})
         # float32 [max_positions, head_dim], set by from_hf; a buffer so that .to(device) moves it.
         self.cos_sin_cache: torch.Tensor | None
         self.register_buffer("cos_sin_cache", None, persistent=False)
@@ -147,6 +174,7 @@ class LlamaModel(nn.Module):
         consume: bool = True,
         ops: Ops | str = "auto",
         compile: bool = False,
+        group: TPGroup | None = None,
     ) -> LlamaModel:
         """Builds the native model from an HF CausalLM module or its state dict.
 
@@ -156,11 +184,15 @@ class LlamaModel(nn.Module):
         ops: an `Ops` set, or "auto" | "flashinfer" | "torch" for `select_ops`.
         compile: run the pieces between attention calls through `torch.compile` (Inductor), over
             the PyTorch ops, which it fuses; attention stays with the backend.
-        Raises UnsupportedModelError (fall back to the generic path) or WeightMismatchError.
+        group: the tensor-parallel ranks; the model keeps only `group.rank`'s shard of `source`.
+        Raises UnsupportedModelError (fall back to the generic path) or WeightMismatchError, and
+        ValueError when the heads do not split over the group.
         """
         device = torch.device(device)
         architecture = type(source).__name__ if isinstance(source, nn.Module) else None
         spec = LlamaSpec.from_hf_config(hf_config, architecture)
+        group = group if group is not None else SingleRankGroup()
+        shard = ShardLayout.for_spec(spec, group.rank, group.world_size)
         if isinstance(source, nn.Module):
             state: dict[str, torch.Tensor] = dict(source.state_dict())
             if consume:
@@ -169,15 +201,48 @@ class LlamaModel(nn.Module):
                 source.to("meta")
         else:
             state = dict(source)
-        weights = convert_hf_state_dict(state, spec, dtype, device)
+        weights = convert_hf_state_dict(state, spec, dtype, device, shard)
         del state
+        return cls._assemble(spec, weights, device, max_positions, ops, compile, group)
+
+    @classmethod
+    def from_safetensors(
+        cls,
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        hf_config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        max_positions: int | None = None,
+        ops: Ops | str = "auto",
+        compile: bool = False,
+        group: TPGroup | None = None,
+    ) -> LlamaModel:
+        """Builds the rank's shard straight from a checkpoint's safetensors files, reading only
+        the rank's slice of each tensor. path: a checkpoint directory or its .safetensors files.
+        The other arguments and errors are `from_hf`'s; the architecture is the config's.
+        """
+        from flashserve.parallel.checkpoint import read_llama_shard
+
+        device = torch.device(device)
+        spec = LlamaSpec.from_hf_config(hf_config)
+        group = group if group is not None else SingleRankGroup()
+        shard = ShardLayout.for_spec(spec, group.rank, group.world_size)
+        weights = read_llama_shard(path, spec, dtype, device, shard)
+        return cls._assemble(spec, weights, device, max_positions, ops, compile, group)
+
+    @classmethod
+    def _assemble(
+        cls, spec: LlamaSpec, weights: dict[str, torch.Tensor], device: torch.device, max_positions: int | None,
+        ops: Ops | str, compile: bool, group: TPGroup,
+    ) -> LlamaModel:  # fmt: skip
         if compile:
             if ops not in ("auto", "torch") and not (isinstance(ops, Ops) and ops.name == "torch"):
                 raise ValueError("torch.compile traces the PyTorch ops; the FlashInfer ones are opaque to it")
             ops = torch_ops()
         ops = ops if isinstance(ops, Ops) else select_ops(device, ops)
         with torch.device("meta"):
-            model = cls(spec, ops, compile=compile)
+            model = cls(spec, ops, compile=compile, group=group)
         model.load_state_dict(weights, strict=True, assign=True)
         model.eval()
         positions = max_positions or spec.max_position_embeddings or _DEFAULT_MAX_POSITIONS
@@ -186,7 +251,9 @@ class LlamaModel(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens["weight"] if self.spec.tie_word_embeddings else self.lm_head["weight"]
+        """[V, hidden] on one rank; a sharded model's rows of the vocabulary (padded) on each rank."""
+        tied = self.spec.tie_word_embeddings and not self.sharded
+        return self.embed_tokens["weight"] if tied else self.lm_head["weight"]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any) -> torch.Tensor:
         """input_ids, positions: int64 [T] (the step's packed tokens; `backend.plan` already ran).
@@ -197,6 +264,8 @@ class LlamaModel(nn.Module):
         cos_sin = self.cos_sin_cache
         if cos_sin is None:
             raise RuntimeError("LlamaModel has no RoPE table: build it with LlamaModel.from_hf")
+        if self.sharded:
+            return self._forward_sharded(input_ids, positions, backend, cos_sin)
         spec, ops = self.spec, self.ops
         residual = F.embedding(input_ids, self.embed_tokens["weight"])
         hidden: torch.Tensor | None = None
@@ -212,6 +281,35 @@ class LlamaModel(nn.Module):
             )  # fmt: skip
         return self._final_norm(spec, ops, hidden, residual, self.norm["weight"])
 
+    def _forward_sharded(self, input_ids: Tensor, positions: Tensor, backend: Any, cos_sin: Tensor) -> Tensor:
+        """`forward` on one rank of several: the rank's heads and MLP columns, and an all-reduce
+        after each row-parallel projection, so that every rank holds the full hidden state."""
+        spec, ops, group = self.rank_spec, self.ops, self.group
+        residual = F.embedding(input_ids, self.embed_tokens["weight"])
+        hidden: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            q, k, v, residual = self._attention_input(
+                spec, ops, hidden, residual, positions, cos_sin, layer.input_layernorm["weight"], *_weight_and_bias(layer.qkv_proj),
+                layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
+            )  # fmt: skip
+            attn = backend.forward(i, q, k, v).reshape(q.shape[0], spec.q_size)
+            hidden = group.all_reduce(F.linear(attn, *_weight_and_bias(layer.o_proj)))
+            hidden, residual = self._mlp(
+                spec, ops, hidden, residual, layer.post_attention_layernorm["weight"],
+                *_weight_and_bias(layer.gate_up_proj), *_weight_and_bias(layer.down_proj),
+            )  # fmt: skip
+            hidden = group.all_reduce(hidden)
+        return self._final_norm(spec, ops, hidden, residual, self.norm["weight"])
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (the rows to sample) -> float32 logits [N, vocab_size]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        """hidden [N, hidden_size] (the rows to sample) -> float32 logits [N, vocab_size].
+
+        On a sharded model every rank calls it with the same rows and gets the full logits: each
+        computes its rows of the vocabulary, and they are gathered (the padding cut off).
+        """
+        if not self.sharded:
+            return F.linear(hidden, self.lm_head_weight).float()
+        logits = self.group.all_gather(F.linear(hidden, self.lm_head_weight), dim=-1)
+        if logits.shape[-1] != self.spec.vocab_size:
+            logits = logits[..., : self.spec.vocab_size]
+        return logits.float().contiguous()

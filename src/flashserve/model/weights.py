@@ -5,18 +5,22 @@ RoPE) from a transformers config and refuses what the native forward does not im
 `UnsupportedModelError`, so the caller can fall back to the generic path. `convert_hf_state_dict`
 checks an HF CausalLM state dict against the names the spec expects (listing every missing and
 unexpected tensor) and fuses q/k/v and gate/up, layer by layer, popping each HF tensor as it is
-used so that the source's memory is released while the native weights are built.
+used so that the source's memory is released while the native weights are built. A
+tensor-parallel rank keeps only its slice of each tensor (`parallel/sharding.py`); `fuse_weights`
+takes the tensors from any reader, so a rank can also read its slices straight from safetensors
+(`parallel/checkpoint.py`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 import torch
 
 from flashserve.model.layers import SUPPORTED_ROPE_TYPES
+from flashserve.parallel.sharding import ShardLayout
 
 logger = logging.getLogger(__name__)
 
@@ -170,13 +174,18 @@ def _is_ignorable(name: str, spec: LlamaSpec) -> bool:
     return (spec.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
 
 
-def check_hf_state_dict(state: MutableMapping[str, torch.Tensor], spec: LlamaSpec) -> None:
+def check_hf_state_dict(state: Mapping[str, torch.Tensor], spec: LlamaSpec) -> None:
     """Raises WeightMismatchError listing every missing, unexpected and misshapen tensor."""
+    check_hf_shapes({name: tuple(t.shape) for name, t in state.items()}, spec)
+
+
+def check_hf_shapes(shapes: Mapping[str, tuple[int, ...]], spec: LlamaSpec) -> None:
+    """`check_hf_state_dict` over names and shapes alone (a safetensors header has no more)."""
     expected = _expected_shapes(spec)
-    missing = sorted(n for n in expected if n not in state)
-    unexpected = sorted(n for n in state if n not in expected and not _is_ignorable(n, spec))
+    missing = sorted(n for n in expected if n not in shapes)
+    unexpected = sorted(n for n in shapes if n not in expected and not _is_ignorable(n, spec))
     misshapen = sorted(
-        f"{n}: {tuple(state[n].shape)} != {shape}" for n, shape in expected.items() if n in state and tuple(state[n].shape) != shape
+        f"{n}: {tuple(shapes[n])} != {shape}" for n, shape in expected.items() if n in shapes and tuple(shapes[n]) != shape
     )
     problems = [
         f"{label} ({len(names)}): {', '.join(names)}"
@@ -187,43 +196,81 @@ def check_hf_state_dict(state: MutableMapping[str, torch.Tensor], spec: LlamaSpe
         raise WeightMismatchError(f"{spec.architecture} checkpoint does not match its config: " + "; ".join(problems))
 
 
+def expected_hf_names(spec: LlamaSpec) -> list[str]:
+    """The checkpoint tensors the native model reads (not a tied model's lm_head, which is the embedding)."""
+    return list(_expected_shapes(spec))
+
+
 def convert_hf_state_dict(
-    state: MutableMapping[str, torch.Tensor], spec: LlamaSpec, dtype: torch.dtype, device: torch.device
+    state: MutableMapping[str, torch.Tensor],
+    spec: LlamaSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: ShardLayout | None = None,
 ) -> dict[str, torch.Tensor]:
     """HF CausalLM names -> native names (fused qkv and gate_up), in `dtype` on `device`.
 
+    shard: a tensor-parallel rank's layout: the result holds only that rank's slices.
     Pops every tensor it uses from `state`: once the caller holds no other reference, each HF
     layer's memory is freed as soon as its fused copy exists (peak: the source plus one layer).
     """
     check_hf_state_dict(state, spec)
+    if shard is None or shard.is_whole:
+        return fuse_weights(lambda name, kind: state.pop(name), spec, dtype, device)
 
-    def take(name: str) -> torch.Tensor:
-        return state.pop(name)
+    def take_slice(name: str, kind: str) -> torch.Tensor:
+        where = shard.slice_for(kind)
+        full = state.pop(name)
+        return full if where is None else where.take(full)
+
+    return fuse_weights(take_slice, spec, dtype, device, shard)
+
+
+def fuse_weights(
+    read: Callable[[str, str], torch.Tensor],
+    spec: LlamaSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: ShardLayout | None = None,
+) -> dict[str, torch.Tensor]:
+    """The native model's weights from `read(hf_name, kind) -> tensor`, called once per tensor in
+    layer order (`kind`: the key of `_layer_names`, or "embed_tokens", "norm", "lm_head").
+
+    `read` returns the rank's slice when `shard` splits the model; a tied LM head is then the
+    rank's rows of the (replicated) embedding.
+    """
 
     def put(*tensors: torch.Tensor) -> torch.Tensor:
         fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         return fused.to(device=device, dtype=dtype).contiguous()
 
-    out: dict[str, torch.Tensor] = {"embed_tokens.weight": put(take("model.embed_tokens.weight"))}
+    def take(names: dict[str, str], key: str) -> torch.Tensor:
+        return read(names[key], key)
+
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": put(read("model.embed_tokens.weight", "embed_tokens"))}
     for i in range(spec.num_layers):
         names, p = _layer_names(spec, i), f"layers.{i}."
-        out[p + "input_layernorm.weight"] = put(take(names["input_layernorm"]))
-        out[p + "post_attention_layernorm.weight"] = put(take(names["post_attention_layernorm"]))
-        out[p + "qkv_proj.weight"] = put(take(names["q"]), take(names["k"]), take(names["v"]))
-        out[p + "o_proj.weight"] = put(take(names["o"]))
-        out[p + "gate_up_proj.weight"] = put(take(names["gate"]), take(names["up"]))
-        out[p + "down_proj.weight"] = put(take(names["down"]))
+        out[p + "input_layernorm.weight"] = put(take(names, "input_layernorm"))
+        out[p + "post_attention_layernorm.weight"] = put(take(names, "post_attention_layernorm"))
+        out[p + "qkv_proj.weight"] = put(take(names, "q"), take(names, "k"), take(names, "v"))
+        out[p + "o_proj.weight"] = put(take(names, "o"))
+        out[p + "gate_up_proj.weight"] = put(take(names, "gate"), take(names, "up"))
+        out[p + "down_proj.weight"] = put(take(names, "down"))
         if spec.qkv_bias:
-            out[p + "qkv_proj.bias"] = put(take(names["q_bias"]), take(names["k_bias"]), take(names["v_bias"]))
+            out[p + "qkv_proj.bias"] = put(take(names, "q_bias"), take(names, "k_bias"), take(names, "v_bias"))
         if spec.o_bias:
-            out[p + "o_proj.bias"] = put(take(names["o_bias"]))
+            out[p + "o_proj.bias"] = put(take(names, "o_bias"))
         if spec.mlp_bias:
-            out[p + "gate_up_proj.bias"] = put(take(names["gate_bias"]), take(names["up_bias"]))
-            out[p + "down_proj.bias"] = put(take(names["down_bias"]))
+            out[p + "gate_up_proj.bias"] = put(take(names, "gate_bias"), take(names, "up_bias"))
+            out[p + "down_proj.bias"] = put(take(names, "down_bias"))
         if spec.qk_norm:
-            out[p + "q_norm.weight"] = put(take(names["q_norm"]))
-            out[p + "k_norm.weight"] = put(take(names["k_norm"]))
-    out["norm.weight"] = put(take("model.norm.weight"))
+            out[p + "q_norm.weight"] = put(take(names, "q_norm"))
+            out[p + "k_norm.weight"] = put(take(names, "k_norm"))
+    out["norm.weight"] = put(read("model.norm.weight", "norm"))
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = put(take("lm_head.weight"))
+        out["lm_head.weight"] = put(read("lm_head.weight", "lm_head"))
+    elif shard is not None and not shard.is_whole:
+        rows = shard.slice_for("lm_head")
+        assert rows is not None
+        out["lm_head.weight"] = rows.take(out["embed_tokens.weight"])
     return out

@@ -1,0 +1,76 @@
+"""Reads a Llama-family checkpoint's safetensors files into the native model's weights, taking
+only a tensor-parallel rank's slice of each tensor.
+
+A rank that loads through a whole transformers model holds every weight in memory before it
+keeps its share; here each rank asks safetensors for its rows or columns (`get_slice`), so the
+host memory of N ranks on one node is about one model, not N. The tensor names and shapes are
+checked against the config from the files' headers before anything is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from typing import Any, Sequence
+
+import torch
+from safetensors import safe_open
+
+from flashserve.model.weights import LlamaSpec, check_hf_shapes, fuse_weights
+from flashserve.parallel.sharding import ShardLayout
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def safetensors_files(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
+    """The weight files of a checkpoint directory (its index's files, else model.safetensors,
+    else every .safetensors file), or the given file(s)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return [os.fspath(p) for p in path]
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return [path]
+    index = os.path.join(path, _INDEX)
+    if os.path.isfile(index):
+        # Beside a transformers index there may be other files (Mistral's consolidated.safetensors).
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    if os.path.isfile(os.path.join(path, _SINGLE)):
+        return [os.path.join(path, _SINGLE)]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    return files
+
+
+def read_llama_shard(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    spec: LlamaSpec,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard: ShardLayout | None = None,
+) -> dict[str, torch.Tensor]:
+    """The native weights (`weights.fuse_weights` names) of `shard`'s rank, or of the whole model.
+
+    Raises WeightMismatchError when the files' tensors do not match `spec`.
+    """
+    device = torch.device(device)
+    with contextlib.ExitStack() as stack:
+        owner: dict[str, Any] = {}
+        for file in safetensors_files(path):
+            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            for name in handle.keys():
+                owner[name] = handle
+        check_hf_shapes({name: tuple(h.get_slice(name).get_shape()) for name, h in owner.items()}, spec)
+
+        def read(name: str, kind: str) -> torch.Tensor:
+            where = shard.slice_for(kind) if shard is not None else None
+            if where is None:
+                return owner[name].get_tensor(name)
+            return where.read(owner[name].get_slice(name))
+
+        return fuse_weights(read, spec, dtype, device, shard)

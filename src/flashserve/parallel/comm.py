@@ -1,0 +1,143 @@
+"""The collectives a tensor-parallel forward needs, behind one small interface.
+
+The model calls `group.all_reduce` after its row-parallel projections and `group.all_gather`
+on the vocabulary-parallel logits. `SingleRankGroup` makes both identities, and the model does
+not call them at all on one rank, so that path costs nothing. `TorchDistGroup` runs them over
+torch.distributed: gloo on a CPU, NCCL on CUDA GPUs.
+
+`init_tp_group` reads the standard env:// variables (MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE, LOCAL_RANK), so that torchrun can launch ranks on several nodes as well as
+`launch.RankProcesses` on one.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import MutableMapping, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+# NVLink multicast (NVLS, symmetric-memory multicast) is off in every rank process: on the GPU
+# hosts it is not usable, and a collective that tries it fails or hangs.
+MULTICAST_OFF_ENV: dict[str, str] = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); older releases have only it.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# How long a collective (and the rendezvous) may wait for a peer before it raises.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+@runtime_checkable
+class TPGroup(Protocol):
+    """The ranks that share one model's shards. Every rank calls every collective in the same order."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """Sums `t` over the ranks in place and returns it."""
+        ...
+
+    def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
+        """Concatenates every rank's `t` (same shape on all) along `dim`, in rank order."""
+        ...
+
+
+class SingleRankGroup:
+    """One rank holds the whole model: the collectives return their input."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        return t
+
+    def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
+        return t
+
+    def __repr__(self) -> str:
+        return "SingleRankGroup()"
+
+
+class TorchDistGroup:
+    """Collectives over a torch.distributed process group (the default group unless given)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group)
+        return t
+
+    def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
+        t = t.contiguous()
+        # Gathered along the first dimension (one contiguous block per rank), then laid side by side.
+        out = t.new_empty((self._world_size * t.shape[0], *t.shape[1:]) if t.dim() else (self._world_size,))
+        _all_gather_single(out, t, group=self._group)
+        return torch.cat(out.view(self._world_size, *t.shape).unbind(0), dim=dim)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._group)
+
+    def __repr__(self) -> str:
+        return f"TorchDistGroup(rank={self._rank}, world_size={self._world_size})"
+
+
+def disable_multicast(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """Sets each variable of `MULTICAST_OFF_ENV` that `env` lacks; a value already there wins."""
+    for key, value in MULTICAST_OFF_ENV.items():
+        env.setdefault(key, value)
+    return env
+
+
+def local_rank() -> int:
+    """This process's rank on its node (torchrun's LOCAL_RANK; RANK on a single node)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+def init_tp_group(device: torch.device | str = "cpu", *, timeout: timedelta = DEFAULT_TIMEOUT) -> TPGroup:
+    """Joins the ranks named by the env:// variables; a `SingleRankGroup` when WORLD_SIZE is 1 or unset.
+
+    device: where this rank's tensors live: NCCL on CUDA (pass cuda:LOCAL_RANK), gloo elsewhere.
+    The multicast switches are set in this process's environment first, before NCCL reads them.
+    """
+    disable_multicast(os.environ)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return SingleRankGroup()
+    device = torch.device(device)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", init_method="env://", timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    return TorchDistGroup()
+
+
+def close_tp_group(group: TPGroup) -> None:
+    """Leaves the process group that `init_tp_group` joined (nothing to do on one rank)."""
+    if isinstance(group, TorchDistGroup) and dist.is_initialized():
+        dist.destroy_process_group()
