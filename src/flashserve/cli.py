@@ -78,6 +78,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "(any transformers CausalLM), auto (native where supported)", ["auto", "native", "hf"]),
     Option("--torch-compile", _bool, False, "compile the native model's non-attention parts with "
            "torch.compile (Inductor); start-up compiles for a while first"),
+    Option("--tensor-parallel-size", _positive_int, 1, "ranks that share the model's weights on this node "
+           "(this process and N-1 worker processes; native model path only) (alias --tp)"),
     Option("--page-size", int, 16, "tokens per KV cache page"),
     Option("--num-pages", int, None, "KV cache pages (default: sized from memory)"),
     Option("--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV cache"),
@@ -161,6 +163,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add_options(serve, SERVE_OPTIONS, environ)
     serve.add_argument("--enforce-eager", dest="cuda_graph", action="store_false",
                        help="alias of --no-cuda-graph")
+    serve.add_argument("--tp", dest="tensor_parallel_size", type=_positive_int, default=argparse.SUPPRESS,
+                       help="alias of --tensor-parallel-size")
     batch = sub.add_parser(
         "run-batch", help="run a file of OpenAI batch requests (JSONL) offline",
         description="Run an OpenAI Batch API input file (one JSON request a line: custom_id, method, url, "
@@ -170,6 +174,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     add_options(batch, RUN_BATCH_OPTIONS, environ)
     batch.add_argument("--enforce-eager", dest="cuda_graph", action="store_false",
                        help="alias of --no-cuda-graph")
+    batch.add_argument("--tp", dest="tensor_parallel_size", type=_positive_int, default=argparse.SUPPRESS,
+                       help="alias of --tensor-parallel-size")
     batch.set_defaults(**{o.dest: o.default for o in SERVE_OPTIONS if o.flag in SERVER_ONLY_FLAGS})
     return parser
 
@@ -196,6 +202,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         model_impl=ns.model_impl,
         torch_compile=ns.torch_compile,
         seed=ns.seed,
+        tensor_parallel_size=ns.tensor_parallel_size,
     )
     cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,
                         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,

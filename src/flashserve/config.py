@@ -20,6 +20,7 @@ class ModelConfig:
     torch_compile: bool = False  # torch.compile the native model's non-attention pieces
     seed: int = 0
     trust_remote_code: bool = False
+    tensor_parallel_size: int = 1  # ranks sharing the model: this process and N-1 workers (native path)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,12 @@ class EngineStack:
     def tokenizer(self) -> Any | None:
         return self.loaded.tokenizer
 
+    def close(self) -> None:
+        """Stops what the executor started (the worker ranks of tensor parallelism); else nothing."""
+        close = getattr(self.engine.executor, "close", None)
+        if close is not None:
+            close()
+
 
 def build_engine(
     model: ModelConfig,
@@ -44,7 +50,13 @@ def build_engine(
 ) -> EngineStack:
     from flashserve.model.runner import build_runner  # torch is imported here, not at package import
 
-    runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph, max_batch_size=scheduler.max_num_seqs)
+    if model.tensor_parallel_size > 1:  # this process is rank 0; the workers start here
+        from flashserve.parallel.executor import start_tensor_parallel
+
+        runner, loaded, num_pages = start_tensor_parallel(model, cache)
+    else:
+        runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph,
+                                                 max_batch_size=scheduler.max_num_seqs)
     budget = scheduler.max_num_batched_tokens
     if budget is None:
         from flashserve.model.step_budget import default_prefill_only_budget, default_step_budget
@@ -101,6 +113,16 @@ class LLM:
     @property
     def engine(self) -> LLMEngine:
         return self.stack.engine
+
+    def close(self) -> None:
+        """Stops the worker ranks of tensor_parallel_size > 1 (no step after it); does nothing on one rank."""
+        self.stack.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

@@ -1,0 +1,147 @@
+"""Rank 0 of a tensor-parallel engine: starts the worker ranks and sends them every step.
+
+`start_tensor_parallel` makes the calling process rank 0: it spawns ranks 1..N-1
+(`RankProcesses`, loopback env:// rendezvous on a free port), joins the group with them, and
+builds its own shard's runner. The engine drives the returned `TensorParallelRunner` exactly as
+it drives a `ModelRunner` (launch/collect): its `forward` first broadcasts the step to the
+workers, then runs rank 0's shard; the model's collectives pair up with the workers'. Only rank
+0 samples. The step budget probe and the warm-up go through `forward` too, so the workers
+follow them as well.
+
+Lifetime: `close()` (also registered with atexit) sends the end and reaps the workers; a worker
+that died makes the next step raise `RankFailed` (the engine loop dies with it, and a server
+exits non-zero); workers exit by themselves when rank 0 dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashserve.config import CacheConfig, ModelConfig
+from flashserve.engine.outputs import SchedulerOutput
+from flashserve.model.loader import LoadedModel
+from flashserve.model.runner import ModelRunner, warm_up
+from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group
+from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
+from flashserve.parallel.worker import WireStep, build_rank_runner, control_group, encode_step, rank_device, run_worker
+
+logger = logging.getLogger(__name__)
+
+_MASTER_ADDR = "127.0.0.1"
+# Seconds the workers get to leave their loop after the end message before they are killed.
+_CLOSE_TIMEOUT = 30.0
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: every forward is first sent to the worker ranks."""
+
+    def __init__(self, base: ModelRunner, group: TPGroup, control: Any, workers: RankProcesses) -> None:
+        super().__init__(base.loaded, base.backend, base.sampler, base.page_size, base.model)
+        self.group = group
+        self.control = control
+        self.workers = workers
+        self.closed = False
+        self.num_threads = torch.get_num_threads()  # this process's CPU threads to restore at close
+
+    def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = ()) -> torch.Tensor:
+        self._send(encode_step(out, list(prompt_rows)))
+        try:
+            return super().forward(out, prompt_rows)
+        except Exception:
+            self.workers.check()  # a dead worker is the better explanation of a failed collective
+            raise
+
+    def _send(self, step: WireStep) -> None:
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers were closed")
+        self.workers.check()  # raises RankFailed when a worker has died since the last step
+        try:
+            dist.broadcast_object_list([step], src=0, group=self.control)
+        except Exception:
+            self.workers.check()
+            raise
+
+    def close(self) -> None:
+        """Ends the workers' loop and reaps them (killing any that do not leave in time)."""
+        if self.closed:
+            return
+        atexit.unregister(self.close)
+        try:
+            self._send(None)
+            self.closed = True
+            self.workers.join(_CLOSE_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - closing a broken group still reaps what is left
+            logger.warning("tensor-parallel workers did not stop cleanly: %s", exc)
+        finally:
+            self.closed = True
+            self.workers.kill()
+            torch.set_num_threads(self.num_threads)
+            with contextlib.suppress(Exception):
+                close_tp_group(self.group)
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` set in os.environ for the block (env:// reads them at init), then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start_tensor_parallel(
+    model_config: ModelConfig, cache_config: CacheConfig
+) -> tuple[TensorParallelRunner, LoadedModel, int]:
+    """Starts ranks 1..N-1 and builds rank 0's runner in this process; as `build_runner` returns."""
+    world_size = model_config.tensor_parallel_size
+    if model_config.model_impl == "hf":  # refused before any process starts
+        raise ValueError("tensor parallelism needs the native model path (model_impl auto or native, not hf)")
+    if dist.is_initialized():
+        raise RuntimeError("tensor_parallel_size > 1 starts its own ranks; this process is already in a group")
+    threads = torch.get_num_threads()  # build_rank_runner shares the cores out on a CPU; close restores it
+    port = free_port(_MASTER_ADDR)
+    workers = RankProcesses.start(run_worker, (model_config, cache_config), world_size=world_size,
+                                  ranks=range(1, world_size), master_addr=_MASTER_ADDR, master_port=port)  # fmt: skip
+    group: TPGroup | None = None
+    try:
+        with _environ(rank_env(0, world_size, _MASTER_ADDR, port)):
+            group = init_tp_group(rank_device(model_config.device))
+        control = control_group()
+        base, loaded, num_pages = build_rank_runner(model_config, cache_config, group)
+    except BaseException as exc:
+        try:
+            workers.check()
+        except RankFailed as failed:
+            raise failed from exc
+        finally:
+            workers.kill()
+            torch.set_num_threads(threads)
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    close_tp_group(group)
+        raise
+    runner = TensorParallelRunner(base, group, control, workers)
+    runner.num_threads = threads
+    atexit.register(runner.close)
+    try:
+        compiled = base.model.model.compiled  # type: ignore[attr-defined]
+        if loaded.device.type == "cuda" or compiled:
+            warm_up(runner, num_pages)
+    except BaseException:
+        runner.close()
+        raise
+    return runner, loaded, num_pages

@@ -1,0 +1,144 @@
+"""A tensor-parallel rank's runner, the step's wire format, and the worker ranks' loop.
+
+Every rank builds the same runner over its own shard (`build_rank_runner`): the native model
+with `group`, an attention backend with the rank's heads, and a KV cache with as many pages as
+the smallest rank can hold, so that the page ids rank 0's scheduler hands out are valid
+everywhere. Rank 0 schedules and samples; ranks 1..N-1 run `run_worker`: receive a step, run
+the same forward (the collectives inside it pair up with rank 0's), drop the logits.
+
+A step crosses as plain data (`encode_step`), not as a `SchedulerOutput`: the forward depends
+only on each request's new tokens, its first position, its pages and whether it samples, plus
+the token rows rank 0 wants prompt logprobs for (they set the logits' rows, and the vocabulary
+all-gather needs the same shape on every rank). Sampling parameters, grammars and bitmasks
+stay on rank 0, which alone samples, so structured output works unchanged over N ranks.
+
+Steps travel over a gloo group of their own whose timeout is long: a worker waits there for
+as long as the server sits idle, while the model's collectives keep the default timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flashserve.attention import get_backend_cls
+from flashserve.config import CacheConfig, ModelConfig
+from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from flashserve.model.hf import attention_scale
+from flashserve.model.llama import LlamaModel, UnsupportedModelError
+from flashserve.model.loader import LoadedModel, load_model
+from flashserve.model.runner import (
+    ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, kv_page_bytes, num_kv_pages, pick_backend,
+    pick_device, pick_sampler,
+)  # fmt: skip
+from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group, local_rank
+from flashserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long a worker may wait for the next step: as long as the server may stay idle.
+CONTROL_TIMEOUT = timedelta(days=365)
+
+# One request of a step: (new token ids, tokens already computed, page ids, samples).
+WireRequest = tuple[list[int], int, list[int], bool]
+# A step: its requests and the prompt-logprob token rows; None ends the workers' loop.
+WireStep = tuple[list[WireRequest], list[int]] | None
+
+_WIRE_PARAMS = SamplingParams()  # workers never sample: any params do
+
+
+def encode_step(out: SchedulerOutput, prompt_rows: list[int]) -> WireStep:
+    """What a worker needs of a step, copied: `ScheduledRequest`s hold views of live lists."""
+    return [(list(r.new_token_ids), r.num_computed_tokens, list(r.page_ids), r.sample) for r in out.requests], list(
+        prompt_rows
+    )
+
+
+def decode_step(step: tuple[list[WireRequest], list[int]]) -> tuple[SchedulerOutput, list[int]]:
+    requests, prompt_rows = step
+    scheduled = [ScheduledRequest(str(i), new, computed, pages, sample, _WIRE_PARAMS)
+                 for i, (new, computed, pages, sample) in enumerate(requests)]  # fmt: skip
+    return SchedulerOutput(scheduled), prompt_rows
+
+
+def control_group() -> Any:
+    """The gloo group that carries steps (called by every rank, in the same order)."""
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def rank_device(name: str) -> torch.device:
+    device = pick_device(name)
+    if device.type == "cuda":
+        return torch.device("cuda", local_rank())
+    return device
+
+
+def build_rank_runner(
+    model_config: ModelConfig, cache_config: CacheConfig, group: TPGroup, sampler: TokenSampler | None = None
+) -> tuple[ModelRunner, LoadedModel, int]:
+    """This rank's runner over its shard; (runner, loaded model with max_model_len capped by the
+    cache, number of pages, the same on every rank). Collective: every rank calls it."""
+    if model_config.model_impl == "hf":
+        raise ValueError("tensor parallelism needs the native model path (model_impl auto or native, not hf)")
+    device = rank_device(model_config.device)
+    if device.type == "cpu":
+        # The ranks share the machine's cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
+    loaded = load_model(model_config, device)
+    sm_scale = attention_scale(loaded.model)  # before from_hf consumes the module
+    try:
+        native = LlamaModel.from_hf(
+            loaded.model, loaded.hf_config, loaded.dtype, device, max_positions=loaded.max_model_len,
+            compile=model_config.torch_compile, group=group,
+        )  # fmt: skip
+    except UnsupportedModelError as exc:
+        raise ValueError(f"tensor parallelism needs a model of the native Llama family: {exc}") from exc
+    backend_name = pick_backend(model_config.attention_backend, device)
+    kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
+    spec, shard = native.spec, native.shard
+    page_size = cache_config.page_size
+    page_bytes = kv_page_bytes(spec.num_layers, page_size, shard.num_kv_heads, spec.head_dim, kv_dtype)
+    # The same page ids on every rank: as many pages as the smallest rank holds.
+    pages = torch.tensor([num_kv_pages(cache_config, page_bytes, device)], dtype=torch.long, device=device)
+    dist.all_reduce(pages, op=dist.ReduceOp.MIN)
+    num_pages = int(pages.item())
+    backend = get_backend_cls(backend_name)(
+        spec.num_layers, num_pages, page_size, shard.num_kv_heads, spec.head_dim, kv_dtype, device,
+        sm_scale, num_qo_heads=shard.num_heads,
+    )  # fmt: skip
+    capacity = (num_pages - 1) * page_size  # page 0 is the KV cache manager's scratch page
+    if capacity < loaded.max_model_len:
+        loaded = replace(loaded, max_model_len=capacity)
+    if group.rank == 0:
+        logger.info(
+            "model %s on %d ranks (%s, %s, native path), rank 0: %d query / %d KV heads, %s attention, "
+            "KV cache %d pages x %d tokens (%s, %.2f GB per rank); CUDA graphs are off with tensor parallelism",
+            loaded.name, group.world_size, device, loaded.dtype, shard.num_heads, shard.num_kv_heads, backend_name,
+            num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9,
+        )  # fmt: skip
+    runner_sampler = sampler if sampler is not None else pick_sampler(device, model_config.seed)
+    return ModelRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native)), loaded, num_pages
+
+
+def run_worker(model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    """A worker rank (1..N-1): joins the group, builds its shard, then runs steps until rank 0
+    sends the end (or dies: the launcher's parent watch ends this process)."""
+    group = init_tp_group(rank_device(model_config.device))
+    control = control_group()
+    runner, _, _ = build_rank_runner(model_config, cache_config, group)
+    box: list[Any] = [None]
+    try:
+        while True:
+            dist.broadcast_object_list(box, src=0, group=control)
+            if box[0] is None:
+                break
+            out, prompt_rows = decode_step(box[0])
+            runner.forward(out, prompt_rows)
+    finally:
+        close_tp_group(group)

@@ -1,0 +1,131 @@
+"""The engine over two tensor-parallel ranks (gloo, CPU) generates what one rank generates.
+
+This process is rank 0 (`LLM(..., tensor_parallel_size=2)`) and spawns one worker. Both run the
+same dummy weights (seeded alike) of a small Llama config: 4 query heads, 2 or 1 KV heads, a
+vocabulary of 211 (not divisible by 2). Prompts of 3, 20 and 53 tokens under a 32-token step
+budget give whole prefills, chunked prefills and decode steps, alone and mixed. The engines are
+built once per config (a class fixture: one group per process at a time); lifetime tests start their own.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from flashserve.cli import build_parser, to_configs
+from flashserve.llm import LLM
+from flashserve.parallel.launch import RankFailed
+from flashserve.sampling_params import SamplingParams
+
+CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=211,
+              max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-5,
+              rope_theta=10000.0)  # fmt: skip
+ENGINE = dict(load_format="dummy", dtype="float32", device="cpu", num_pages=64, max_num_batched_tokens=32)
+PROMPTS = [[1, 2, 3], [5] * 20, list(range(7, 60))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def write_config(directory: Path, **overrides: Any) -> str:
+    path = directory / "config.json"
+    path.write_text(json.dumps({**CONFIG, **overrides}))
+    return str(path)
+
+
+def worker_pids(llm: LLM) -> list[int]:
+    return [p.pid for p in llm.engine.executor.workers.processes.values()]  # type: ignore[attr-defined]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="class", params=[2, 1], ids=["kv_heads_2", "kv_heads_1"])
+def engines(request: Any, tmp_path_factory: Any) -> Iterator[tuple[LLM, LLM]]:
+    """(one rank, two ranks) over the same dummy weights."""
+    model = write_config(tmp_path_factory.mktemp("model"), num_key_value_heads=request.param)
+    single = LLM(model, **ENGINE)
+    with LLM(model, tensor_parallel_size=2, **ENGINE) as pair:
+        yield single, pair
+
+
+class TestTwoRanksMatchOneRank:
+    def test_two_ranks_generate_the_single_rank_greedy_tokens(self, engines: tuple[LLM, LLM]) -> None:
+        single, pair = engines
+        expected = [c.token_ids for c in single.generate(PROMPTS, GREEDY)]
+        assert [c.token_ids for c in pair.generate(PROMPTS, GREEDY)] == expected
+        assert all(len(t) == GREEDY.max_tokens for t in expected)
+
+    def test_prompt_logprob_rows_reach_every_rank(self, engines: tuple[LLM, LLM]) -> None:
+        """Steps whose logits include prompt rows keep the ranks' vocabulary gathers the same shape."""
+        single, pair = engines
+        params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=1)
+        expected = [c.token_ids for c in single.generate(PROMPTS, params)]
+        assert [c.token_ids for c in pair.generate(PROMPTS, params)] == expected
+
+
+def test_close_leaves_no_worker_alive(tmp_path: Path) -> None:
+    llm = LLM(write_config(tmp_path), tensor_parallel_size=2, **ENGINE)
+    pids = worker_pids(llm)
+    llm.close()
+    assert all(gone(pid) for pid in pids)
+    assert not multiprocessing.active_children()
+    with pytest.raises(RuntimeError):
+        llm.generate(PROMPTS[:1], GREEDY)
+
+
+def test_interpreter_exit_without_close_stops_the_workers(tmp_path: Path) -> None:
+    script = (
+        "from flashserve.llm import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({write_config(tmp_path)!r}, tensor_parallel_size=2, **{ENGINE!r})\n"
+        "    print(*[p.pid for p in llm.engine.executor.workers.processes.values()])\n"
+    )
+    (tmp_path / "main.py").write_text(script)
+    done = subprocess.run([sys.executable, str(tmp_path / "main.py")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert pids and all(gone(pid) for pid in pids)
+
+
+def test_killed_worker_fails_the_next_generate_and_leaves_no_process(tmp_path: Path) -> None:
+    llm = LLM(write_config(tmp_path), tensor_parallel_size=2, **ENGINE)
+    try:
+        (pid,) = worker_pids(llm)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match="rank 1 was killed by SIGKILL"):
+            llm.generate(PROMPTS, GREEDY)
+        assert time.monotonic() - start < 5
+        assert gone(pid) and not multiprocessing.active_children()
+    finally:
+        llm.close()
+
+
+def test_hf_model_path_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="native model path"):
+        LLM(write_config(tmp_path), tensor_parallel_size=2, model_impl="hf", **ENGINE)
+    assert not multiprocessing.active_children()
+
+
+def test_tp_flag_is_an_alias_of_tensor_parallel_size() -> None:
+    parser = build_parser({})
+    assert to_configs(parser.parse_args(["serve"])).model.tensor_parallel_size == 1
+    assert to_configs(parser.parse_args(["serve", "--tp", "2"])).model.tensor_parallel_size == 2
+    assert to_configs(parser.parse_args(["serve", "--tensor-parallel-size", "3"])).model.tensor_parallel_size == 3
+    env = build_parser({"FLASHSERVE_TENSOR_PARALLEL_SIZE": "4"})
+    assert to_configs(env.parse_args(["serve"])).model.tensor_parallel_size == 4
