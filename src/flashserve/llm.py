@@ -65,7 +65,8 @@ def build_engine(
         prefill_only = scheduler.prefill_only_budget or default_prefill_only_budget(loaded.device.type, budget)
         scheduler = replace(scheduler, max_num_batched_tokens=budget, prefill_only_budget=prefill_only)
     # loaded.max_model_len is already capped by what the KV cache holds.
-    sched = Scheduler(scheduler, KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching), loaded.max_model_len)
+    kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching)
+    sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
     engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size)
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
 

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from flashserve.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from flashserve.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs, merge_completion_logprobs
 from flashserve.api.tool_parsers import ToolParser, forced_named_call
 from flashserve.engine.outputs import RequestOutput, TokenLogprob
 
@@ -93,7 +93,7 @@ def completion_choice_logprobs(result: ChoiceResult, text_of: TokenTexts, prompt
         parts.append(completion_logprobs(prompt_ids, result.prompt_logprobs, text_of))
         offset = len(prompt_text)
     parts.append(completion_logprobs(result.token_ids, result.logprobs, text_of, offset))
-    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
+    return merge_completion_logprobs(parts)
 
 
 def chat_choices(results: list[ChoiceResult], tools: ToolMode | None, text_of: TokenTexts) -> list[dict[str, Any]]:
@@ -197,7 +197,7 @@ class CompletionChoiceStream:
         if out.logprobs:
             parts.append(completion_logprobs(out.new_token_ids, out.logprobs, self._text_of, self._offset))
         self._offset += len(out.new_text)
-        logprobs = {key: [v for p in parts for v in p[key]] for key in parts[0]} if parts else None
+        logprobs = merge_completion_logprobs(parts)
         choices = []
         if text or logprobs is not None:
             choices.append({"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": None})

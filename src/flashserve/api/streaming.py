@@ -193,8 +193,6 @@ class EngineStreams:
             if err is not None:
                 raise err
             results[index].add(out)
-        for result, n in zip(results, self.num_output_tokens):
-            result.num_output_tokens = n
         return results
 
     def close(self) -> None:

@@ -68,8 +68,6 @@ class LLMEngine:
         self.executor = executor
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's embedding rows; never changes, so any thread may read it
-        if scheduler.vocab_size is None:  # the width of grammar bitmasks
-            scheduler.vocab_size = vocab_size
         self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
@@ -158,7 +156,8 @@ class LLMEngine:
             live.new_text.append(detok.add(token_id))
             if detok.stopped:
                 reason = check_stop(live.request, self.scheduler.max_model_len, stop_string=True)
-                self.scheduler.finish(live.request.request_id, reason or FinishReason.STOP)
+                assert reason is not None  # a stop string always stops
+                self.scheduler.finish(live.request.request_id, reason)
                 return
         if live.request.is_finished and not detok.stopped:
             live.new_text.append(detok.flush())

@@ -6,12 +6,13 @@ not ask: the runner calls them only with the rows that need them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from flashserve.engine.grammar import TokenBitmask
-from flashserve.engine.outputs import TokenLogprob
+from flashserve.engine.outputs import ScheduledRequest, TokenLogprob
 
 
 @dataclass
@@ -46,6 +47,50 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
         top.indices if top is not None else empty.long(),
         top.values if top is not None else empty,
     )
+
+
+@dataclass
+class PromptLogprobs:
+    """A step's prompt logprobs: every token of a chunk whose next token is also in the prompt
+    gives the logprob of that next token, for the requests that ask."""
+
+    rows: list[int] = field(default_factory=list)  # indices into the step's tokens
+    targets: list[int] = field(default_factory=list)  # the prompt token each row predicts
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # (request index, rows, top tokens)
+    pending: PendingLogprobs | None = None
+
+    @classmethod
+    def plan(cls, requests: Sequence[ScheduledRequest]) -> PromptLogprobs | None:
+        """None when no request of the step asks (the usual case)."""
+        plan: PromptLogprobs | None = None
+        offset = 0
+        for i, r in enumerate(requests):
+            top = r.params.prompt_logprobs
+            end = min(r.kv_len, len(r.prompt_token_ids) - 1)  # positions whose next token is in the prompt
+            if top is not None and end > r.num_computed_tokens:
+                plan = plan or cls()
+                count = end - r.num_computed_tokens
+                plan.rows.extend(range(offset, offset + count))
+                plan.targets.extend(r.prompt_token_ids[r.num_computed_tokens + 1 : end + 1])
+                plan.spans.append((i, count, top))
+            offset += r.num_new_tokens
+        return plan
+
+    def compute(self, logits: torch.Tensor) -> None:
+        """`logits` [len(rows), V], the rows' logits in order; stays on the device."""
+        targets = torch.tensor(self.targets, dtype=torch.long).to(logits.device, non_blocking=True)
+        self.pending = compute_logprobs(logits, targets, max(k for _, _, k in self.spans))
+
+    def to_host(self) -> dict[int, list[TokenLogprob]]:
+        """Request index -> its chunk's entries (waits for the device)."""
+        assert self.pending is not None
+        entries = self.pending.to_host(self.targets, [k for _, count, k in self.spans for _ in range(count)])
+        out: dict[int, list[TokenLogprob]] = {}
+        start = 0
+        for i, count, _ in self.spans:
+            out[i] = entries[start : start + count]
+            start += count
+        return out
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:

@@ -19,7 +19,7 @@ from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, 
 from flashserve.model.hf import HFCausalLM, attention_scale
 from flashserve.model.loader import LoadedModel, load_model
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
-from flashserve.model.logprobs import PendingLogprobs, compute_logprobs
+from flashserve.model.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,7 @@ class LaunchedStep:
     logprob_rows: list[int] = field(default_factory=list)
     logprob_top: list[int] = field(default_factory=list)
     logprobs: PendingLogprobs | None = None
-    # Requests whose chunk computes prompt logprobs: (request index, number of rows, top tokens),
-    # their rows one after another in `prompt_logprobs`, targets in `prompt_targets`.
-    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
-    prompt_targets: list[int] = field(default_factory=list)
-    prompt_logprobs: PendingLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # the chunks' rows that give prompt logprobs
 
 
 class StepModel(Protocol):
@@ -127,14 +123,12 @@ class ModelRunner:
         step = LaunchedStep(len(out.requests), sampling)
         if out.is_empty:
             return step
-        prompt_rows = self._plan_prompt_logprobs(out, step)
-        logits = self.forward(out, prompt_rows)
+        step.prompt_logprobs = PromptLogprobs.plan(out.requests)
+        logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else ())
         requests = [out.requests[i] for i in sampling]
         with torch.inference_mode():
-            if step.prompt_spans:
-                targets = torch.tensor(step.prompt_targets, dtype=torch.long).to(self.device, non_blocking=True)
-                top = max(k for _, _, k in step.prompt_spans)
-                step.prompt_logprobs = compute_logprobs(logits[len(sampling):], targets, top)
+            if step.prompt_logprobs is not None:
+                step.prompt_logprobs.compute(logits[len(sampling):])
             if not sampling:
                 return step
             logits = logits[: len(sampling)]
@@ -153,29 +147,10 @@ class ModelRunner:
                                                  max(step.logprob_top))
         return step
 
-    @staticmethod
-    def _plan_prompt_logprobs(out: SchedulerOutput, step: LaunchedStep) -> list[int]:
-        """The token rows whose logits give prompt logprobs: every token of a chunk whose next token
-        is also in the prompt, for requests that ask."""
-        rows: list[int] = []
-        offset = 0
-        for i, r in enumerate(out.requests):
-            top = r.params.prompt_logprobs
-            if top is not None:
-                prompt_len = len(r.prompt_token_ids)
-                end = min(r.kv_len, prompt_len - 1)  # positions whose next token is a prompt token
-                if end > r.num_computed_tokens:
-                    count = end - r.num_computed_tokens
-                    rows.extend(range(offset, offset + count))
-                    step.prompt_targets.extend(r.prompt_token_ids[r.num_computed_tokens + 1 : end + 1])
-                    step.prompt_spans.append((i, count, top))
-            offset += r.num_new_tokens
-        return rows
-
     def collect(self, step: LaunchedStep) -> list[SampledTokens]:
         """Waits for a launched step: one result per request, as `execute` returns."""
         results: list[SampledTokens] = [NOTHING] * step.num_requests
-        prompt = self._prompt_results(step)
+        prompt = step.prompt_logprobs.to_host() if step.prompt_logprobs is not None else {}
         if step.results is not None:
             for i, result in zip(step.sampling, step.results):
                 results[i] = result
@@ -191,19 +166,6 @@ class ModelRunner:
         for i, entries in prompt.items():
             results[i] = SampledTokens(results[i].token_ids, results[i].logprobs, entries, results[i].error)
         return results
-
-    @staticmethod
-    def _prompt_results(step: LaunchedStep) -> dict[int, list]:  # type: ignore[type-arg]
-        if step.prompt_logprobs is None:
-            return {}
-        tops = [k for _, count, k in step.prompt_spans for _ in range(count)]
-        entries = step.prompt_logprobs.to_host(step.prompt_targets, tops)
-        out: dict[int, list] = {}  # type: ignore[type-arg]
-        start = 0
-        for i, count, _ in step.prompt_spans:
-            out[i] = entries[start : start + count]
-            start += count
-        return out
 
     def _sample_one(self, logits: torch.Tensor, row: int, request: ScheduledRequest,
                     bitmask: TokenBitmask | None) -> SampledTokens:
