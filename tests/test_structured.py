@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -12,7 +13,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flashserve.api.structured import GrammarCompiler, GrammarSpec, XGrammar, spec_from_request, tool_call_spec
+import xgrammar as xgr
+
+from flashserve.api.structured import (
+    GrammarCompiler,
+    GrammarSpec,
+    XGrammar,
+    spec_from_request,
+    tool_call_spec,
+    unroll_bounded_strings,
+)
 from flashserve.engine.grammar import bitmask_words, step_bitmask
 from flashserve.sampling_params import InvalidParameter
 
@@ -231,6 +241,36 @@ def test_json_output_has_no_free_whitespace(compiler: GrammarCompiler, tokenizer
     bad = '{ "name": "a"'
     assert tokenizer.decode(tokenizer.encode(bad, add_special_tokens=False)[:1]) == "{"
     assert drive(grammar, tokenizer, bad)[0] == 1  # "{" is fine, the space after it is not
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "minLength": 2, "maxLength": 5}, "note": {"type": "string"}},
+    "required": ["code", "note"],
+}
+
+
+@pytest.mark.parametrize("code, ok", [("ab", True), ("abcde", True), ("a", False), ("abcdef", False)])
+def test_bounded_string_keeps_min_and_max_length(
+    compiler: GrammarCompiler, tokenizer: Any, code: str, ok: bool
+) -> None:
+    grammar = compiler.compile_sync(GrammarSpec("json", json.dumps(BOUNDED), "response_format"))
+    rejected, terminated = drive(grammar, tokenizer, json.dumps({"code": code, "note": "a longer free note"}))
+    assert (rejected is None and terminated) == ok
+
+
+def test_bounded_strings_compile_as_rule_chains() -> None:
+    """xgrammar's counted repetition for maxLength is rewritten (its masks cost ~50x more per row);
+    a free string and a bound too long to unroll are left as they are."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 40},
+                                               "b": {"type": "string", "maxLength": 1000}}}
+    ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    unrolled = unroll_bounded_strings(ebnf)
+    assert "{0, 40}" in ebnf and "{0, 40}" not in unrolled
+    assert "{0, 1000}" in unrolled
+    assert len(re.findall(r"_bounded_0_\d+ ::=", unrolled)) == 41  # one rule per length 0..40
+    free = str(xgr.Grammar.from_json_schema(json.dumps(NESTED_SCHEMA), any_whitespace=False))
+    assert unroll_bounded_strings(free) == free
 
 
 def test_json_object_accepts_any_object_only(compiler: GrammarCompiler, tokenizer: Any) -> None:
