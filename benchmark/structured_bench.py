@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,15 +113,34 @@ async def schema_ttft(base: str, model: str, rounds: int, base_schema: dict[str,
             "rounds": rounds}
 
 
+@contextlib.contextmanager
+def sampled(pid: int | None, path: Path) -> Iterator[None]:
+    """py-spy samples process `pid` (all threads, with native frames off) while the block runs and
+    writes collapsed stacks to `path`; nothing when pid is None."""
+    if pid is None:
+        yield
+        return
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format", "raw",
+                            "--threads", "--nonblocking", "-o", str(path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+
+
 async def run(base: str, model: str, concurrency: int, max_tokens: int, rounds: int,
-              schema: dict[str, Any]) -> dict[str, Any]:
+              schema: dict[str, Any], spy_pid: int | None = None, out_dir: Path = Path(".")) -> dict[str, Any]:
     constrained = [{"prompt": prompt(i), "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
                     "structured_outputs": {"json": schema}} for i in range(concurrency)]
     await phase(base, model, constrained[:4])  # compile the schema once, outside the timing
-    json_run = await phase(base, model, constrained)
+    with sampled(spy_pid, out_dir / "profile_json_schema.txt"):
+        json_run = await phase(base, model, constrained)
     plain = [{"prompt": prompt(i), "max_tokens": max(n, 1), "temperature": 0.8, "seed": i, "ignore_eos": True}
              for i, n in enumerate(json_run["token_counts"])]
-    plain_run = await phase(base, model, plain)
+    with sampled(spy_pid, out_dir / "profile_unconstrained.txt"):
+        plain_run = await phase(base, model, plain)
     valid = 0
     for text in json_run.pop("_texts"):
         try:
@@ -141,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="benchmark/results")
     p.add_argument("--unbounded", action="store_true", help="the schema without maxLength / maxItems")
     p.add_argument("--server-arg", action="append", default=[])
+    p.add_argument("--profile", action="store_true",
+                   help="sample the server with py-spy during both phases (collapsed stacks beside the JSON)")
     args = p.parse_args(argv)
 
     import torch
@@ -161,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SystemExit(f"server: {error}")
             model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
             schema = unbounded(SCHEMA) if args.unbounded else SCHEMA
-            doc = asyncio.run(run(base, model, args.concurrency, args.max_tokens, args.rounds, schema))
+            doc = asyncio.run(run(base, model, args.concurrency, args.max_tokens, args.rounds, schema,
+                                  proc.pid if args.profile else None, out_dir))
         finally:
             stop(proc)
     from benchmark.suite import model_config
