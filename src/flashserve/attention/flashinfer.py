@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from flashserve.attention.base import BatchLayout
+from flashserve.pinned import PinnedStaging
 
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 # FA2 prefill reads out of bounds (or computes garbage) for other head sizes (FLASHINFER.md §8).
@@ -39,52 +40,6 @@ class _StepIndices:
     kv_indices: torch.Tensor
     kv_indptr: torch.Tensor
     kv_last_page_len: torch.Tensor
-
-
-class _Staging:
-    """A pinned int32 host buffer and its device twin: a step's index arrays go up in one copy.
-
-    The wrappers' plan() also copies asynchronously from pinned memory (ours and their own), so
-    before the host writes pinned memory again the previous plan's copies must have run: `begin`
-    waits on the event that `end` recorded (FLASHINFER.md §8, the pinned staging race).
-    """
-
-    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
-        self.device = device
-        self._done: torch.cuda.Event | None = None
-        self._allocate(capacity)
-
-    def _allocate(self, capacity: int) -> None:
-        self.host = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
-        self.host_np = self.host.numpy()
-        self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
-
-    def begin(self) -> None:
-        if self._done is not None:
-            self._done.synchronize()
-
-    def upload(self, arrays: Sequence[Sequence[int] | np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Writes `arrays` back to back, copies them up once; returns (host views, device views)."""
-        sizes = [len(a) for a in arrays]
-        total = sum(sizes)
-        if total > self.host.numel():
-            self._allocate(max(total, 2 * self.host.numel()))
-        offset = 0
-        for a, n in zip(arrays, sizes):
-            self.host_np[offset : offset + n] = a
-            offset += n
-        self.dev[:total].copy_(self.host[:total], non_blocking=True)
-        host_views, dev_views, offset = [], [], 0
-        for n in sizes:
-            host_views.append(self.host[offset : offset + n])
-            dev_views.append(self.dev[offset : offset + n])
-            offset += n
-        return host_views, dev_views
-
-    def end(self) -> None:
-        if self._done is None:
-            self._done = torch.cuda.Event()
-        self._done.record()
 
 
 class FlashInferAttentionBackend:
@@ -147,7 +102,7 @@ class FlashInferAttentionBackend:
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=True, backend="fa2"
         )
-        self._staging = _Staging(self.device)
+        self._staging = PinnedStaging(self.device)
         self._step: _StepIndices | None = None
         self._graph: _GraphBuffers | None = None
 

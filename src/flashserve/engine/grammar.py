@@ -44,8 +44,9 @@ class Grammar(Protocol):
         ...
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: Any) -> None:
-        """Row j of `bitmask` gets the tokens `matchers[j]` allows next, for matchers of grammars of
-        this kind (the same library); may use several threads."""
+        """Row j of `bitmask` gets the tokens `matchers[j]` allows next (every word of it is
+        written), for matchers of grammars of this kind (the same library); may use several
+        threads."""
         ...
 
 
@@ -86,7 +87,7 @@ def step_bitmask(
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
-    bitmask = np.full((len(rows), bitmask_words(vocab_size)), -1, dtype=np.int32)
+    bitmask = np.empty((len(rows), bitmask_words(vocab_size)), dtype=np.int32)  # the fill writes it all
     grammar = grammars[rows[0]]
     assert grammar is not None
     active = [matchers[i] for i in rows]

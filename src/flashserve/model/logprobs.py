@@ -13,6 +13,7 @@ import torch
 
 from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import ScheduledRequest, TokenLogprob
+from flashserve.pinned import PinnedStaging
 
 
 @dataclass
@@ -93,16 +94,22 @@ class PromptLogprobs:
         return out
 
 
-def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask, staging: PinnedStaging | None = None) -> None:
     """In place: tokens a row's grammar does not allow get -inf (`mask.rows` index `logits`' rows).
-    Unpacked on the logits' device, after one upload of the packed words."""
+    Unpacked on the logits' device, after one upload of the packed words and the rows through
+    `staging` (not needed on the CPU)."""
     device = logits.device
     vocab = logits.shape[1]
-    words = torch.from_numpy(mask.array())
-    rows = torch.tensor(mask.rows, dtype=torch.long)
-    if device.type != "cpu":
-        words = words.pin_memory().to(device, non_blocking=True)
-        rows = rows.pin_memory().to(device, non_blocking=True)
+    packed = mask.array()
+    if device.type == "cpu":
+        words, rows = torch.from_numpy(packed), torch.tensor(mask.rows, dtype=torch.long)
+    else:
+        if staging is None:
+            raise ValueError("a mask for a GPU's logits goes up through a PinnedStaging")
+        staging.begin()
+        _, (flat, rows) = staging.upload([packed.reshape(-1), mask.rows])
+        staging.end()
+        words, rows = flat.view(packed.shape), rows.long()
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :vocab].bool()
     if allowed.shape[1] < vocab:  # logits wider than the mask's vocabulary: the rest is not allowed

@@ -15,6 +15,7 @@ import torch
 from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import ScheduledRequest
 from flashserve.model.logprobs import apply_token_bitmask
+from flashserve.pinned import PinnedStaging
 
 _MASK64 = (1 << 64) - 1
 
@@ -218,6 +219,14 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._history = TokenHistory()
+        self._staging: PinnedStaging | None = None  # grammar masks' uploads, on a GPU
+
+    def _mask_staging(self, device: torch.device) -> PinnedStaging | None:
+        if device.type == "cpu":
+            return None
+        if self._staging is None or self._staging.device != device:
+            self._staging = PinnedStaging(device, capacity=1 << 20)
+        return self._staging
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -259,7 +268,7 @@ class Sampler:
         if needs_min_tokens:
             apply_min_tokens(logits, requests)
         if bitmask is not None:
-            apply_token_bitmask(logits, bitmask)
+            apply_token_bitmask(logits, bitmask, self._mask_staging(logits.device))
         if all_greedy:
             return logits.argmax(dim=-1)
         return self._sample_random(logits, requests)
