@@ -13,7 +13,7 @@ import torch
 
 from flashserve.attention import torch_ref
 from flashserve.attention.base import BatchLayout
-from flashserve.attention.cascade import find_groups
+from flashserve.attention.cascade import CascadePolicy, cascade_policy, find_groups
 from flashserve.attention.torch_ref import TorchAttentionBackend, merge_attention_states
 from flashserve.attention.torch_sdpa import SdpaAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
@@ -67,7 +67,7 @@ def step(backend: TorchAttentionBackend, layout: BatchLayout, seed: int = 1) -> 
 
 def assert_cascade_matches_flat(requests: list[ScheduledRequest], num_groups: int) -> BatchLayout:
     """The reference's cascade output equals its flat output on the same cache; returns the layout."""
-    layout = BatchLayout.build(requests, PAGE, cascade=True)
+    layout = BatchLayout.build(requests, PAGE, cascade=CascadePolicy())
     assert layout.prefix is not None and layout.prefix.num_groups == num_groups
     backend = filled_backend()
     # The same new K/V go to the same slots in both runs, so both attend over the same cache.
@@ -146,7 +146,7 @@ def test_sdpa_backend_given_a_cascade_layout_matches_the_reference_cascade() -> 
     p = Pages()
     a = p.take(2)
     requests = [req(0, a + p.take(1), 40, 1), req(1, a + p.take(1), 35, 6), req(2, p.take(1), 5, 3)]
-    layout = BatchLayout.build(requests, PAGE, cascade=True)
+    layout = BatchLayout.build(requests, PAGE, cascade=CascadePolicy())
     for fast, ref in zip(step(filled_backend(SdpaAttentionBackend), layout), step(filled_backend(), layout)):
         torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
@@ -204,7 +204,7 @@ def test_cascade_keeps_the_flat_fields_unchanged() -> None:
     a = p.take(2)
     requests = [req(0, a + p.take(1), 33, 1), req(1, p.take(1), 3, 2), req(2, a + p.take(2), 40, 9)]
     requests.insert(1, req(3, a + p.take(1), 35, 1))
-    cascade, flat = BatchLayout.build(requests, PAGE, cascade=True), BatchLayout.build(requests, PAGE)
+    cascade, flat = BatchLayout.build(requests, PAGE, cascade=CascadePolicy()), BatchLayout.build(requests, PAGE)
     assert cascade.prefix is not None
     assert cascade == BatchLayout(flat.page_size, flat.qo_indptr, flat.kv_indptr, flat.kv_indices,
                                   flat.kv_last_page_len, flat.positions, cascade.prefix)  # fmt: skip
@@ -215,7 +215,7 @@ def test_groups_of_consecutive_requests_sharing_pages_are_found_in_csr_form() ->
     a, b = p.take(3), p.take(1)
     requests = [req(0, p.take(1), 4, 4), req(1, a + p.take(1), 48, 1), req(2, a + p.take(1), 50, 2)]
     requests += [req(3, b + p.take(1), 17, 1), req(4, b + p.take(1), 16, 5), req(5, b + p.take(1), 20, 1)]
-    prefix = BatchLayout.build(requests, PAGE, cascade=True).prefix
+    prefix = BatchLayout.build(requests, PAGE, cascade=CascadePolicy()).prefix
     assert prefix is not None
     assert (prefix.request_start, prefix.request_end) == ([1, 3], [3, 6])
     assert prefix.token_start == [4, 7] and prefix.qo_indptr == [0, 3, 10]
@@ -229,7 +229,7 @@ def test_suffix_level_is_each_requests_pages_after_its_prefix() -> None:
     p = Pages()
     a = p.take(2)
     requests = [req(0, p.take(1), 4, 1), req(1, a + p.take(2), 40, 9), req(2, a + p.take(1), 33, 1)]
-    layout = BatchLayout.build(requests, PAGE, cascade=True)
+    layout = BatchLayout.build(requests, PAGE, cascade=CascadePolicy())
     assert layout.prefix is not None
     own = [requests[0].page_ids, requests[1].page_ids[2:], requests[2].page_ids[2:]]
     assert layout.prefix.suffix_kv_indices == [page for pages in own for page in pages]
@@ -248,14 +248,14 @@ def test_a_member_with_less_than_a_computed_page_breaks_the_group() -> None:
     p = Pages()
     shared = p.take(2)
     requests = [req(0, shared + p.take(1), 33, 1), req(1, shared, 15, 10), req(2, shared + p.take(1), 40, 1)]
-    assert BatchLayout.build(requests, PAGE, cascade=True).prefix is None
+    assert BatchLayout.build(requests, PAGE, cascade=CascadePolicy()).prefix is None
 
 
 def test_requests_sharing_pages_but_not_adjacent_form_no_group() -> None:
     p = Pages()
     a = p.take(2)
     requests = [req(0, a + p.take(1), 33, 1), req(1, p.take(1), 5, 1), req(2, a + p.take(1), 40, 1)]
-    assert BatchLayout.build(requests, PAGE, cascade=True).prefix is None
+    assert BatchLayout.build(requests, PAGE, cascade=CascadePolicy()).prefix is None
 
 
 def test_min_group_leaves_smaller_groups_out() -> None:
@@ -273,7 +273,7 @@ def test_min_pages_leaves_shorter_prefixes_out() -> None:
     requests = [req(i, a + p.take(1), 49, 1) for i in range(2)]
     requests += [req(2 + i, b + p.take(1), 17, 1) for i in range(2)]
     assert find_groups(requests, PAGE, min_pages=2) == [(0, 2, 3)]
-    assert BatchLayout.build(requests, PAGE, cascade=True, min_pages=4).prefix is None
+    assert BatchLayout.build(requests, PAGE, cascade=CascadePolicy(min_pages=4)).prefix is None
 
 
 def test_nested_sharing_picks_the_split_that_saves_most_reads() -> None:
@@ -296,11 +296,25 @@ def test_saved_kv_reads_count_members_minus_one_times_prefix_tokens() -> None:
     a, b = p.take(3), p.take(2)
     requests = [req(i, a + p.take(1), 48, 1) for i in range(4)]
     requests += [req(4 + i, b + p.take(1), 40, 1) for i in range(2)]
-    layout = BatchLayout.build(requests, PAGE, cascade=True)
+    layout = BatchLayout.build(requests, PAGE, cascade=CascadePolicy())
     assert layout.saved_kv_reads() == (3 * 3 + 1 * 2) * PAGE
 
 
 @pytest.mark.parametrize(("min_group", "min_pages"), [(1, 1), (2, 0)])
 def test_group_thresholds_below_their_minimum_are_refused(min_group: int, min_pages: int) -> None:
     with pytest.raises(ValueError, match="at least"):
-        BatchLayout.build([req(0, [1], 0, 3)], PAGE, cascade=True, min_group=min_group, min_pages=min_pages)
+        BatchLayout.build([req(0, [1], 0, 3)], PAGE, cascade=CascadePolicy(min_group, min_pages))
+
+
+@pytest.mark.parametrize(
+    "mode, backend, policy",
+    [("on", "torch", CascadePolicy()), ("off", "flashinfer", None), ("auto", "torch", None),
+     ("auto", "flashinfer", CascadePolicy(min_group=8, min_pages=16))],
+)
+def test_cascade_modes_pick_the_group_thresholds(mode: str, backend: str, policy: CascadePolicy | None) -> None:
+    assert cascade_policy(mode, backend, PAGE) == policy
+
+
+def test_unknown_cascade_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="auto, on, off"):
+        cascade_policy("always", "flashinfer", PAGE)

@@ -201,3 +201,23 @@ def test_generate_leaves_no_page_pinned_or_held(llm: Any) -> None:
     llm.generate([SUPPORT + q for q in QUESTIONS], greedy(2), prefix_grouping=True)
     kv_cache = llm.engine.scheduler.kv_cache
     assert kv_cache.num_used_pages == 0 and kv_cache.num_pinned_pages == 0
+
+
+@pytest.mark.slow
+def test_cascade_attention_on_gives_the_same_greedy_tokens_as_off(llm: Any) -> None:
+    from flashserve.llm import LLM
+
+    cascade = LLM("", num_pages=48, max_num_batched_tokens=256, max_num_seqs=8, cascade_attention="on")
+    runner = cascade.engine.executor
+    plan, grouped_steps = runner.backend.plan, []
+
+    def recording_plan(layout: Any) -> None:
+        grouped_steps.append(layout.prefix is not None)
+        plan(layout)
+
+    runner.backend.plan = recording_plan
+    prompts = [SUPPORT + q for q in QUESTIONS] + UNRELATED
+    with_cascade = cascade.generate(prompts, greedy(), prefix_grouping=True)
+    assert any(grouped_steps)  # the shared prompt's requests decoded through a prefix level
+    flat = llm.generate(prompts, greedy(), prefix_grouping=True)
+    assert [c.token_ids for c in with_cascade] == [c.token_ids for c in flat]

@@ -80,6 +80,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "torch.compile (Inductor); start-up compiles for a while first"),
     Option("--tensor-parallel-size", _positive_int, 1, "ranks that share the model's weights on this node "
            "(this process and N-1 worker processes; native model path only) (alias --tp)"),
+    Option("--cascade-attention", str, "auto", "attend a prefix shared by a group of requests once for the group "
+           "(FlashInfer; auto: prefixes of >= 256 tokens shared by >= 8 requests)", ["auto", "on", "off"]),
     Option("--page-size", int, 16, "tokens per KV cache page"),
     Option("--num-pages", int, None, "KV cache pages (default: sized from memory)"),
     Option("--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV cache"),
@@ -201,6 +203,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         max_model_len=ns.max_model_len, device=ns.device, attention_backend=ns.attention_backend,
         model_impl=ns.model_impl,
         torch_compile=ns.torch_compile,
+        cascade_attention=ns.cascade_attention,
         seed=ns.seed,
         tensor_parallel_size=ns.tensor_parallel_size,
     )

@@ -20,6 +20,9 @@ class ModelConfig:
     torch_compile: bool = False  # torch.compile the native model's non-attention pieces
     seed: int = 0
     trust_remote_code: bool = False
+    # Cascade attention for groups of requests sharing cached prefix pages: auto | on | off
+    # (`attention/cascade.py`, `cascade_policy`).
+    cascade_attention: str = "auto"
     tensor_parallel_size: int = 1  # ranks sharing the model: this process and N-1 workers (native path)
 
 

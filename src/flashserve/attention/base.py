@@ -4,7 +4,7 @@ A step's batch is packed as one sequence of new tokens (prefill chunks and decod
 `BatchLayout` says which tokens belong to which request and where each request's K/V pages are,
 in FlashInfer's CSR vocabulary. It is built on the CPU once per step and shared by all layers.
 
-With `cascade=True` it may also carry a prefix level (`cascade.PrefixLevel`): groups of requests
+With a cascade policy it may also carry a prefix level (`cascade.PrefixLevel`): groups of requests
 that share cached pages, for backends that attend a shared prefix once per group. The flat
 fields mean the same with or without it, so a backend may ignore it and attend flat (exact).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from flashserve.attention.cascade import PrefixLevel, build_prefix_level
+from flashserve.attention.cascade import CascadePolicy, PrefixLevel, build_prefix_level
 
 if TYPE_CHECKING:
     import torch
@@ -67,15 +67,11 @@ class BatchLayout:
         cls,
         requests: Sequence[ScheduledRequest],
         page_size: int,
-        cascade: bool = False,
-        *,
-        min_group: int = 2,
-        min_pages: int = 1,
+        cascade: CascadePolicy | None = None,
     ) -> BatchLayout:
-        """The step's flat layout; with `cascade`, also its prefix level when a group forms.
-
-        A group is >= `min_group` consecutive requests sharing >= `min_pages` whole pages of
-        computed tokens (`cascade.find_groups`).
+        """The step's flat layout; with a `cascade` policy, also its prefix level when a group
+        forms: >= `min_group` consecutive requests sharing >= `min_pages` whole pages of computed
+        tokens (`cascade.find_groups`).
         """
         qo_indptr, kv_indptr, kv_indices, last, positions = [0], [0], [], [], []
         for r in requests:
@@ -89,8 +85,9 @@ class BatchLayout:
             last.append(last_page_len(kv_len, page_size))
             positions.extend(range(r.num_computed_tokens, kv_len))
         prefix = None
-        if cascade:
-            prefix = build_prefix_level(requests, page_size, qo_indptr, kv_indptr, kv_indices, min_group, min_pages)
+        if cascade is not None:
+            prefix = build_prefix_level(requests, page_size, qo_indptr, kv_indptr, kv_indices,
+                                        cascade.min_group, cascade.min_pages)
         return cls(page_size, qo_indptr, kv_indptr, kv_indices, last, positions, prefix)
 
 

@@ -59,6 +59,31 @@ class PrefixLevel:
         return [self.token_start[g] + n for g in range(self.num_groups) for n in range(qo[g + 1] - qo[g])]
 
 
+@dataclass(frozen=True)
+class CascadePolicy:
+    """Which groups a step attends through a prefix level: >= `min_group` requests sharing >=
+    `min_pages` whole pages (`find_groups`)."""
+
+    min_group: int = 2
+    min_pages: int = 1
+
+
+CASCADE_MODES = ("auto", "on", "off")
+
+
+def cascade_policy(mode: str, backend_name: str, page_size: int) -> CascadePolicy | None:
+    """`--cascade-attention`: "on" forms any group that saves reads; "auto" only on FlashInfer,
+    for prefixes of >= 256 tokens shared by >= 8 requests (vLLM's rule: below it the extra pass
+    and merge per layer cost more than the reads they save); "off" attends flat."""
+    if mode == "off":
+        return None
+    if mode == "on":
+        return CascadePolicy()
+    if mode == "auto":
+        return CascadePolicy(min_group=8, min_pages=-(-256 // page_size)) if backend_name == "flashinfer" else None
+    raise ValueError(f"cascade attention must be one of {', '.join(CASCADE_MODES)}, got {mode!r}")
+
+
 def shareable_pages(request: ScheduledRequest, page_size: int) -> int:
     """Leading pages a request may read at the non-causal level: whole pages of computed tokens.
 

@@ -5,6 +5,11 @@ bottom-right aligned, so a chunk attends to its cached prefix); decode-only step
 tensor-core `BatchDecodeWithPagedKVCacheWrapper` (any GQA group size, faster than the CUDA-core
 kernel on Hopper). A step's index arrays are packed into one pinned buffer and go up in one copy.
 
+Cascade steps (a layout with a prefix level, `attention/cascade.py`): the same wrapper attends each
+request to its pages after its group's shared prefix, a second prefill wrapper attends each
+group's query rows to the group's prefix pages once (non-causal, several groups in one pass), and
+`merge_state` merges the two by their log-sum-exps (FLASHINFER.md §4). Such steps run eagerly.
+
 CUDA graphs (decode only): `init_cuda_graph` builds one graph-mode decode wrapper per batch size
 over static index buffers; `plan_cuda_graph` pads a batch to such a size with dummy one-token
 requests on the scratch page and re-plans before each replay. `model/cuda_graph.py` drives it.
@@ -40,6 +45,10 @@ class _StepIndices:
     kv_indices: torch.Tensor
     kv_indptr: torch.Tensor
     kv_last_page_len: torch.Tensor
+    # A cascade step: `wrapper` attends each request to its pages after its group's prefix, and
+    # `prefix_wrapper` each group's query rows (`prefix_rows`, step token indices) to its prefix.
+    prefix_wrapper: Any = None
+    prefix_rows: torch.Tensor | None = None
 
 
 class FlashInferAttentionBackend:
@@ -102,6 +111,7 @@ class FlashInferAttentionBackend:
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=True, backend="fa2"
         )
+        self._prefix: Any = None  # cascade prefix passes' wrapper, built when first needed
         self._staging = PinnedStaging(self.device)
         self._step: _StepIndices | None = None
         self._graph: _GraphBuffers | None = None
@@ -114,20 +124,41 @@ class FlashInferAttentionBackend:
             raise ValueError(f"layout page_size {layout.page_size} != cache page_size {self.page_size}")
         qo_indptr = np.asarray(layout.qo_indptr, dtype=np.int32)
         batch_indices = np.repeat(np.arange(layout.batch_size, dtype=np.int32), np.diff(qo_indptr))
+        prefix = layout.prefix
+        levels = [] if prefix is None else [
+            prefix.suffix_kv_indptr, prefix.suffix_kv_indices,
+            prefix.qo_indptr, prefix.kv_indptr, prefix.kv_last_page_len, prefix.kv_indices, prefix.token_index(),
+        ]
         self._staging.begin()
         host, dev = self._staging.upload(
-            [qo_indptr, layout.kv_indptr, layout.kv_last_page_len, layout.kv_indices, batch_indices, layout.positions]
+            [qo_indptr, layout.kv_indptr, layout.kv_last_page_len, layout.kv_indices, batch_indices, layout.positions,
+             *levels]
         )
         qo_h, kv_indptr_h, last_h = host[:3]
-        kv_indptr_d, last_d, indices_d, batch_d, pos_d = dev[1:]
+        kv_indptr_d, last_d, indices_d, batch_d, pos_d = dev[1:6]
+        # The main pass: over each request's pages, or under a cascade its pages after its prefix.
+        attend_indptr_h, attend_indices_d = (kv_indptr_h, indices_d) if prefix is None else (host[6], dev[7])
         if layout.is_decode_only:
-            wrapper, args = self._decode, (kv_indptr_h, indices_d, last_h)
+            wrapper, args = self._decode, (attend_indptr_h, attend_indices_d, last_h)
             kwargs = self._plan_kwargs()
         else:
-            wrapper, args = self._prefill, (qo_h, kv_indptr_h, indices_d, last_h)
+            wrapper, args = self._prefill, (qo_h, attend_indptr_h, attend_indices_d, last_h)
             kwargs = {**self._plan_kwargs(), "causal": True}
-        self._step = _StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d)
+        prefix_wrapper = prefix_rows = None
+        if prefix is not None:
+            # Each group's query rows over its shared pages, all computed before this step's
+            # tokens: non-causal (`cascade.shareable_pages`).
+            prefix_wrapper, prefix_rows = self._cascade_prefix_wrapper(), dev[12].long()
+            self._plan_wrapper(prefix_wrapper, (host[8], host[9], dev[11], host[10]),
+                               {**self._plan_kwargs(), "causal": False})
+        self._step = _StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d, prefix_wrapper, prefix_rows)
         self._plan_wrapper(wrapper, args, kwargs)
+
+    def _cascade_prefix_wrapper(self) -> Any:
+        """The prefill wrapper of cascade prefix passes, built on the first cascade step."""
+        if self._prefix is None:
+            self._prefix = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
+        return self._prefix
 
     def _plan_kwargs(self) -> dict[str, Any]:
         # Keywords only after page_size (positional ones are deprecated); the dtypes explicitly,
@@ -153,8 +184,21 @@ class FlashInferAttentionBackend:
             k, v, step.batch_indices, step.positions, cache,
             step.kv_indices, step.kv_indptr, step.kv_last_page_len, kv_layout="NHD",
         )
-        out = step.wrapper.run(q, cache)
+        if step.prefix_wrapper is None:
+            out = step.wrapper.run(q, cache)
+        else:
+            out = self._cascade(step, q, cache)
         return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    def _cascade(self, step: _StepIndices, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Each request over its own pages, each group's rows over its prefix once, merged by
+        their log-sum-exps (FlashInfer's, base 2, as `merge_state` takes them)."""
+        rows = step.prefix_rows
+        assert rows is not None
+        out, lse = step.wrapper.run(q, cache, return_lse=True)
+        prefix_out, prefix_lse = step.prefix_wrapper.run(q.index_select(0, rows), cache, return_lse=True)
+        merged, _ = self._fi.merge_state(out.index_select(0, rows), lse.index_select(0, rows), prefix_out, prefix_lse)
+        return out.index_copy_(0, rows, merged)
 
     # ---- CUDA-graph decode -------------------------------------------------------------------
 
@@ -173,8 +217,8 @@ class FlashInferAttentionBackend:
     def cuda_graph_batch_size(self, layout: BatchLayout) -> int | None:
         """The captured batch size this step pads to, or None when it must run eagerly."""
         g = self._graph
-        if g is None or not layout.is_decode_only:
-            return None
+        if g is None or not layout.is_decode_only or layout.prefix is not None:
+            return None  # the graphs attend flat; a cascade step runs eagerly
         n = layout.batch_size
         size = next((s for s in g.wrappers if s >= n), None)
         if size is None or len(layout.kv_indices) + size - n > g.capacity:

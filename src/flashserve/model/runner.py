@@ -13,6 +13,7 @@ import torch
 
 from flashserve.attention import get_backend_cls
 from flashserve.attention.base import AttentionBackend, BatchLayout
+from flashserve.attention.cascade import CascadePolicy, cascade_policy
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error
@@ -86,11 +87,13 @@ class ModelRunner:
         sampler: TokenSampler,
         page_size: int,
         model: StepModel | None = None,
+        cascade: CascadePolicy | None = None,
     ) -> None:
         self.loaded = loaded
         self.backend = backend
         self.sampler = sampler
         self.page_size = page_size
+        self.cascade = cascade  # None: every step attends flat
         self.device = loaded.device
         self.model: StepModel = model if model is not None else HFCausalLM(loaded.model)
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
@@ -99,12 +102,13 @@ class ModelRunner:
         """float32 logits: one row per request with sample=True, in schedule order, then the
         token rows `prompt_rows` (indices into the step's tokens) for prompt logprobs."""
         with torch.inference_mode():
-            layout = BatchLayout.build(out.requests, self.page_size)
+            layout = BatchLayout.build(out.requests, self.page_size, self.cascade)
             token_ids = [t for r in out.requests for t in r.new_token_ids]
             input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
             positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device, non_blocking=True)
             all_sample = all(r.sample for r in out.requests)
             if self.graphs is not None and layout.is_decode_only and all_sample and not prompt_rows:
+                # A cascade step finds no graph of its size and runs eagerly.
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
                 return self.graphs(input_ids, positions, layout)
             self.backend.plan(layout)
@@ -313,7 +317,8 @@ def build_runner(
         num_pages, page_size, num_pages * page_size, kv_dtype, num_pages * page_bytes / 1e9,
     )
     sampler = pick_sampler(device, model_config.seed if seed is None else seed)
-    runner = ModelRunner(loaded, backend, sampler, page_size, model)
+    cascade = cascade_policy(model_config.cascade_attention, backend_name, page_size)
+    runner = ModelRunner(loaded, backend, sampler, page_size, model, cascade)
     compiled = isinstance(model, NativeCausalLM) and model.model.compiled
     if device.type == "cuda" or compiled:
         warm_up(runner, num_pages)

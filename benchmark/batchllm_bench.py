@@ -1,0 +1,189 @@
+"""Shared prefixes offline (BatchLLM's shape) and cascade decode, through `flashserve.LLM` on one GPU.
+
+    python -m benchmark.batchllm_bench --model llama-3.2-1b
+    python -m benchmark.batchllm_bench --groups 100 --decode-groups 4 --decode-requests 256
+
+Offline: G groups x 16 prompts of `--shared` shared + `--unique` own random token ids, 100 out,
+greedy, ignore_eos, shuffled, in one `LLM.generate` per configuration: no prefix caching; prefix
+caching in arrival order; prefix-sharing groups; groups + cascade attention. Each configuration
+gets prompts of its own (different random ids), so none reads another's cached pages. Reports
+requests/s, output and total tokens/s and the share of prompt tokens computed.
+
+Cascade decode: D groups x R requests behind a `--decode-prefix`-token prefix with a 64-token
+question each, 512 out, stepped through the engine: the median time of steps where every request
+decodes, with cascade on and off (the same prompts, prefix pages cached by the first round).
+Prints tables and writes `batchllm.json` and `batchllm.png` under `benchmark/results/<GPU>/batchllm/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+VOCAB_IDS = 120_000  # random prompt ids below this (every dummy Llama-3 shape has 128,256 rows)
+
+
+def group_prompts(rng: random.Random, groups: int, per_group: int, shared: int, unique: int) -> list[list[int]]:
+    prompts = []
+    for _ in range(groups):
+        prefix = [rng.randrange(1, VOCAB_IDS) for _ in range(shared)]
+        prompts += [prefix + [rng.randrange(1, VOCAB_IDS) for _ in range(unique)] for _ in range(per_group)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def offline(llm: Any, prompts: list[list[int]], out: int, grouping: bool) -> dict[str, Any]:
+    from flashserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, prefix_grouping=grouping)
+    wall = time.perf_counter() - t0
+    assert all(r.error is None and len(r.token_ids) == out for r in results)
+    stats = llm.last_stats
+    prompt_tokens = sum(map(len, prompts))
+    return {"requests": len(prompts), "wall_s": wall, "requests_per_s": len(prompts) / wall,
+            "output_tokens_per_s": len(prompts) * out / wall, "total_tokens_per_s": (prompt_tokens + len(prompts) * out) / wall,
+            "prompt_tokens": prompt_tokens, "computed_prompt_tokens": stats.num_computed_prompt_tokens,
+            "computed_share": stats.num_computed_prompt_tokens / prompt_tokens, "groups": stats.num_groups}
+
+
+def decode_steps(llm: Any, prompts: list[list[int]], out: int) -> dict[str, Any]:
+    """Steps the engine by hand; the median wall time of steps in which every request decodes."""
+    import torch
+
+    from flashserve.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True,
+                            eos_token_ids=tuple(llm.stack.loaded.eos_token_ids))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"d{time.monotonic_ns()}-{i}", p, params)
+    times, t_prev, steps = [], time.perf_counter(), 0
+    while engine.has_unfinished:
+        outputs = engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        steps += 1
+        if len(outputs) == len(prompts) and all(o.num_output_tokens > 1 for o in outputs):
+            times.append(now - t_prev)
+        t_prev = now
+    return {"steps": steps, "decode_steps": len(times), "median_step_ms": 1e3 * statistics.median(times),
+            "p90_step_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))]}
+
+
+def free_device() -> None:
+    """Hands a deleted LLM's KV cache back to the device before the next one is built."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--groups", type=int, default=100)
+    p.add_argument("--per-group", type=int, default=16)
+    p.add_argument("--shared", type=int, default=2000)
+    p.add_argument("--unique", type=int, default=200)
+    p.add_argument("--out-tokens", type=int, default=100)
+    p.add_argument("--decode-groups", type=int, default=4)
+    p.add_argument("--decode-requests", type=int, default=256, help="requests per decode group")
+    p.add_argument("--decode-prefix", type=int, default=4096)
+    p.add_argument("--decode-out", type=int, default=512)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per LLM (two are alive at times)")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, decode")
+    p.add_argument("--out", default="benchmark/results")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from flashserve.attention.cascade import CascadePolicy
+    from flashserve.llm import LLM
+    from flashserve.sampling_params import SamplingParams
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    rng = random.Random(0)
+    doc: dict[str, Any] = {"gpu": gpu, "model": args.model, "args": vars(args)}
+    skip = set(args.skip.split(","))
+    common = {"load_format": "dummy", "max_num_seqs": 1024, "gpu_memory_utilization": args.gpu_memory_utilization}
+    if "offline" not in skip:
+        shape = (args.groups, args.per_group, args.shared, args.unique)
+        runs = {}
+        plain = LLM(args.model, enable_prefix_caching=False, cascade_attention="off", **common)
+        runs["no caching"] = offline(plain, group_prompts(rng, *shape), args.out_tokens, grouping=False)
+        plain.close()
+        del plain
+        free_device()
+        llm = LLM(args.model, cascade_attention="off", **common)
+        runs["prefix caching, arrival order"] = offline(llm, group_prompts(rng, *shape), args.out_tokens, False)
+        runs["prefix-sharing groups"] = offline(llm, group_prompts(rng, *shape), args.out_tokens, True)
+        llm.engine.executor.cascade = CascadePolicy()
+        runs["groups + cascade"] = offline(llm, group_prompts(rng, *shape), args.out_tokens, True)
+        doc["offline"] = runs
+        print(f"{gpu}, {args.model} (dummy weights): {args.groups} groups x {args.per_group}, "
+              f"{args.shared} shared + {args.unique} own tokens, {args.out_tokens} out")
+        print(f"{'configuration':>32} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'computed':>9}")
+        for name, r in runs.items():
+            print(f"{name:>32} {r['requests_per_s']:8.2f} {r['output_tokens_per_s']:10.0f} "
+                  f"{r['total_tokens_per_s']:12.0f} {r['computed_share']:9.1%}")
+        llm.close()
+        del llm
+        free_device()
+    if "decode" not in skip:
+        llm = LLM(args.model, **common)
+        prompts = []
+        for _ in range(args.decode_groups):
+            prefix = [rng.randrange(1, VOCAB_IDS) for _ in range(args.decode_prefix)]
+            prompts += [prefix + [rng.randrange(1, VOCAB_IDS) for _ in range(64)] for _ in range(args.decode_requests)]
+        # Each group's prefix computed once and cached before the timed rounds.
+        llm.generate([p[: args.decode_prefix] for p in prompts[:: args.decode_requests]], SamplingParams(max_tokens=1))
+        decode = {}
+        for name, policy in (("cascade off", None), ("cascade on", CascadePolicy())):
+            llm.engine.executor.cascade = policy
+            decode[name] = decode_steps(llm, prompts, args.decode_out)
+        doc["decode"] = decode
+        print(f"cascade decode: {args.decode_groups} groups x {args.decode_requests}, {args.decode_prefix}-token prefix, "
+              f"64 own, {args.decode_out} out")
+        for name, r in decode.items():
+            print(f"{name:>12}: median step {r['median_step_ms']:.2f} ms, p90 {r['p90_step_ms']:.2f} ms "
+                  f"over {r['decode_steps']} all-decode steps")
+        llm.close()
+    out = Path(args.out) / gpu.replace(" ", "_") / "batchllm"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batchllm.json").write_text(json.dumps(doc, indent=2))
+    plot(doc, out / "batchllm.png")
+    return 0
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [k for k in ("offline", "decode") if k in doc]
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 3.8), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        names = list(doc[part])
+        key, label = ("requests_per_s", "requests/s") if part == "offline" else ("median_step_ms", "median decode step (ms)")
+        ax.bar(range(len(names)), [doc[part][n][key] for n in names], color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+    fig.suptitle(f"{doc['gpu']}, {doc['model']} (dummy weights)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

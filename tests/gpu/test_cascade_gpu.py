@@ -1,0 +1,84 @@
+"""Cascade attention on FlashInfer: groups' shared prefixes attended once and merged, against flat
+attention over the same pages; and the engine with cascade on samples the logits a teacher-forced
+flat pass gives."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_engine_gpu import RecordingSampler, assert_sampled_from_teacher_forced_logits
+from test_flashinfer_backend import KV_HEADS, NUM_LAYERS, PAGE, TOL, make_backends, rel_err
+
+from flashserve.attention.base import BatchLayout
+from flashserve.attention.cascade import CascadePolicy
+from flashserve.engine.outputs import ScheduledRequest
+from flashserve.llm import LLM
+from flashserve.sampling_params import SamplingParams
+
+SHARED_A = [3, 7, 11, 15]  # 64 tokens, read by three requests
+SHARED_B = [20, 21]  # 32 tokens, read by two
+
+
+def scheduled(new: list[int]) -> list[ScheduledRequest]:
+    """Six requests: a group of three behind SHARED_A, a lone one, a group of two behind SHARED_B.
+    Each has its own pages after the shared ones; `new[i]` tokens are new this step."""
+    own = iter(range(30, 95))
+    specs = [(SHARED_A, 70), (SHARED_A, 80), (SHARED_A, 66), ([], 40), (SHARED_B, 33), (SHARED_B, 47)]
+    out = []
+    for i, ((shared, computed), n) in enumerate(zip(specs, new)):
+        total_pages = -(-(computed + n) // PAGE)
+        pages = shared + [next(own) for _ in range(total_pages - len(shared))]
+        out.append(ScheduledRequest(str(i), [1] * n, computed, pages, True, SamplingParams()))
+    return out
+
+
+@pytest.mark.parametrize("new", [[1] * 6, [5, 1, 9, 12, 1, 3]], ids=["decode", "mixed"])
+@pytest.mark.parametrize("q_heads", [8, 32])
+def test_cascade_step_matches_flat_attention(new: list[int], q_heads: int) -> None:
+    fi, ref = make_backends(q_heads, 128, torch.bfloat16)
+    requests = scheduled(new)
+    cascade = BatchLayout.build(requests, PAGE, CascadePolicy())
+    assert cascade.prefix is not None and cascade.prefix.num_groups == 2
+    fi.plan(cascade)
+    ref.plan(BatchLayout.build(requests, PAGE))
+    gen = torch.Generator("cuda").manual_seed(len(new) + q_heads)
+    for layer in range(NUM_LAYERS):
+        q, k, v = (torch.randn(cascade.num_tokens, h, 128, generator=gen, device="cuda").bfloat16()
+                   for h in (q_heads, KV_HEADS, KV_HEADS))
+        out, expected = fi.forward(layer, q, k, v), ref.forward(layer, q, k, v)
+        assert rel_err(out, expected) < TOL[torch.bfloat16]
+
+
+def test_a_cascade_decode_step_runs_eagerly_not_from_a_graph() -> None:
+    fi, _ = make_backends(8, 128, torch.bfloat16)
+    fi.init_cuda_graph([8, 16])
+    requests = scheduled([1] * 6)
+    assert fi.cuda_graph_batch_size(BatchLayout.build(requests, PAGE)) == 8
+    assert fi.cuda_graph_batch_size(BatchLayout.build(requests, PAGE, CascadePolicy())) is None
+
+
+def test_engine_with_cascade_samples_the_teacher_forced_logits() -> None:
+    llm = LLM("llama-3.2-1b", load_format="dummy", num_pages=400, max_num_seqs=32, cascade_attention="on")
+    rng = random.Random(5)
+    shared = [rng.randrange(1, 128000) for _ in range(200)]
+    llm.generate([shared], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # caches its pages
+    prompts = [shared + [rng.randrange(1, 128000) for _ in range(rng.randint(1, 30))] for _ in range(16)]
+    runner = llm.engine.executor
+    plan, cascade_steps = runner.backend.plan, []
+
+    def recording_plan(layout: BatchLayout) -> None:
+        cascade_steps.append(layout.prefix is not None)
+        plan(layout)
+
+    runner.backend.plan = recording_plan
+    recorder = RecordingSampler(runner.sampler)
+    runner.sampler = recorder
+    try:
+        results = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    finally:
+        runner.sampler, runner.backend.plan = recorder.inner, plan
+    assert sum(cascade_steps) >= 15  # every decode step of the group went through the prefix level
+    assert llm.engine.scheduler.kv_cache.num_used_pages == 0
+    assert_sampled_from_teacher_forced_logits(llm, recorder, results[::4])
