@@ -25,14 +25,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-VOCAB_IDS = 120_000  # random prompt ids below this (every dummy Llama-3 shape has 128,256 rows)
-
-
-def group_prompts(rng: random.Random, groups: int, per_group: int, shared: int, unique: int) -> list[list[int]]:
+def group_prompts(rng: random.Random, vocab: int, groups: int, per_group: int, shared: int,
+                  unique: int) -> list[list[int]]:
+    """Random ids in [1, vocab): `groups` prefixes, each behind `per_group` prompts, shuffled."""
     prompts = []
     for _ in range(groups):
-        prefix = [rng.randrange(1, VOCAB_IDS) for _ in range(shared)]
-        prompts += [prefix + [rng.randrange(1, VOCAB_IDS) for _ in range(unique)] for _ in range(per_group)]
+        prefix = [rng.randrange(1, vocab) for _ in range(shared)]
+        prompts += [prefix + [rng.randrange(1, vocab) for _ in range(unique)] for _ in range(per_group)]
     rng.shuffle(prompts)
     return prompts
 
@@ -78,6 +77,20 @@ def decode_steps(llm: Any, prompts: list[list[int]], out: int) -> dict[str, Any]
             "p90_step_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))]}
 
 
+class Printed(dict):
+    """Offline results by configuration, each printed as a table row when it comes in."""
+
+    def __init__(self, title: str) -> None:
+        super().__init__()
+        print(title)
+        print(f"{'configuration':>32} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'computed':>9}", flush=True)
+
+    def __setitem__(self, name: str, r: dict[str, Any]) -> None:
+        super().__setitem__(name, r)
+        print(f"{name:>32} {r['requests_per_s']:8.2f} {r['output_tokens_per_s']:10.0f} "
+              f"{r['total_tokens_per_s']:12.0f} {r['computed_share']:9.1%}", flush=True)
+
+
 def free_device() -> None:
     """Hands a deleted LLM's KV cache back to the device before the next one is built."""
     import gc
@@ -112,14 +125,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flashserve.llm import LLM
     from flashserve.sampling_params import SamplingParams
 
+    from benchmark.suite import model_config
+
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    vocab = model_config(args.model)["vocab_size"]
     rng = random.Random(0)
     doc: dict[str, Any] = {"gpu": gpu, "model": args.model, "args": vars(args)}
     skip = set(args.skip.split(","))
     common = {"load_format": "dummy", "max_num_seqs": 1024, "gpu_memory_utilization": args.gpu_memory_utilization}
     if "offline" not in skip:
-        shape = (args.groups, args.per_group, args.shared, args.unique)
-        runs = {}
+        shape = (vocab, args.groups, args.per_group, args.shared, args.unique)
+        runs = Printed(f"{gpu}, {args.model} (dummy weights): {args.groups} groups x {args.per_group}, "
+                       f"{args.shared} shared + {args.unique} own tokens, {args.out_tokens} out")
         plain = LLM(args.model, enable_prefix_caching=False, cascade_attention="off", **common)
         runs["no caching"] = offline(plain, group_prompts(rng, *shape), args.out_tokens, grouping=False)
         plain.close()
@@ -130,13 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs["prefix-sharing groups"] = offline(llm, group_prompts(rng, *shape), args.out_tokens, True)
         llm.engine.executor.cascade = CascadePolicy()
         runs["groups + cascade"] = offline(llm, group_prompts(rng, *shape), args.out_tokens, True)
-        doc["offline"] = runs
-        print(f"{gpu}, {args.model} (dummy weights): {args.groups} groups x {args.per_group}, "
-              f"{args.shared} shared + {args.unique} own tokens, {args.out_tokens} out")
-        print(f"{'configuration':>32} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'computed':>9}")
-        for name, r in runs.items():
-            print(f"{name:>32} {r['requests_per_s']:8.2f} {r['output_tokens_per_s']:10.0f} "
-                  f"{r['total_tokens_per_s']:12.0f} {r['computed_share']:9.1%}")
+        doc["offline"] = dict(runs)
         llm.close()
         del llm
         free_device()
@@ -144,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm = LLM(args.model, **common)
         prompts = []
         for _ in range(args.decode_groups):
-            prefix = [rng.randrange(1, VOCAB_IDS) for _ in range(args.decode_prefix)]
-            prompts += [prefix + [rng.randrange(1, VOCAB_IDS) for _ in range(64)] for _ in range(args.decode_requests)]
+            prefix = [rng.randrange(1, vocab) for _ in range(args.decode_prefix)]
+            prompts += [prefix + [rng.randrange(1, vocab) for _ in range(64)] for _ in range(args.decode_requests)]
         # Each group's prefix computed once and cached before the timed rounds.
         llm.generate([p[: args.decode_prefix] for p in prompts[:: args.decode_requests]], SamplingParams(max_tokens=1))
         decode = {}

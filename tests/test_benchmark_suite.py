@@ -214,3 +214,19 @@ def test_the_smoke_suite_runs_every_phase_end_to_end_on_a_cpu(tmp_path: Path):
     assert (tmp_path / "plots" / "concurrency-tiny-llama.png").exists()
     assert [r["target"] for r in suite["targets"]] == ["1", "2", "2", "3", "3", "4", "4", "5"]
     assert "PERFORMANCE.md targets on cpu" in proc.stdout
+
+
+def test_batchllm_bench_reports_every_configuration(tiny_model: str, tmp_path: Path) -> None:
+    from benchmark import batchllm_bench
+
+    assert batchllm_bench.main([
+        "--model", tiny_model, "--groups", "2", "--per-group", "3", "--shared", "40", "--unique", "5",
+        "--out-tokens", "3", "--decode-groups", "2", "--decode-requests", "3", "--decode-prefix", "40",
+        "--decode-out", "4", "--out", str(tmp_path),
+    ]) == 0
+    doc = json.loads((tmp_path / "cpu" / "batchllm" / "batchllm.json").read_text())
+    assert list(doc["offline"]) == ["no caching", "prefix caching, arrival order", "prefix-sharing groups",
+                                    "groups + cascade"]
+    assert doc["offline"]["no caching"]["computed_share"] == 1.0
+    assert doc["offline"]["prefix-sharing groups"]["computed_share"] < 0.6  # each prefix computed once
+    assert list(doc["decode"]) == ["cascade off", "cascade on"]
