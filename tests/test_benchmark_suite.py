@@ -230,3 +230,17 @@ def test_batchllm_bench_reports_every_configuration(tiny_model: str, tmp_path: P
     assert doc["offline"]["no caching"]["computed_share"] == 1.0
     assert doc["offline"]["prefix-sharing groups"]["computed_share"] < 0.6  # each prefix computed once
     assert list(doc["decode"]) == ["cascade off", "cascade on"]
+
+
+def test_profile_diff_counts_each_function_once_per_stack_in_the_named_thread(tmp_path: Path) -> None:
+    from benchmark.profile_diff import inclusive
+
+    profile = tmp_path / "p.txt"
+    profile.write_text(
+        "thread (1): flashserve-engine;run (a/engine.py:10);step (a/engine.py:20);step (a/engine.py:21) 3\n"
+        "thread (1): flashserve-engine;run (a/engine.py:10);fill (b/grammar.py:5) 2\n"
+        "thread (2): MainThread;serve (c/api.py:1) 7\n"
+    )
+    counts, total = inclusive(profile, "flashserve-engine")
+    assert total == 5
+    assert counts == {"run engine.py": 5, "step engine.py": 3, "fill grammar.py": 2}
