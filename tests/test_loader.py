@@ -154,3 +154,24 @@ def test_local_checkpoint_dir_loads_its_weights_without_a_tokenizer(tmp_path: Pa
     loaded = load_model(ModelConfig(model=str(tmp_path / "ckpt")), "cpu")
     torch.testing.assert_close(loaded.model.lm_head.weight, saved.model.lm_head.weight)
     assert loaded.tokenizer is None and loaded.name == str(tmp_path / "ckpt")
+
+
+def test_safetensors_checkpoint_reads_straight_into_the_native_model(tmp_path: Path) -> None:
+    """No transformers model holds the weights (its object is shapes only, on meta), and the
+    native model read from the files gives the logits of the HF path over the same checkpoint."""
+    from flashserve.config import CacheConfig
+    from flashserve.model.runner import build_runner
+
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(TINY))
+    load_model(ModelConfig(model=str(config_path), load_format="dummy", dtype="float32"), "cpu").model.save_pretrained(
+        tmp_path / "ckpt")
+    cache = CacheConfig(num_pages=16)
+    runners = {impl: build_runner(ModelConfig(model=str(tmp_path / "ckpt"), model_impl=impl, device="cpu"), cache)[0]
+               for impl in ("auto", "hf")}
+    assert next(runners["auto"].loaded.model.parameters()).device.type == "meta"
+    assert next(runners["hf"].loaded.model.parameters()).device.type == "cpu"
+    prompt = [5, 9, 2, 41, 7, 3]
+    request = ScheduledRequest("r", prompt, 0, [1], True, SamplingParams(), prompt, [])
+    native, hf = (runners[i].forward(SchedulerOutput([request])) for i in ("auto", "hf"))
+    torch.testing.assert_close(native, hf, rtol=1e-4, atol=1e-4)

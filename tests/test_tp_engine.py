@@ -129,3 +129,19 @@ def test_tp_flag_is_an_alias_of_tensor_parallel_size() -> None:
     assert to_configs(parser.parse_args(["serve", "--tensor-parallel-size", "3"])).model.tensor_parallel_size == 3
     env = build_parser({"FLASHSERVE_TENSOR_PARALLEL_SIZE": "4"})
     assert to_configs(env.parse_args(["serve"])).model.tensor_parallel_size == 4
+
+
+def test_ranks_read_their_shards_from_a_safetensors_checkpoint(tmp_path: Path) -> None:
+    """No rank builds the whole transformers model: rank 0's model object is shapes only (meta),
+    and the weights each rank read from the files generate what one rank's full load generates."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    config = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config)).save_pretrained(tmp_path / "ckpt")
+    engine = {k: v for k, v in ENGINE.items() if k != "load_format"}
+    expected = [c.token_ids for c in LLM(str(tmp_path / "ckpt"), **engine).generate(PROMPTS, GREEDY)]
+    with LLM(str(tmp_path / "ckpt"), tensor_parallel_size=2, **engine) as pair:
+        assert next(pair.stack.loaded.model.parameters()).device.type == "meta"
+        assert [c.token_ids for c in pair.generate(PROMPTS, GREEDY)] == expected

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import importlib.util
 import logging
 import os
@@ -157,13 +158,32 @@ def _build_dummy(hf_config: Any, dtype: torch.dtype, device: torch.device, seed:
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
 
 
-def _load_pretrained(source: str, gguf_file: str | None, config: ModelConfig, device: torch.device) -> tuple[Any, Any]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _auto_config(source: str, config: ModelConfig, gguf_file: str | None = None) -> Any:
+    from transformers import AutoConfig
 
     kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
-    hf_config = AutoConfig.from_pretrained(source, **kwargs)
+    return AutoConfig.from_pretrained(source, **kwargs)
+
+
+def _generation_config(source: str, default: Any) -> Any:
+    """The checkpoint's generation_config.json (its eos ids), else `default`."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        return default
+
+
+def _load_pretrained(source: str, gguf_file: str | None, config: ModelConfig, device: torch.device) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    hf_config = _auto_config(source, config, gguf_file)
     dtype = resolve_dtype(config.dtype, device, getattr(hf_config, "dtype", None))
     if device.type != "cpu":
         kwargs["device_map"] = str(device)  # load straight onto the GPU, not via host memory
@@ -234,12 +254,49 @@ def eos_token_ids(model: torch.nn.Module, hf_config: Any, tokenizer: Any | None)
     return tuple(found)
 
 
-def load_model(config: ModelConfig, device: torch.device | str) -> LoadedModel:
-    """Loads `config.model` onto `device` ("meta" builds a dummy model's shapes without memory)."""
+def safetensors_checkpoint(config: ModelConfig) -> str | None:
+    """`config.model` when it is a local checkpoint directory with .safetensors weights (which a
+    rank can read its shard of directly), else None."""
+    source = config.model
+    if config.load_format != "auto" or not source or not os.path.isdir(source):
+        return None
+    return source if glob.glob(os.path.join(source, "*.safetensors")) else None
+
+
+def native_checkpoint(config: ModelConfig) -> str | None:
+    """A `safetensors_checkpoint` whose architecture the native model runs (model_impl not "hf"):
+    its weights are read from the files into the native layout, with no transformers model."""
+    from flashserve.model.weights import LlamaSpec, UnsupportedModelError
+
+    path = safetensors_checkpoint(config)
+    if path is None or config.model_impl == "hf":
+        return None
+    try:
+        LlamaSpec.from_hf_config(_auto_config(path, config))
+    except UnsupportedModelError:
+        return None
+    return path
+
+
+def load_model(config: ModelConfig, device: torch.device | str, *, weights: bool = True) -> LoadedModel:
+    """Loads `config.model` onto `device` ("meta" builds a dummy model's shapes without memory).
+
+    weights=False (a `safetensors_checkpoint` only): everything but the weights; `model` is built
+    on the meta device from the checkpoint's config, for its shapes and attributes, and the caller
+    reads the weights it needs from the files.
+    """
     device = torch.device(device)
     source, gguf_file = config.model, None
     t0 = time.perf_counter()
-    if config.load_format == "dummy":
+    if not weights:
+        if safetensors_checkpoint(config) is None:
+            raise ValueError(f"only a local safetensors checkpoint loads without its weights, not {source!r}")
+        hf_config = _auto_config(source, config)
+        dtype = resolve_dtype(config.dtype, device, getattr(hf_config, "dtype", None))
+        model = _build_dummy(hf_config, dtype, torch.device("meta"), config.seed)
+        model.generation_config = _generation_config(source, model.generation_config)
+        name = source
+    elif config.load_format == "dummy":
         hf_config = dummy_hf_config(source)
         dtype = resolve_dtype(config.dtype, device, torch.bfloat16)
         model = _build_dummy(hf_config, dtype, device, config.seed)

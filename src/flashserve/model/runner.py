@@ -18,7 +18,7 @@ from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error
 from flashserve.model.hf import HFCausalLM, attention_scale
-from flashserve.model.loader import LoadedModel, load_model
+from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
 from flashserve.model.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
 
@@ -246,13 +246,20 @@ def num_kv_pages(cache: CacheConfig, page_bytes: int, device: torch.device) -> i
     return pages
 
 
-def step_model(loaded: LoadedModel, model_impl: str, torch_compile: bool = False) -> StepModel:
+def step_model(loaded: LoadedModel, model_impl: str, torch_compile: bool = False,
+               checkpoint: str | None = None) -> StepModel:
     """The native forward for Llama-family models (`auto`/`native`), else the generic HF path.
 
     torch_compile: compile the native model's non-attention pieces (the HF path runs eagerly).
+    checkpoint: a `native_checkpoint` to read the weights from (`loaded.model` is then shapes only).
     """
     if model_impl not in ("auto", "native", "hf"):
         raise ValueError(f"model_impl must be auto, native or hf, not {model_impl!r}")
+    if checkpoint is not None:
+        return NativeCausalLM(LlamaModel.from_safetensors(
+            checkpoint, loaded.hf_config, loaded.dtype, loaded.device, max_positions=loaded.max_model_len,
+            compile=torch_compile,
+        ))  # fmt: skip
     if model_impl != "hf":
         try:
             native = LlamaModel.from_hf(
@@ -295,12 +302,13 @@ def build_runner(
     from dataclasses import replace
 
     device = pick_device(model_config.device)
-    loaded = load_model(model_config, device)
+    checkpoint = native_checkpoint(model_config)
+    loaded = load_model(model_config, device, weights=checkpoint is None)
     backend_name = pick_backend(model_config.attention_backend, device)
     kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
     num_layers, num_heads, num_kv_heads, head_dim = model_shape(loaded.hf_config)
     sm_scale = attention_scale(loaded.model)
-    model = step_model(loaded, model_config.model_impl, model_config.torch_compile)
+    model = step_model(loaded, model_config.model_impl, model_config.torch_compile, checkpoint)
     page_size = cache_config.page_size
     page_bytes = kv_page_bytes(num_layers, page_size, num_kv_heads, head_dim, kv_dtype)
     num_pages = num_kv_pages(cache_config, page_bytes, device)
