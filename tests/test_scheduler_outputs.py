@@ -12,8 +12,14 @@ from flashserve.engine.request import FinishReason
 
 
 class AnyGrammar:
+    advance_calls = 0
+
     def new_matcher(self) -> "CountingMatcher":
         return CountingMatcher()
+
+    def advance(self, matchers, token_ids) -> list[tuple[bool, bool]]:  # noqa: ANN001
+        AnyGrammar.advance_calls += 1
+        return [(m.accept_token(t), m.is_terminated()) for m, t in zip(matchers, token_ids)]
 
     def fill_bitmasks(self, matchers, bitmask) -> None:  # noqa: ANN001
         for j, m in enumerate(matchers):
@@ -93,6 +99,20 @@ def test_mask_fill_runs_beside_the_engine_and_update_waits_for_it() -> None:
     threading.Timer(0.2, matcher.gate.set).start()
     s.update(out, [sampled(TOKEN)])
     assert matcher.log == ["filled", "accept"]
+
+
+def test_update_advances_every_grammar_row_of_a_step_in_one_call() -> None:
+    s = make()
+    s.vocab_size = 64
+    constrained = [with_grammar(req(f"json{i}")) for i in range(3)]
+    for r in constrained:
+        r.matcher = CountingMatcher()
+        s.add_request(r)
+    s.add_request(req("plain"))
+    before = AnyGrammar.advance_calls
+    step(s, lambda sr: sampled(TOKEN) if sr.sample else SampledTokens())
+    assert AnyGrammar.advance_calls == before + 1
+    assert all(r.matcher.accepted == [TOKEN] for r in constrained)
 
 
 def test_a_step_without_grammar_rows_has_no_bitmask() -> None:

@@ -273,6 +273,18 @@ def test_bounded_strings_compile_as_rule_chains() -> None:
     assert unroll_bounded_strings(free) == free
 
 
+def test_advance_reports_acceptance_and_termination_as_the_matcher_does(
+    compiler: GrammarCompiler, tokenizer: Any
+) -> None:
+    grammar = compiler.compile_sync(GrammarSpec("json", json.dumps(BOUNDED), "response_format"))
+    batched, single = grammar.new_matcher(), grammar.new_matcher()
+    ids = tokenizer.encode(json.dumps({"code": "abc", "note": "n"}), add_special_tokens=False)
+    for token in ids + [tokenizer.eos_token_id]:
+        assert grammar.advance([batched], [token]) == [(single.accept_token(token), single.is_terminated())]
+    assert single.is_terminated()
+    assert grammar.advance([grammar.new_matcher()], [tokenizer.eos_token_id]) == [(False, False)]
+
+
 def test_json_object_accepts_any_object_only(compiler: GrammarCompiler, tokenizer: Any) -> None:
     grammar = compiler.compile_sync(GrammarSpec("json_object", "", "response_format"))
     assert drive(grammar, tokenizer, json.dumps({"a": [1, {"b": None}], "c": "d"})) == (None, True)

@@ -260,9 +260,16 @@ class XGrammar:
         self.spec = spec
         self.compiled = compiled
         self._batch = batch if batch is not None else xgr.BatchGrammarMatcher(max_threads=1)
+        # A matcher terminates when it accepts one of these (the model's EOS ids).
+        self._stop_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
 
     def new_matcher(self) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(self.compiled)
+
+    def advance(self, matchers: Sequence[xgr.GrammarMatcher], token_ids: Sequence[int]) -> list[tuple[bool, bool]]:
+        """Every matcher takes its token in one call (any grammars of this compiler's tokenizer)."""
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(list(matchers), list(token_ids))
+        return [(ok, ok and token in self._stop_ids) for ok, token in zip(accepted, token_ids)]
 
     def fill_bitmasks(self, matchers: Sequence[xgr.GrammarMatcher], bitmask: Any) -> None:
         """One batched call over every row of a step (on the compiler's threads)."""

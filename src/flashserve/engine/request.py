@@ -51,6 +51,8 @@ class Request:
     error: str | None = None
     # The request's grammar state (params.grammar): advanced with every output token.
     matcher: GrammarMatcher | None = field(default=None, repr=False)
+    # The grammar accepted its end (what `advance` reported; asking the matcher costs a GIL trip).
+    grammar_done: bool = False
     # When params.logprobs is set: one per output token.
     output_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
     # When params.prompt_logprobs is set: prompt positions 1.. as their chunks are computed.

@@ -203,6 +203,7 @@ class Scheduler:
         touched, self._finished_unreported = self._finished_unreported, []
         if out.token_bitmask is not None:
             out.token_bitmask.wait()  # the step's mask fill reads the matchers that advance here
+        advanced = self._advance_grammars(out, results)
         for scheduled, result in zip(out.requests, results):
             request = self._in_flight.get(scheduled.request_id)
             if request is None or request.is_finished:
@@ -220,17 +221,39 @@ class Scheduler:
                 continue
             if not scheduled.sample:
                 continue
-            self._append(request, result)
+            self._append(request, result, advanced.get(request.request_id))
             touched.append(request)
         self._in_flight = {}
         return touched
 
-    def _append(self, request: Request, result: SampledTokens) -> None:
-        """The step's tokens of a sampling request, each through the grammar and the stop rules."""
+    def _advance_grammars(self, out: SchedulerOutput, results: Sequence[SampledTokens]) -> dict[str, tuple[bool, bool]]:
+        """The first new token of every live grammar request, through its matcher in one call:
+        request id -> (accepted, terminated)."""
+        rows = []
+        for scheduled, result in zip(out.requests, results):
+            request = self._in_flight.get(scheduled.request_id)
+            if (request is not None and request.matcher is not None and not request.is_finished
+                    and scheduled.sample and result.error is None and result.token_ids):
+                rows.append((request, result.token_ids[0]))
+        if not rows:
+            return {}
+        grammar = rows[0][0].params.grammar
+        assert grammar is not None
+        states = grammar.advance([r.matcher for r, _ in rows], [t for _, t in rows])  # type: ignore[misc]
+        return {r.request_id: state for (r, _), state in zip(rows, states)}
+
+    def _append(self, request: Request, result: SampledTokens, first: tuple[bool, bool] | None = None) -> None:
+        """The step's tokens of a sampling request, each through the grammar and the stop rules.
+        `first`: the grammar's verdict on the first token, already advanced (`_advance_grammars`)."""
         for i, token in enumerate(result.token_ids):
-            if request.matcher is not None and not request.matcher.accept_token(token):
-                self._finish(request, FinishReason.ERROR, f"the sampled token {token} does not follow the grammar")
-                return
+            if request.matcher is not None:
+                grammar = request.params.grammar
+                assert grammar is not None
+                accepted, request.grammar_done = first if i == 0 and first is not None else grammar.advance(
+                    [request.matcher], [token])[0]
+                if not accepted:
+                    self._finish(request, FinishReason.ERROR, f"the sampled token {token} does not follow the grammar")
+                    return
             request.output_token_ids.append(token)
             if result.logprobs is not None:
                 request.output_logprobs.append(result.logprobs[i])

@@ -14,7 +14,7 @@ from flashserve.engine.request import FinishReason, Request
 def check_stop(request: Request, max_model_len: int, stop_string: bool = False) -> FinishReason | None:
     """Why `request` ends after its newest output token (and, with `stop_string`, a stop string
     found in its text so far), or None while it goes on."""
-    if request.matcher is not None and request.matcher.is_terminated():
+    if request.grammar_done:
         return FinishReason.STOP  # the grammar accepted its end (a stop token)
     if stop_string:
         return FinishReason.STOP
