@@ -3,8 +3,6 @@ stops its request, a step carries the bitmask of its grammar rows only, and logp
 
 from __future__ import annotations
 
-import threading
-
 from test_scheduler import EOS, TOKEN, make, req, step
 
 from flashserve.engine.outputs import SampledTokens, TokenLogprob, sampled
@@ -66,39 +64,9 @@ def test_a_step_carries_a_bitmask_for_grammar_rows_only() -> None:
     s.add_request(constrained)
     out = s.schedule()
     assert out.token_bitmask is not None and out.token_bitmask.rows == [1]
+    assert constrained.matcher.filled == 0  # filled when the runner reads it, after the forward
     array = out.token_bitmask.array()
     assert array.shape[0] == 1 and array[0, 0] == 1 and constrained.matcher.filled == 1
-
-
-class GatedMatcher(CountingMatcher):
-    """Its fill waits for `gate`; it logs the fill's end and every accepted token."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-        self.log: list[str] = []
-
-    def fill_next_token_bitmask(self, bitmask, index: int) -> None:  # noqa: ANN001
-        assert self.gate.wait(10)
-        super().fill_next_token_bitmask(bitmask, index)
-        self.log.append("filled")
-
-    def accept_token(self, token_id: int) -> bool:
-        self.log.append("accept")
-        return super().accept_token(token_id)
-
-
-def test_mask_fill_runs_beside_the_engine_and_update_waits_for_it() -> None:
-    s = make()
-    s.vocab_size = 64
-    r = with_grammar(req("json"))
-    r.matcher = matcher = GatedMatcher()
-    s.add_request(r)
-    out = s.schedule()  # returns while the fill is still blocked
-    assert out.token_bitmask is not None and matcher.log == []
-    threading.Timer(0.2, matcher.gate.set).start()
-    s.update(out, [sampled(TOKEN)])
-    assert matcher.log == ["filled", "accept"]
 
 
 def test_update_advances_every_grammar_row_of_a_step_in_one_call() -> None:

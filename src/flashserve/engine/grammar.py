@@ -11,19 +11,17 @@ A bitmask row is int32 [ceil(vocab_size / 32)]: bit j of word i set allows token
 step's bitmask is a numpy array (no torch in the engine); the runner uploads and applies it.
 
 Filling a mask costs tens of microseconds per row for a large vocabulary (more inside some
-strings), so a step's masks are filled together and off the engine thread: when the scheduler
-names the rows, one batched call (on the grammar library's threads, which release the GIL) starts
-on a worker thread, while the engine thread builds and launches the step's forward pass; the
-runner waits for it only when it samples, and the scheduler before it advances the matchers
-again. Fills run one at a time on that worker, so a matcher is never read and advanced at once.
+strings), so a step's masks are filled late and together: the scheduler names the rows, and the
+runner asks for the array only after it has launched the step's forward pass, so the host fills
+while the device computes, and the grammar fills its rows in one batched call (on several
+threads). A worker thread started at schedule time gained nothing: it needs the GIL that the
+engine thread holds while it launches the forward, so it started no earlier.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -72,49 +70,31 @@ class TokenBitmask:
     """The sampling rows of one step that follow a grammar, and their allowed tokens.
 
     `rows[j]` indexes the step's sampling requests (those with `sample=True`, in schedule order);
-    row j of `array()` is that row's packed mask. A mask made by `step_bitmask` is being filled
-    in the background (`filled`); `array()` waits for it.
+    row j of `array()` is that row's packed mask. A mask made by `step_bitmask` is filled on the
+    first call to `array()`.
     """
 
     rows: list[int]
     bitmask: np.ndarray
-    filled: concurrent.futures.Future[None] | None = field(default=None, repr=False)
+    fill: Callable[[np.ndarray], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.rows) != self.bitmask.shape[0]:
             raise ValueError("one bitmask row per grammar row is needed")
 
     def array(self) -> np.ndarray:
-        """The filled mask; raises what the fill raised."""
-        if self.filled is not None:
-            self.filled.result()
+        if self.fill is not None:
+            fill, self.fill = self.fill, None
+            fill(self.bitmask)
         return self.bitmask
-
-    def wait(self) -> None:
-        """Returns once the fill has ended, so that its matchers may advance (raises nothing)."""
-        if self.filled is not None:
-            concurrent.futures.wait([self.filled])
-
-
-_filler: concurrent.futures.ThreadPoolExecutor | None = None
-_filler_lock = threading.Lock()
-
-
-def _fill_worker() -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread that fills masks, for every engine of the process (fills are serialized)."""
-    global _filler
-    with _filler_lock:
-        if _filler is None:
-            _filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return _filler
 
 
 def step_bitmask(
     matchers: Sequence[GrammarMatcher | None], grammars: Sequence[Grammar | None], vocab_size: int
 ) -> TokenBitmask | None:
     """The bitmask of one step's sampling rows (`matchers[i]` is row i's matcher and `grammars[i]`
-    the grammar it came from, or None for a row without one), its fill started in the background;
-    None when no row has a grammar, so plain batches pay nothing."""
+    the grammar it came from, or None for a row without one), to be filled when first read; None
+    when no row has a grammar, so plain batches pay nothing."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
@@ -122,4 +102,4 @@ def step_bitmask(
     grammar = grammars[rows[0]]
     assert grammar is not None
     active = [matchers[i] for i in rows]
-    return TokenBitmask(rows, bitmask, _fill_worker().submit(grammar.fill_bitmasks, active, bitmask))
+    return TokenBitmask(rows, bitmask, lambda array: grammar.fill_bitmasks(active, array))  # type: ignore[arg-type]

@@ -201,8 +201,6 @@ class Scheduler:
         if len(results) != len(out.requests):
             raise ValueError(f"{len(results)} results for {len(out.requests)} scheduled requests")
         touched, self._finished_unreported = self._finished_unreported, []
-        if out.token_bitmask is not None:
-            out.token_bitmask.wait()  # the step's mask fill reads the matchers that advance here
         advanced = self._advance_grammars(out, results)
         for scheduled, result in zip(out.requests, results):
             request = self._in_flight.get(scheduled.request_id)
