@@ -12,6 +12,9 @@ requests/s, output and total tokens/s and the share of prompt tokens computed.
 Cascade decode: D groups x R requests behind a `--decode-prefix`-token prefix with a 64-token
 question each, 512 out, stepped through the engine: the median time of steps where every request
 decodes, with cascade on and off (the same prompts, prefix pages cached by the first round).
+
+Cascade sweep: the same on/off comparison, 48 steps each, over prefixes of 256-4096 tokens and 2-64
+requests per group, which is what `--cascade-attention auto` decides on.
 Prints tables and writes `batchllm.json` and `batchllm.png` under `benchmark/results/<GPU>/batchllm/`.
 """
 
@@ -77,6 +80,44 @@ def decode_steps(llm: Any, prompts: list[list[int]], out: int) -> dict[str, Any]
             "p90_step_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))]}
 
 
+def cascade_decode(llm: Any, rng: random.Random, vocab: int, groups: int, per_group: int, prefix: int,
+                   out: int) -> dict[str, Any]:
+    """`groups` x `per_group` requests behind a `prefix`-token prefix with 64 own tokens each:
+    decode steps with cascade off (flat, CUDA graphs) and on (eager), the same prompts."""
+    from flashserve.attention.cascade import CascadePolicy
+    from flashserve.sampling_params import SamplingParams
+
+    prompts = []
+    for _ in range(groups):
+        shared = [rng.randrange(1, vocab) for _ in range(prefix)]
+        prompts += [shared + [rng.randrange(1, vocab) for _ in range(64)] for _ in range(per_group)]
+    # Each group's prefix computed once and cached before the timed rounds.
+    llm.engine.executor.cascade = None
+    llm.generate([p[:prefix] for p in prompts[::per_group]], SamplingParams(max_tokens=1))
+    result = {}
+    for name, policy in (("cascade off", None), ("cascade on", CascadePolicy())):
+        llm.engine.executor.cascade = policy
+        result[name] = decode_steps(llm, prompts, out)
+    return result
+
+
+def sweep(llm: Any, rng: random.Random, vocab: int, groups: int, prefixes: list[int],
+          group_sizes: list[int]) -> list[dict[str, Any]]:
+    """Cascade on vs off over prefix lengths and requests per group (`groups` groups each): where
+    the prefix level pays for its extra pass, its merge and the eager step (`--cascade-attention auto`)."""
+    print(f"cascade sweep: {groups} groups, 64 own tokens, 48 out; median all-decode step, ms")
+    print(f"{'prefix':>7} {'per group':>9} {'batch':>6} {'off':>8} {'on':>8} {'on/off':>7}", flush=True)
+    rows = []
+    for prefix in prefixes:
+        for per_group in group_sizes:
+            r = cascade_decode(llm, rng, vocab, groups, per_group, prefix, 48)
+            off, on = r["cascade off"]["median_step_ms"], r["cascade on"]["median_step_ms"]
+            rows.append({"prefix": prefix, "per_group": per_group, "batch": groups * per_group,
+                         "off_ms": off, "on_ms": on, "ratio": on / off})
+            print(f"{prefix:7d} {per_group:9d} {groups * per_group:6d} {off:8.2f} {on:8.2f} {on / off:7.2f}", flush=True)
+    return rows
+
+
 class Printed(dict):
     """Offline results by configuration, each printed as a table row when it comes in."""
 
@@ -102,6 +143,10 @@ def free_device() -> None:
         torch.cuda.empty_cache()
 
 
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.2-1b")
@@ -114,8 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decode-requests", type=int, default=256, help="requests per decode group")
     p.add_argument("--decode-prefix", type=int, default=4096)
     p.add_argument("--decode-out", type=int, default=512)
+    p.add_argument("--sweep-groups", type=int, default=2, help="groups in each cascade sweep configuration")
+    p.add_argument("--sweep-prefixes", type=ints, default=[256, 1024, 4096], help="comma-separated prefix lengths")
+    p.add_argument("--sweep-group-sizes", type=ints, default=[2, 4, 8, 16, 32, 64], help="comma-separated requests per group")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per LLM (two are alive at times)")
-    p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, decode")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, decode, sweep")
     p.add_argument("--out", default="benchmark/results")
     args = p.parse_args(argv)
 
@@ -123,7 +171,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from flashserve.attention.cascade import CascadePolicy
     from flashserve.llm import LLM
-    from flashserve.sampling_params import SamplingParams
 
     from benchmark.suite import model_config
 
@@ -151,24 +198,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm.close()
         del llm
         free_device()
-    if "decode" not in skip:
+    if "decode" not in skip or "sweep" not in skip:
         llm = LLM(args.model, **common)
-        prompts = []
-        for _ in range(args.decode_groups):
-            prefix = [rng.randrange(1, vocab) for _ in range(args.decode_prefix)]
-            prompts += [prefix + [rng.randrange(1, vocab) for _ in range(64)] for _ in range(args.decode_requests)]
-        # Each group's prefix computed once and cached before the timed rounds.
-        llm.generate([p[: args.decode_prefix] for p in prompts[:: args.decode_requests]], SamplingParams(max_tokens=1))
-        decode = {}
-        for name, policy in (("cascade off", None), ("cascade on", CascadePolicy())):
-            llm.engine.executor.cascade = policy
-            decode[name] = decode_steps(llm, prompts, args.decode_out)
-        doc["decode"] = decode
-        print(f"cascade decode: {args.decode_groups} groups x {args.decode_requests}, {args.decode_prefix}-token prefix, "
-              f"64 own, {args.decode_out} out")
-        for name, r in decode.items():
-            print(f"{name:>12}: median step {r['median_step_ms']:.2f} ms, p90 {r['p90_step_ms']:.2f} ms "
-                  f"over {r['decode_steps']} all-decode steps")
+        if "decode" not in skip:
+            print(f"cascade decode: {args.decode_groups} groups x {args.decode_requests}, {args.decode_prefix}-token "
+                  f"prefix, 64 own, {args.decode_out} out")
+            doc["decode"] = cascade_decode(llm, rng, vocab, args.decode_groups, args.decode_requests,
+                                           args.decode_prefix, args.decode_out)
+            for name, r in doc["decode"].items():
+                print(f"{name:>12}: median step {r['median_step_ms']:.2f} ms, p90 {r['p90_step_ms']:.2f} ms "
+                      f"over {r['decode_steps']} all-decode steps", flush=True)
+        if "sweep" not in skip:
+            doc["sweep"] = sweep(llm, rng, vocab, args.sweep_groups, args.sweep_prefixes, args.sweep_group_sizes)
         llm.close()
     out = Path(args.out) / gpu.replace(" ", "_") / "batchllm"
     out.mkdir(parents=True, exist_ok=True)

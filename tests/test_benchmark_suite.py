@@ -222,7 +222,7 @@ def test_batchllm_bench_reports_every_configuration(tiny_model: str, tmp_path: P
     assert batchllm_bench.main([
         "--model", tiny_model, "--groups", "2", "--per-group", "3", "--shared", "40", "--unique", "5",
         "--out-tokens", "3", "--decode-groups", "2", "--decode-requests", "3", "--decode-prefix", "40",
-        "--decode-out", "4", "--out", str(tmp_path),
+        "--decode-out", "4", "--sweep-prefixes", "32", "--sweep-group-sizes", "2,3", "--out", str(tmp_path),
     ]) == 0
     doc = json.loads((tmp_path / "cpu" / "batchllm" / "batchllm.json").read_text())
     assert list(doc["offline"]) == ["no caching", "prefix caching, arrival order", "prefix-sharing groups",
@@ -230,6 +230,7 @@ def test_batchllm_bench_reports_every_configuration(tiny_model: str, tmp_path: P
     assert doc["offline"]["no caching"]["computed_share"] == 1.0
     assert doc["offline"]["prefix-sharing groups"]["computed_share"] < 0.6  # each prefix computed once
     assert list(doc["decode"]) == ["cascade off", "cascade on"]
+    assert [(r["prefix"], r["per_group"], r["batch"]) for r in doc["sweep"]] == [(32, 2, 4), (32, 3, 6)]
 
 
 def test_profile_diff_counts_each_function_once_per_stack_in_the_named_thread(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ layers, to keep an fp32 reference beside two bf16 copies within memory and time)
 over a ragged prefill of two requests and 32 decode steps. Both bf16 forwards are measured against
 HF eager in float32 on the same weights: the native one must be about as close as HF's own bf16
 forward (relative error, overall and per row). The decode steps run eagerly, from CUDA graphs,
-and (1B shape) from graphs of the `torch.compile`d model; the generic HF path (the transformers
+and (1B shape) from graphs of the `torch.compile`d model and eagerly from the model read straight
+from a saved checkpoint's safetensors files; the generic HF path (the transformers
 model with our paged attention) is held to the same bound, eagerly and from graphs.
 """
 
@@ -96,11 +97,11 @@ def paged_logits(shape: tuple[int, int, int, int], forward_for: Any, seqs: list[
 
 
 MODES = [(shape, mode) for shape in SHAPES for mode in ("eager", "cuda_graph")]
-MODES += [("llama-3.2-1b", mode) for mode in ("compiled", "hf_path", "hf_path_cuda_graph")]
+MODES += [("llama-3.2-1b", mode) for mode in ("compiled", "hf_path", "hf_path_cuda_graph", "safetensors")]
 
 
 @pytest.mark.parametrize(("shape", "mode"), MODES, ids=[f"{s}-{m}" for s, m in MODES])
-def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: str, mode: str) -> None:
+def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: str, mode: str, tmp_path) -> None:
     pytest.importorskip("flashinfer")
     hf, config = hf_model(shape, SHAPES[shape])
     gen = torch.Generator().manual_seed(1)
@@ -112,6 +113,12 @@ def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: s
             step_model = HFCausalLM(hf)
             got = paged_logits(model_shape(config), step_model.decode_logits, seqs, use_graphs)
             hf.set_attn_implementation("eager")
+        elif mode == "safetensors":
+            # The checkpoint's files read straight onto the GPU, with no transformers model built.
+            hf.save_pretrained(tmp_path, safe_serialization=True)
+            native = LlamaModel.from_safetensors(tmp_path, config, torch.bfloat16, "cuda", max_positions=4096)
+            got = paged_logits(model_shape(config), NativeCausalLM(native).decode_logits, seqs, False)
+            del native
         else:
             compiled = mode == "compiled"
             native = LlamaModel.from_hf(hf, config, torch.bfloat16, "cuda", consume=False, max_positions=4096, compile=compiled)
