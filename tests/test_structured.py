@@ -273,6 +273,35 @@ def test_bounded_strings_compile_as_rule_chains() -> None:
     assert unroll_bounded_strings(free) == free
 
 
+# Each way xgrammar bounds a string: unrolled maxLength, maxLength too long to unroll, minLength only.
+BOUNDED_FORMS = [{"maxLength": 5}, {"maxLength": 1000}, {"minLength": 1}]
+
+
+@pytest.mark.parametrize("bounds", BOUNDED_FORMS)
+def test_bounded_string_output_is_valid_json_without_raw_control_characters(
+    compiler: GrammarCompiler, tokenizer: Any, bounds: dict
+) -> None:
+    """JSON forbids U+0000-U+001F unescaped in a string (json.loads rejects a raw tab); xgrammar's
+    length-bounded string allowed every one of them but CR and LF, so a sampled tab ended a
+    terminated grammar's output as text that is not JSON."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", **bounds}}, "required": ["code"]}
+    grammar = compiler.compile_sync(GrammarSpec("json", json.dumps(schema), "structured_outputs"))
+    assert drive(grammar, tokenizer, '{"code": "a b"}') == (None, True)
+    for control in ("\t", "\x00", "\x0b", "\x1f"):
+        rejected, _ = drive(grammar, tokenizer, '{"code": "a' + control + 'b"}')
+        assert rejected is not None, repr(control)
+    # No token the mask allows inside the string holds a control character.
+    matcher = grammar.new_matcher()
+    for token in tokenizer.encode('{"code": "a', add_special_tokens=False):
+        assert matcher.accept_token(token)
+    mask = step_bitmask([matcher], [grammar], VOCAB)
+    assert mask is not None
+    allowed = np.flatnonzero(np.unpackbits(mask.array()[0].view(np.uint8), bitorder="little")[:VOCAB])
+    texts = tokenizer.batch_decode([[int(i)] for i in allowed])
+    assert any("b" in t for t in texts)
+    assert not [t for t in texts if re.search("[\x00-\x1f]", t)]
+
+
 def test_advance_reports_acceptance_and_termination_as_the_matcher_does(
     compiler: GrammarCompiler, tokenizer: Any
 ) -> None:

@@ -37,6 +37,10 @@ _IGNORED = frozenset({"disable_fallback", "disable_any_whitespace"})
 _BOUNDED_STRING = re.compile(r'"\\"" (\w+)\{(\d+), (\d+)\} "\\""')
 # Longer bounds stay as xgrammar writes them: an unrolled string compiles one rule per character.
 _UNROLL_MAX_LENGTH = 256
+# xgrammar's character of a string with minLength or maxLength (`<name>_characters ::= ...`), and
+# a JSON string's unescaped character, as its own free strings (`basic_string_sub`) have it.
+_BOUNDED_CHARACTER = re.compile(r"^(\w+) ::= " + re.escape(r'(([^\"\\\r\n]))') + "$", re.MULTILINE)
+_JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: " (and sometimes "Check failed").
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -226,6 +230,18 @@ def _ebnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def json_string_characters(ebnf: str) -> str:
+    """xgrammar's EBNF for a JSON schema with the characters of its length-bounded strings
+    (minLength, maxLength) limited to those JSON allows unescaped in a string.
+
+    xgrammar (0.2.8, its issue #800) lets such a character be anything but a quote, a backslash,
+    CR or LF, so the other control characters (U+0000-U+001F) get in: a model that samples a raw
+    tab inside a bounded string ends its grammar with text that `json.loads` rejects. The bounds
+    count characters as before; other grammars come back unchanged.
+    """
+    return _BOUNDED_CHARACTER.sub(lambda m: f"{m.group(1)} ::= {_JSON_CHARACTER}", ebnf)
+
+
 def unroll_bounded_strings(ebnf: str) -> str:
     """xgrammar's EBNF for a JSON schema with each length-bounded string (maxLength <= 256) as a
     chain of rules, one per character count, each ending the string or taking one more character.
@@ -361,7 +377,7 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json":
             ebnf = str(xgr.Grammar.from_json_schema(spec.value, any_whitespace=False))
-            return self._xgr.compile_grammar(unroll_bounded_strings(ebnf))
+            return self._xgr.compile_grammar(unroll_bounded_strings(json_string_characters(ebnf)))
         if spec.kind == "json_object":
             # Any object (not any JSON value), on one line like the schema outputs.
             return self._xgr.compile_json_schema('{"type":"object"}', any_whitespace=False)
