@@ -5,8 +5,9 @@
 
 Offline: G groups x 16 prompts of `--shared` shared + `--unique` own random token ids, 100 out,
 greedy, ignore_eos, shuffled, in one `LLM.generate` per configuration: no prefix caching; prefix
-caching in arrival order; prefix-sharing groups; groups + cascade attention. Each configuration
-gets prompts of its own (different random ids), so none reads another's cached pages. Reports
+caching in arrival order; prefix-sharing groups; groups + cascade attention as `auto` applies it.
+Each run gets prompts of its own (different random ids), so none reads another's cached pages; the
+last three configurations alternate `--rounds` times on one LLM and the best round of each is kept. Reports
 requests/s, output and total tokens/s and the share of prompt tokens computed.
 
 Cascade decode: D groups x R requests behind a `--decode-prefix`-token prefix with a 64-token
@@ -155,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shared", type=int, default=2000)
     p.add_argument("--unique", type=int, default=200)
     p.add_argument("--out-tokens", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the configurations sharing an LLM")
     p.add_argument("--decode-groups", type=int, default=4)
     p.add_argument("--decode-requests", type=int, default=256, help="requests per decode group")
     p.add_argument("--decode-prefix", type=int, default=4096)
@@ -169,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from flashserve.attention.cascade import CascadePolicy
+    from flashserve.attention.cascade import cascade_policy
     from flashserve.llm import LLM
 
     from benchmark.suite import model_config
@@ -190,10 +192,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         del plain
         free_device()
         llm = LLM(args.model, cascade_attention="off", **common)
-        runs["prefix caching, arrival order"] = offline(llm, group_prompts(rng, *shape), args.out_tokens, False)
-        runs["prefix-sharing groups"] = offline(llm, group_prompts(rng, *shape), args.out_tokens, True)
-        llm.engine.executor.cascade = CascadePolicy()
-        runs["groups + cascade"] = offline(llm, group_prompts(rng, *shape), args.out_tokens, True)
+        # The same LLM for the rest, which alternate `--rounds` times; the best round of each is kept.
+        configs = {"prefix caching, arrival order": (None, False), "prefix-sharing groups": (None, True),
+                   "groups + cascade (auto)": (cascade_policy("auto", "flashinfer", llm.engine.executor.page_size), True)}
+        best: dict[str, dict[str, Any]] = {}
+        for _ in range(args.rounds):
+            for name, (policy, grouping) in configs.items():
+                llm.engine.executor.cascade = policy
+                r = offline(llm, group_prompts(rng, *shape), args.out_tokens, grouping)
+                if name not in best or r["requests_per_s"] > best[name]["requests_per_s"]:
+                    best[name] = r
+        for name, r in best.items():
+            runs[name] = r
         doc["offline"] = dict(runs)
         llm.close()
         del llm

@@ -59,6 +59,7 @@ def assert_sampled_from_teacher_forced_logits(llm: LLM, recorder: RecordingSampl
         got = torch.stack([recorder.rows[(res.request_id, k)] for k in range(len(res.token_ids))])
         ref = teacher_forced_logits(llm, res.prompt_token_ids, res.token_ids)
         err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        print(f"ERR {res.request_id}: max relative error {err.max().item():.3e} over {len(err)} tokens")
         assert err.max().item() < 3e-2, f"{res.request_id}: max relative error {err.max().item():.3e}"
 
 
