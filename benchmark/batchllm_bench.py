@@ -5,7 +5,7 @@
 
 Offline: G groups x 16 prompts of `--shared` shared + `--unique` own random token ids, 100 out,
 greedy, ignore_eos, shuffled, in one `LLM.generate` per configuration: no prefix caching; prefix
-caching in arrival order; prefix-sharing groups; groups + cascade attention as `auto` applies it.
+caching in arrival order; prefix-sharing groups; groups + cascade attention (`on`).
 Each run gets prompts of its own (different random ids), so none reads another's cached pages; the
 last three configurations alternate `--rounds` times on one LLM and the best round of each is kept. Reports
 requests/s, output and total tokens/s and the share of prompt tokens computed.
@@ -15,7 +15,7 @@ question each, 512 out, stepped through the engine: the median time of steps whe
 decodes, with cascade on and off (the same prompts, prefix pages cached by the first round).
 
 Cascade sweep: the same on/off comparison, 48 steps each, over prefixes of 256-4096 tokens and 2-64
-requests per group, which is what `--cascade-attention auto` decides on.
+requests per group, which is what `--cascade-attention auto` is decided on.
 Prints tables and writes `batchllm.json` and `batchllm.png` under `benchmark/results/<GPU>/batchllm/`.
 """
 
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from flashserve.attention.cascade import cascade_policy
+    from flashserve.attention.cascade import CascadePolicy
     from flashserve.llm import LLM
 
     from benchmark.suite import model_config
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm = LLM(args.model, cascade_attention="off", **common)
         # The same LLM for the rest, which alternate `--rounds` times; the best round of each is kept.
         configs = {"prefix caching, arrival order": (None, False), "prefix-sharing groups": (None, True),
-                   "groups + cascade (auto)": (cascade_policy("auto", "flashinfer", llm.engine.executor.page_size), True)}
+                   "groups + cascade": (CascadePolicy(), True)}
         best: dict[str, dict[str, Any]] = {}
         for _ in range(args.rounds):
             for name, (policy, grouping) in configs.items():

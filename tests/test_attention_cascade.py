@@ -309,7 +309,7 @@ def test_group_thresholds_below_their_minimum_are_refused(min_group: int, min_pa
 @pytest.mark.parametrize(
     "mode, backend, policy",
     [("on", "torch", CascadePolicy()), ("off", "flashinfer", None), ("auto", "torch", None),
-     ("auto", "flashinfer", CascadePolicy(min_group=8, min_pages=16, eager_steps_only=True))],
+     ("auto", "flashinfer", None)],
 )
 def test_cascade_modes_pick_the_group_thresholds(mode: str, backend: str, policy: CascadePolicy | None) -> None:
     assert cascade_policy(mode, backend, PAGE) == policy
@@ -319,35 +319,3 @@ def test_unknown_cascade_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="auto, on, off"):
         cascade_policy("always", "flashinfer", PAGE)
 
-
-class GraphStub:
-    """Stands in for the CUDA-graph runner and the backend's graph sizes: records the layouts it
-    is handed; `covers` says whether a graph of the step's size exists."""
-
-    def __init__(self, covers: bool) -> None:
-        self.covers, self.layouts = covers, []
-
-    def cuda_graph_batch_size(self, layout: BatchLayout) -> int | None:
-        return layout.batch_size if self.covers and layout.prefix is None else None
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        self.layouts.append(layout)
-        return torch.zeros(layout.batch_size, 4)
-
-
-@pytest.mark.parametrize(("covers", "cascades"), [(True, False), (False, True)], ids=["graph", "no-graph"])
-def test_eager_steps_only_policy_cascades_only_the_decode_steps_no_graph_covers(covers: bool, cascades: bool) -> None:
-    from types import SimpleNamespace
-
-    from flashserve.engine.outputs import SchedulerOutput
-    from flashserve.model.runner import ModelRunner
-
-    pages = Pages()
-    shared = pages.take(2)
-    requests = [req(i, shared + pages.take(1), 2 * PAGE + 3, 1) for i in range(3)]
-    stub = GraphStub(covers)
-    runner = ModelRunner(SimpleNamespace(device=torch.device("cpu")), stub, None, PAGE, object(),  # type: ignore[arg-type]
-                         CascadePolicy(min_group=2, min_pages=2, eager_steps_only=True))
-    runner.graphs = stub
-    runner.forward(SchedulerOutput(requests))
-    assert (stub.layouts[0].prefix is not None) == cascades

@@ -62,33 +62,26 @@ class PrefixLevel:
 @dataclass(frozen=True)
 class CascadePolicy:
     """Which groups a step attends through a prefix level: >= `min_group` requests sharing >=
-    `min_pages` whole pages (`find_groups`). `eager_steps_only`: only in steps that would run
-    eagerly anyway (prefill chunks, or a decode batch no CUDA graph covers); a decode step that
-    a graph covers attends flat from the graph, since a cascade step runs eagerly."""
+    `min_pages` whole pages (`find_groups`)."""
 
     min_group: int = 2
     min_pages: int = 1
-    eager_steps_only: bool = False
 
 
 CASCADE_MODES = ("auto", "on", "off")
 
 
 def cascade_policy(mode: str, backend_name: str, page_size: int) -> CascadePolicy | None:
-    """`--cascade-attention`: "on" forms any group that saves reads, in every step; "auto" only on
-    FlashInfer, for prefixes of >= 256 tokens shared by >= 8 requests (vLLM's rule), and only in
-    steps that run eagerly anyway: a cascade step has no CUDA graph, and on an H100 the eager
-    launches cost more than the prefix reads saved (1B shape, 32 requests in 2 groups behind a
-    1,024-token prefix: 12 ms a step eagerly with cascade against 2.9 ms from a graph, flat);
-    "off" attends flat."""
-    if mode == "off":
+    """`--cascade-attention`: "on" forms any group that saves reads, in every step; "off" attends
+    flat; "auto" cascades where it measured faster, which on the shapes measured so far is nowhere
+    (`benchmark/batchllm_bench.py`, H100, 1B shape): a cascade step runs eagerly, without the
+    decode CUDA graphs, and its second pass and merge per layer cost more host time than the
+    prefix reads they save, up to 4,096-token prefixes shared by 64 requests and offline batches of
+    2,000-token prefixes shared by 16. So "auto" attends flat."""
+    if mode in ("off", "auto"):
         return None
     if mode == "on":
         return CascadePolicy()
-    if mode == "auto":
-        if backend_name != "flashinfer":
-            return None
-        return CascadePolicy(min_group=8, min_pages=-(-256 // page_size), eager_steps_only=True)
     raise ValueError(f"cascade attention must be one of {', '.join(CASCADE_MODES)}, got {mode!r}")
 
 

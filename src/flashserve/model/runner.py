@@ -102,17 +102,12 @@ class ModelRunner:
         """float32 logits: one row per request with sample=True, in schedule order, then the
         token rows `prompt_rows` (indices into the step's tokens) for prompt logprobs."""
         with torch.inference_mode():
-            layout = BatchLayout.build(out.requests, self.page_size)
-            graphable = (self.graphs is not None and layout.is_decode_only and not prompt_rows
-                         and all(r.sample for r in out.requests))
-            if self.cascade is not None and not (
-                self.cascade.eager_steps_only and graphable and self.backend.cuda_graph_batch_size(layout) is not None
-            ):
-                layout = layout.with_prefix(out.requests, self.cascade)
+            layout = BatchLayout.build(out.requests, self.page_size, self.cascade)
             token_ids = [t for r in out.requests for t in r.new_token_ids]
             input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
             positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device, non_blocking=True)
-            if graphable:
+            all_sample = all(r.sample for r in out.requests)
+            if self.graphs is not None and layout.is_decode_only and all_sample and not prompt_rows:
                 # A cascade step finds no graph of its size and runs eagerly.
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
                 return self.graphs(input_ids, positions, layout)
@@ -359,19 +354,14 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
               for r in prefill]
     steps = [prefill, decode, decode[:1]]
     if runner.cascade is not None and n >= 3:
-        # Two requests behind one shared full page: the prefix pass and the merge (their kernels
-        # are built on first use too).
+        # Two requests behind one shared full page (a group under any policy "on" gives): the
+        # prefix pass and the merge, whose kernels are built on first use too.
         shared, own = page_ids[0][:1], [page_ids[1][0], page_ids[2][0]]
         tokens = [1] * runner.page_size
         steps.append([ScheduledRequest(f"warmup-cascade-{i}", [1], runner.page_size, shared + [page], True, params[0],
                                        tokens, [1]) for i, page in enumerate(own)])
-    policy = runner.cascade
-    runner.cascade = CascadePolicy() if policy is not None else None
-    try:
-        for step in steps:
-            runner.execute(SchedulerOutput(step))
-    finally:
-        runner.cascade = policy
+    for step in steps:
+        runner.execute(SchedulerOutput(step))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("warm-up (kernel builds and compilation included) took %.1f s", time.perf_counter() - t0)
