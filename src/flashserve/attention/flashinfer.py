@@ -8,7 +8,11 @@ kernel on Hopper). A step's index arrays are packed into one pinned buffer and g
 Cascade steps (a layout with a prefix level, `attention/cascade.py`): the same wrapper attends each
 request to its pages after its group's shared prefix, a second prefill wrapper attends each
 group's query rows to the group's prefix pages once (non-causal, several groups in one pass), and
-`merge_state` merges the two by their log-sum-exps (FLASHINFER.md §4). Such steps run eagerly.
+`merge_state` merges the two by their log-sum-exps (FLASHINFER.md §4). Both passes write float16
+(10 mantissa bits against bfloat16's 7; FlashInfer builds no float32 output), so the two roundings
+before the merge cost less than the one rounding to the cache dtype after it. Attention outputs are
+convex combinations of V rows, so they stay within float16's range wherever V does. Such steps run
+eagerly.
 
 CUDA graphs (decode only): `init_cuda_graph` builds one graph-mode decode wrapper per batch size
 over static index buffers; `plan_cuda_graph` pads a batch to such a size with dummy one-token
@@ -138,19 +142,20 @@ class FlashInferAttentionBackend:
         kv_indptr_d, last_d, indices_d, batch_d, pos_d = dev[1:6]
         # The main pass: over each request's pages, or under a cascade its pages after its prefix.
         attend_indptr_h, attend_indices_d = (kv_indptr_h, indices_d) if prefix is None else (host[6], dev[7])
+        out_dtype = self.dtype if prefix is None else torch.float16  # a cascade's levels: see the module doc
         if layout.is_decode_only:
             wrapper, args = self._decode, (attend_indptr_h, attend_indices_d, last_h)
-            kwargs = self._plan_kwargs()
+            kwargs = self._plan_kwargs(out_dtype)
         else:
             wrapper, args = self._prefill, (qo_h, attend_indptr_h, attend_indices_d, last_h)
-            kwargs = {**self._plan_kwargs(), "causal": True}
+            kwargs = {**self._plan_kwargs(out_dtype), "causal": True}
         prefix_wrapper = prefix_rows = None
         if prefix is not None:
             # Each group's query rows over its shared pages, all computed before this step's
             # tokens: non-causal (`cascade.shareable_pages`).
             prefix_wrapper, prefix_rows = self._cascade_prefix_wrapper(), dev[12].long()
             self._plan_wrapper(prefix_wrapper, (host[8], host[9], dev[11], host[10]),
-                               {**self._plan_kwargs(), "causal": False})
+                               {**self._plan_kwargs(out_dtype), "causal": False})
         self._step = _StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d, prefix_wrapper, prefix_rows)
         self._plan_wrapper(wrapper, args, kwargs)
 
@@ -160,10 +165,11 @@ class FlashInferAttentionBackend:
             self._prefix = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
         return self._prefix
 
-    def _plan_kwargs(self) -> dict[str, Any]:
+    def _plan_kwargs(self, out_dtype: torch.dtype | None = None) -> dict[str, Any]:
         # Keywords only after page_size (positional ones are deprecated); the dtypes explicitly,
         # since they default to float16.
-        return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.sm_scale, "non_blocking": True}
+        return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "o_data_type": out_dtype or self.dtype,
+                "sm_scale": self.sm_scale, "non_blocking": True}
 
     def _plan_wrapper(self, wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         wrapper.plan(*args, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, **kwargs)
@@ -198,7 +204,7 @@ class FlashInferAttentionBackend:
         out, lse = step.wrapper.run(q, cache, return_lse=True)
         prefix_out, prefix_lse = step.prefix_wrapper.run(q.index_select(0, rows), cache, return_lse=True)
         merged, _ = self._fi.merge_state(out.index_select(0, rows), lse.index_select(0, rows), prefix_out, prefix_lse)
-        return out.index_copy_(0, rows, merged)
+        return out.index_copy_(0, rows, merged).to(self.dtype)
 
     # ---- CUDA-graph decode -------------------------------------------------------------------
 
