@@ -2,7 +2,7 @@
 
 Rows: prefill of one prompt (flashserve's model in one step, flashserve's engine at its default
 step budget, transformers' forward with SDPA), decode steps at batch 1 and 8 (flashserve's engine,
-transformers' `generate`), each against the CPU's floor measured in the same run (prefill FLOPs
+transformers' forward over its own cache, one step of each in turn), each against the CPU's floor measured in the same run (prefill FLOPs
 at the fp32 matmul rate, weights + KV read per decode step at the copy bandwidth). Then the
 largest gap between two tokens of a running stream while a long prompt arrives, and the time
 `flashserve serve` takes from process start to /health 200.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmark.floor import ModelShape, decode_step_floor_s, first_token_floor_s, measure_rates, median_time_s
+from benchmark.floor import ModelShape, decode_step_floor_s, first_token_floor_s, measure_rates
 from benchmark.server_process import free_port, stop
 
 OUT_DIR = Path(__file__).parent / "results" / "cpu"
@@ -88,21 +88,34 @@ def engine_ttft_s(engine: Any, n: int, gen: torch.Generator) -> float:
     return time.perf_counter() - t0
 
 
-def engine_decode_ms(engine: Any, batch: int, gen: torch.Generator) -> float:
-    """Median time of the engine's steps in which every one of `batch` requests decodes."""
+def decode_ms(engine: Any, model: torch.nn.Module, batch: int, gen: torch.Generator) -> tuple[float, float]:
+    """Median decode step (ms) of flashserve's engine and of transformers (its forward over its own
+    cache, the loop `generate` runs, with SDPA), `batch` requests each, one step of each in turn:
+    a 2-core VM's speed drifts within seconds, and alternating steps puts both under the same drift."""
     from flashserve.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=2 * DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=DECODE_TOKENS + 8, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(uuid.uuid4().hex, random_prompt(DECODE_PROMPT, gen), params)
-    times = []
-    while engine.has_unfinished:
+    while any(not out.new_token_ids for out in engine.step()):  # prefills, then a first decode step
+        pass
+    ids = torch.tensor([random_prompt(DECODE_PROMPT, gen) for _ in range(batch)])
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    ours, theirs = [], []
+    for _ in range(DECODE_TOKENS):
         t0 = time.perf_counter()
-        outs = engine.step()
-        times.append((time.perf_counter() - t0, len(outs)))
-    # The second half: every prompt is long done; a step's outputs are one token per request.
-    steady = [t for t, count in times[len(times) // 2 : -1] if count == batch]
-    return 1e3 * statistics.median(steady)
+        engine.step()
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        ours.append(t1 - t0)
+        theirs.append(time.perf_counter() - t1)
+    while engine.has_unfinished:
+        engine.step()
+    return 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs)
 
 
 def largest_gap(engine: Any, prompt_len: int, gen: torch.Generator) -> dict[str, float]:
@@ -136,19 +149,6 @@ def hf_prefill_s(model: torch.nn.Module, n: int, gen: torch.Generator) -> float:
         t0 = time.perf_counter()
         model(input_ids=ids, logits_to_keep=1)
         return time.perf_counter() - t0
-
-
-def hf_decode_ms(model: torch.nn.Module, batch: int, gen: torch.Generator) -> float:
-    """Per-token time of `generate` (its own cache, SDPA): (t(1 + n) - t(1)) / n, medians of 3."""
-    ids = torch.tensor([random_prompt(DECODE_PROMPT, gen) for _ in range(batch)])
-
-    def run(new: int) -> float:
-        with torch.inference_mode():
-            return median_time_s(lambda: model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, min_new_tokens=new,
-                pad_token_id=0), "cpu", 1, 3)  # fmt: skip
-
-    return 1e3 * (run(1 + DECODE_TOKENS) - run(1)) / DECODE_TOKENS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.batches:
         ctx = [DECODE_PROMPT + DECODE_TOKENS] * b
         ours, theirs = [], []
-        for _ in range(args.repeat):  # interleaved too: a 2-core VM's speed drifts by 20% and more
-            ours.append(engine_decode_ms(stack.engine, b, gen))
-            theirs.append(hf_decode_ms(hf, b, gen))
+        for _ in range(args.repeat):
+            mine, hf_ms = decode_ms(stack.engine, hf, b, gen)
+            ours.append(mine)
+            theirs.append(hf_ms)
         rows.append({"work": f"decode, batch {b}", "unit": "ms/step", "flashserve_engine": min(ours),
                      "transformers": min(theirs), "floor": 1e3 * decode_step_floor_s(shape, rates, ctx)})  # fmt: skip
     doc["rows"] = rows

@@ -112,7 +112,7 @@ def _rank_main(checkpoints: str, names: list[str], out_dir: str) -> None:
             config = SimpleNamespace(**json.load(f))  # the fields a transformers config would read
         state = load_file(os.path.join(path, "model.safetensors"))
         from_state = LlamaModel.from_hf(state, config, torch.float32, "cpu", ops="torch", group=group)
-        from_files = LlamaModel.from_safetensors(path, config, torch.float32, "cpu", ops="torch", group=group)
+        from_files = LlamaModel.from_checkpoint(path, config, torch.float32, "cpu", ops="torch", group=group)
         found["models"][name] = {
             "state": run_schedule(from_state),
             "files": run_schedule(from_files),
@@ -181,7 +181,7 @@ def test_one_rank_reads_the_whole_model_from_safetensors(runs: dict[str, Any]) -
 
     for name in NAMES:
         path = runs["root"] / name
-        model = LlamaModel.from_safetensors(path, AutoConfig.from_pretrained(path), torch.float32, "cpu", ops="torch")
+        model = LlamaModel.from_checkpoint(path, AutoConfig.from_pretrained(path), torch.float32, "cpu", ops="torch")
         assert all(torch.equal(a, b) for a, b in zip(run_schedule(model), runs["one_rank"][name])), name
 
 
@@ -311,3 +311,30 @@ def test_ranks_exit_when_the_process_that_started_them_is_killed(tmp_path: Path)
     for pid in orphans:  # so that a failure leaves nothing running either
         os.kill(pid, signal.SIGKILL)
     assert not orphans
+
+
+def test_dummy_checkpoint_draws_the_same_weights_for_a_seed_and_others_for_another() -> None:
+    from flashserve.model.weights import LlamaSpec
+    from flashserve.parallel.checkpoint import DummyCheckpoint
+
+    spec = LlamaSpec.from_hf_config(configs()["llama_gqa_untied"])
+    a, b = (DummyCheckpoint(seed=7).read_llama_shard(spec, torch.float32, "cpu") for _ in range(2))
+    other = DummyCheckpoint(seed=8).read_llama_shard(spec, torch.float32, "cpu")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["layers.0.qkv_proj.weight"], other["layers.0.qkv_proj.weight"])
+    assert torch.equal(a["norm.weight"], torch.ones_like(a["norm.weight"]))  # norms start at 1
+    assert a["embed_tokens.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_a_rank_draws_its_dummy_shard_as_the_slice_of_the_whole_dummy_model() -> None:
+    from flashserve.model.weights import LlamaSpec
+    from flashserve.parallel.checkpoint import DummyCheckpoint
+
+    spec = LlamaSpec.from_hf_config(configs()["llama_gqa_untied"])
+    whole = DummyCheckpoint(seed=3).read_llama_shard(spec, torch.float32, "cpu")
+    shard = ShardLayout.for_spec(spec, 1, WORLD)
+    part = DummyCheckpoint(seed=3).read_llama_shard(spec, torch.float32, "cpu", shard)
+    # The rank's rows of the LM head, its columns of o_proj and down_proj.
+    assert torch.equal(part["lm_head.weight"], shard.slice_for("lm_head").take(whole["lm_head.weight"]))
+    assert torch.equal(part["layers.0.o_proj.weight"], shard.slice_for("o").take(whole["layers.0.o_proj.weight"]))
+    assert torch.equal(part["layers.1.down_proj.weight"], shard.slice_for("down").take(whole["layers.1.down_proj.weight"]))

@@ -116,7 +116,7 @@ def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: s
         elif mode == "safetensors":
             # The checkpoint's files read straight onto the GPU, with no transformers model built.
             hf.save_pretrained(tmp_path, safe_serialization=True)
-            native = LlamaModel.from_safetensors(tmp_path, config, torch.bfloat16, "cuda", max_positions=4096)
+            native = LlamaModel.from_checkpoint(tmp_path, config, torch.bfloat16, "cuda", max_positions=4096)
             got = paged_logits(model_shape(config), NativeCausalLM(native).decode_logits, seqs, False)
             del native
         else:

@@ -13,7 +13,7 @@ name in `weights.py`. The runner's seam:
     logits = model.compute_logits(hidden[sample_rows])   # float32 [N, V]
 
 Tensor parallelism: built with a `TPGroup` of N ranks (`from_hf(..., group=g)` or
-`from_safetensors`), a model holds its rank's shard (`model.shard`, see `parallel/sharding.py`)
+`from_checkpoint`), a model holds its rank's shard (`model.shard`, see `parallel/sharding.py`)
 and every rank runs the same step with the same inputs. The rank's attention backend has
 `model.shard.num_heads` query and `model.shard.num_kv_heads` KV heads; o_proj and down_proj are
 followed by an all-reduce, and `compute_logits` gathers the vocabulary so that every rank returns
@@ -23,7 +23,7 @@ the full [N, V] row. On one rank none of this runs: the forward is the single-pr
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ from flashserve.model.weights import (
 )
 from flashserve.parallel.comm import SingleRankGroup, TPGroup
 from flashserve.parallel.sharding import ShardLayout
+
+if TYPE_CHECKING:
+    from flashserve.parallel.checkpoint import DummyCheckpoint
 
 Tensor = torch.Tensor
 
@@ -206,9 +209,9 @@ class LlamaModel(nn.Module):
         return cls._assemble(spec, weights, device, max_positions, ops, compile, group)
 
     @classmethod
-    def from_safetensors(
+    def from_checkpoint(
         cls,
-        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | DummyCheckpoint,
         hf_config: Any,
         dtype: torch.dtype,
         device: torch.device | str,
@@ -219,16 +222,21 @@ class LlamaModel(nn.Module):
         group: TPGroup | None = None,
     ) -> LlamaModel:
         """Builds the rank's shard straight from a checkpoint's safetensors files, reading only
-        the rank's slice of each tensor. path: a checkpoint directory or its .safetensors files.
-        The other arguments and errors are `from_hf`'s; the architecture is the config's.
+        the rank's slice of each tensor, or from a `DummyCheckpoint`'s random weights, drawn a
+        tensor at a time. path: a checkpoint directory, its .safetensors files, or a
+        DummyCheckpoint. The other arguments and errors are `from_hf`'s; the architecture is the
+        config's.
         """
-        from flashserve.parallel.checkpoint import read_llama_shard
+        from flashserve.parallel.checkpoint import DummyCheckpoint, read_llama_shard
 
         device = torch.device(device)
         spec = LlamaSpec.from_hf_config(hf_config)
         group = group if group is not None else SingleRankGroup()
         shard = ShardLayout.for_spec(spec, group.rank, group.world_size)
-        weights = read_llama_shard(path, spec, dtype, device, shard)
+        if isinstance(path, DummyCheckpoint):
+            weights = path.read_llama_shard(spec, dtype, device, shard)
+        else:
+            weights = read_llama_shard(path, spec, dtype, device, shard)
         return cls._assemble(spec, weights, device, max_positions, ops, compile, group)
 
     @classmethod

@@ -15,11 +15,14 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from flashserve.config import ModelConfig
+
+if TYPE_CHECKING:
+    from flashserve.parallel.checkpoint import DummyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -263,34 +266,49 @@ def safetensors_checkpoint(config: ModelConfig) -> str | None:
     return source if glob.glob(os.path.join(source, "*.safetensors")) else None
 
 
-def native_checkpoint(config: ModelConfig) -> str | None:
-    """A `safetensors_checkpoint` whose architecture the native model runs (model_impl not "hf"):
-    its weights are read from the files into the native layout, with no transformers model."""
+def native_checkpoint(config: ModelConfig) -> str | DummyCheckpoint | None:
+    """Where the native model (model_impl not "hf") reads its weights from, with no transformers
+    model built: a `safetensors_checkpoint`'s files, or for `load_format="dummy"` a
+    `DummyCheckpoint` (random weights drawn per tensor, per rank's shard); None when the
+    architecture is not the native model's or the weights come another way (GGUF, an HF id)."""
     from flashserve.model.weights import LlamaSpec, UnsupportedModelError
+    from flashserve.parallel.checkpoint import DummyCheckpoint
 
-    path = safetensors_checkpoint(config)
-    if path is None or config.model_impl == "hf":
+    if config.model_impl == "hf":
         return None
+    checkpoint: str | DummyCheckpoint | None
+    if config.load_format == "dummy":
+        checkpoint, hf_config = DummyCheckpoint(config.seed), dummy_hf_config(config.model)
+    else:
+        checkpoint = safetensors_checkpoint(config)
+        if checkpoint is None:
+            return None
+        hf_config = _auto_config(checkpoint, config)
     try:
-        LlamaSpec.from_hf_config(_auto_config(path, config))
+        LlamaSpec.from_hf_config(hf_config)
     except UnsupportedModelError:
         return None
-    return path
+    return checkpoint
 
 
 def load_model(config: ModelConfig, device: torch.device | str, *, weights: bool = True) -> LoadedModel:
     """Loads `config.model` onto `device` ("meta" builds a dummy model's shapes without memory).
 
-    weights=False (a `safetensors_checkpoint` only): everything but the weights; `model` is built
-    on the meta device from the checkpoint's config, for its shapes and attributes, and the caller
-    reads the weights it needs from the files.
+    weights=False (a `native_checkpoint` only: a local safetensors checkpoint, or dummy weights):
+    everything but the weights; `model` is built on the meta device from the config, for its
+    shapes and attributes, and the caller reads or draws the weights it needs.
     """
     device = torch.device(device)
     source, gguf_file = config.model, None
     t0 = time.perf_counter()
-    if not weights:
+    if not weights and config.load_format == "dummy":
+        hf_config = dummy_hf_config(source)
+        dtype = resolve_dtype(config.dtype, device, torch.bfloat16)
+        model = _build_dummy(hf_config, dtype, torch.device("meta"), config.seed)
+        name = source
+    elif not weights:
         if safetensors_checkpoint(config) is None:
-            raise ValueError(f"only a local safetensors checkpoint loads without its weights, not {source!r}")
+            raise ValueError(f"only a local safetensors checkpoint or dummy weights load without weights, not {source!r}")
         hf_config = _auto_config(source, config)
         dtype = resolve_dtype(config.dtype, device, getattr(hf_config, "dtype", None))
         model = _build_dummy(hf_config, dtype, torch.device("meta"), config.seed)

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,6 +21,9 @@ from flashserve.model.hf import HFCausalLM, attention_scale
 from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
 from flashserve.model.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
+
+if TYPE_CHECKING:
+    from flashserve.parallel.checkpoint import DummyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -247,16 +250,17 @@ def num_kv_pages(cache: CacheConfig, page_bytes: int, device: torch.device) -> i
 
 
 def step_model(loaded: LoadedModel, model_impl: str, torch_compile: bool = False,
-               checkpoint: str | None = None) -> StepModel:
+               checkpoint: str | DummyCheckpoint | None = None) -> StepModel:
     """The native forward for Llama-family models (`auto`/`native`), else the generic HF path.
 
     torch_compile: compile the native model's non-attention pieces (the HF path runs eagerly).
-    checkpoint: a `native_checkpoint` to read the weights from (`loaded.model` is then shapes only).
+    checkpoint: a `native_checkpoint` to read or draw the weights from (`loaded.model` is then
+        shapes only).
     """
     if model_impl not in ("auto", "native", "hf"):
         raise ValueError(f"model_impl must be auto, native or hf, not {model_impl!r}")
     if checkpoint is not None:
-        return NativeCausalLM(LlamaModel.from_safetensors(
+        return NativeCausalLM(LlamaModel.from_checkpoint(
             checkpoint, loaded.hf_config, loaded.dtype, loaded.device, max_positions=loaded.max_model_len,
             compile=torch_compile,
         ))  # fmt: skip

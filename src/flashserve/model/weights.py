@@ -149,7 +149,7 @@ def _layer_names(spec: LlamaSpec, i: int) -> dict[str, str]:
     }
 
 
-def _expected_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
+def expected_hf_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     """Every HF tensor the spec needs, with its shape."""
     h, i_size, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
@@ -181,7 +181,7 @@ def check_hf_state_dict(state: Mapping[str, torch.Tensor], spec: LlamaSpec) -> N
 
 def check_hf_shapes(shapes: Mapping[str, tuple[int, ...]], spec: LlamaSpec) -> None:
     """`check_hf_state_dict` over names and shapes alone (a safetensors header has no more)."""
-    expected = _expected_shapes(spec)
+    expected = expected_hf_shapes(spec)
     missing = sorted(n for n in expected if n not in shapes)
     unexpected = sorted(n for n in shapes if n not in expected and not _is_ignorable(n, spec))
     misshapen = sorted(
@@ -198,7 +198,7 @@ def check_hf_shapes(shapes: Mapping[str, tuple[int, ...]], spec: LlamaSpec) -> N
 
 def expected_hf_names(spec: LlamaSpec) -> list[str]:
     """The checkpoint tensors the native model reads (not a tied model's lm_head, which is the embedding)."""
-    return list(_expected_shapes(spec))
+    return list(expected_hf_shapes(spec))
 
 
 def convert_hf_state_dict(

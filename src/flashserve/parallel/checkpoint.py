@@ -1,5 +1,6 @@
 """Reads a Llama-family checkpoint's safetensors files into the native model's weights, taking
-only a tensor-parallel rank's slice of each tensor.
+only a tensor-parallel rank's slice of each tensor; or draws a dummy checkpoint's random weights
+the same way, one tensor at a time.
 
 A rank that loads through a whole transformers model holds every weight in memory before it
 keeps its share; here each rank asks safetensors for its rows or columns (`get_slice`), so the
@@ -13,12 +14,14 @@ import contextlib
 import glob
 import json
 import os
+import zlib
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from safetensors import safe_open
 
-from flashserve.model.weights import LlamaSpec, check_hf_shapes, fuse_weights
+from flashserve.model.weights import LlamaSpec, check_hf_shapes, expected_hf_shapes, fuse_weights
 from flashserve.parallel.sharding import ShardLayout
 
 _INDEX = "model.safetensors.index.json"
@@ -72,5 +75,40 @@ def read_llama_shard(
             if where is None:
                 return owner[name].get_tensor(name)
             return where.read(owner[name].get_slice(name))
+
+        return fuse_weights(read, spec, dtype, device, shard)
+
+
+@dataclass(frozen=True)
+class DummyCheckpoint:
+    """Random weights in a checkpoint's shapes (`load_format="dummy"`): matrices and embeddings
+    normal(0, `std`) as transformers initialises them, norms 1, biases 0.
+
+    Each tensor is drawn whole on the device from a generator seeded by `seed` and its name, then
+    cut to the rank's slice: every rank count draws the same model (tensor-parallel ranks agree
+    with one rank), and a rank holds its shard plus one whole tensor at a time, never the model.
+    """
+
+    seed: int = 0
+    std: float = 0.02
+
+    def read_llama_shard(
+        self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str, shard: ShardLayout | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The native weights of `shard`'s rank, or of the whole model (`read_llama_shard`'s)."""
+        device = torch.device(device)
+        shapes = expected_hf_shapes(spec)
+
+        def read(name: str, kind: str) -> torch.Tensor:
+            shape = shapes[name]
+            if kind.endswith("norm"):
+                full = torch.ones(shape, dtype=dtype, device=device)
+            elif kind.endswith("bias"):
+                full = torch.zeros(shape, dtype=dtype, device=device)
+            else:
+                gen = torch.Generator(device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, self.std, generator=gen)
+            where = shard.slice_for(kind) if shard is not None else None
+            return full if where is None else where.take(full)
 
         return fuse_weights(read, spec, dtype, device, shard)

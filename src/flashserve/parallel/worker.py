@@ -32,7 +32,7 @@ from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.model.hf import attention_scale
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
-from flashserve.model.loader import LoadedModel, load_model, safetensors_checkpoint
+from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.model.runner import (
     ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, kv_page_bytes, num_kv_pages, pick_backend,
     pick_device, pick_sampler,
@@ -90,15 +90,15 @@ def build_rank_runner(
     if device.type == "cpu":
         # The ranks share the machine's cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
-    # A safetensors checkpoint: each rank reads only its slices from the files, and no rank
-    # builds the whole transformers model first (its config gives a weightless meta model).
-    checkpoint = safetensors_checkpoint(model_config)
+    # A safetensors checkpoint or dummy weights: each rank reads (or draws) only its slices, and
+    # no rank builds the whole transformers model first (its config gives a weightless meta model).
+    checkpoint = native_checkpoint(model_config)
     loaded = load_model(model_config, device, weights=checkpoint is None)
     sm_scale = attention_scale(loaded.model)  # before from_hf consumes the module
     kwargs: dict[str, Any] = {"max_positions": loaded.max_model_len, "compile": model_config.torch_compile, "group": group}
     try:
         if checkpoint is not None:
-            native = LlamaModel.from_safetensors(checkpoint, loaded.hf_config, loaded.dtype, device, **kwargs)
+            native = LlamaModel.from_checkpoint(checkpoint, loaded.hf_config, loaded.dtype, device, **kwargs)
         else:
             native = LlamaModel.from_hf(loaded.model, loaded.hf_config, loaded.dtype, device, **kwargs)
     except UnsupportedModelError as exc:
