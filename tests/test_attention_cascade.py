@@ -306,16 +306,13 @@ def test_group_thresholds_below_their_minimum_are_refused(min_group: int, min_pa
         BatchLayout.build([req(0, [1], 0, 3)], PAGE, cascade=CascadePolicy(min_group, min_pages))
 
 
-@pytest.mark.parametrize(
-    "mode, backend, policy",
-    [("on", "torch", CascadePolicy()), ("off", "flashinfer", None), ("auto", "torch", None),
-     ("auto", "flashinfer", None)],
-)
-def test_cascade_modes_pick_the_group_thresholds(mode: str, backend: str, policy: CascadePolicy | None) -> None:
-    assert cascade_policy(mode, backend, PAGE) == policy
+@pytest.mark.parametrize(("mode", "policy"), [("on", CascadePolicy()), ("off", None), ("auto", None)])
+def test_cascade_modes_pick_the_group_thresholds(mode: str, policy: CascadePolicy | None) -> None:
+    # "auto" attends flat: no configuration measured faster with cascade (cascade_policy's doc).
+    assert cascade_policy(mode) == policy
 
 
 def test_unknown_cascade_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="auto, on, off"):
-        cascade_policy("always", "flashinfer", PAGE)
+        cascade_policy("always")
 

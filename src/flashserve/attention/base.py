@@ -11,7 +11,7 @@ fields mean the same with or without it, so a backend may ignore it and attend f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from flashserve.attention.cascade import CascadePolicy, PrefixLevel, build_prefix_level
@@ -84,15 +84,11 @@ class BatchLayout:
             kv_indptr.append(len(kv_indices))
             last.append(last_page_len(kv_len, page_size))
             positions.extend(range(r.num_computed_tokens, kv_len))
-        layout = cls(page_size, qo_indptr, kv_indptr, kv_indices, last, positions)
-        return layout if cascade is None else layout.with_prefix(requests, cascade)
-
-    def with_prefix(self, requests: Sequence[ScheduledRequest], cascade: CascadePolicy) -> BatchLayout:
-        """This flat layout of `requests` with the prefix level `cascade` finds (itself when no
-        group forms)."""
-        prefix = build_prefix_level(requests, self.page_size, self.qo_indptr, self.kv_indptr, self.kv_indices,
-                                    cascade.min_group, cascade.min_pages)
-        return self if prefix is None else replace(self, prefix=prefix)
+        prefix = None
+        if cascade is not None:
+            prefix = build_prefix_level(requests, page_size, qo_indptr, kv_indptr, kv_indices,
+                                        cascade.min_group, cascade.min_pages)
+        return cls(page_size, qo_indptr, kv_indptr, kv_indices, last, positions, prefix)
 
 
 class AttentionBackend(Protocol):

@@ -71,7 +71,7 @@ class CascadePolicy:
 CASCADE_MODES = ("auto", "on", "off")
 
 
-def cascade_policy(mode: str, backend_name: str, page_size: int) -> CascadePolicy | None:
+def cascade_policy(mode: str) -> CascadePolicy | None:
     """`--cascade-attention`: "on" forms any group that saves reads, in every step; "off" attends
     flat; "auto" cascades where it measured faster, which on the shapes measured so far is nowhere
     (`benchmark/batchllm_bench.py`, H100, 1B shape): a cascade step runs eagerly, without the

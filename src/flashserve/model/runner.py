@@ -329,7 +329,7 @@ def build_runner(
         num_pages, page_size, num_pages * page_size, kv_dtype, num_pages * page_bytes / 1e9,
     )
     sampler = pick_sampler(device, model_config.seed if seed is None else seed)
-    cascade = cascade_policy(model_config.cascade_attention, backend_name, page_size)
+    cascade = cascade_policy(model_config.cascade_attention)
     runner = ModelRunner(loaded, backend, sampler, page_size, model, cascade)
     compiled = isinstance(model, NativeCausalLM) and model.model.compiled
     if device.type == "cuda" or compiled:
