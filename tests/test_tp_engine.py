@@ -10,6 +10,7 @@ built once per config (a class fixture: one group per process at a time); lifeti
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -145,3 +146,13 @@ def test_ranks_read_their_shards_from_a_safetensors_checkpoint(tmp_path: Path) -
     with LLM(str(tmp_path / "ckpt"), tensor_parallel_size=2, **engine) as pair:
         assert next(pair.stack.loaded.model.parameters()).device.type == "meta"
         assert [c.token_ids for c in pair.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_start_up_logs_every_rank_s_kv_pages_and_takes_the_smallest(tmp_path: Path, caplog: Any) -> None:
+    caplog.set_level(logging.INFO, logger="flashserve.parallel.worker")
+    engine = {**ENGINE, "num_pages": None, "cpu_kv_cache_gb": 0.001}
+    with LLM(write_config(tmp_path), tensor_parallel_size=2, **engine) as llm:
+        pages = llm.engine.scheduler.kv_cache.num_pages
+    line = next(r.getMessage() for r in caplog.records if "each rank has memory for" in r.getMessage())
+    assert line.startswith(f"KV cache pages each rank has memory for: [{pages}, {pages}]")
+    assert line.endswith(f"every rank takes {pages}")

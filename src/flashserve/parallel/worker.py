@@ -109,9 +109,11 @@ def build_rank_runner(
     page_size = cache_config.page_size
     page_bytes = kv_page_bytes(spec.num_layers, page_size, shard.num_kv_heads, spec.head_dim, kv_dtype)
     # The same page ids on every rank: as many pages as the smallest rank holds.
-    pages = torch.tensor([num_kv_pages(cache_config, page_bytes, device)], dtype=torch.long, device=device)
-    dist.all_reduce(pages, op=dist.ReduceOp.MIN)
-    num_pages = int(pages.item())
+    mine = torch.tensor([num_kv_pages(cache_config, page_bytes, device)], dtype=torch.long, device=device)
+    every = [torch.zeros_like(mine) for _ in range(group.world_size)]
+    dist.all_gather(every, mine)
+    rank_pages = [int(t.item()) for t in every]
+    num_pages = min(rank_pages)
     backend = get_backend_cls(backend_name)(
         spec.num_layers, num_pages, page_size, shard.num_kv_heads, spec.head_dim, kv_dtype, device,
         sm_scale, num_qo_heads=shard.num_heads,
@@ -120,6 +122,10 @@ def build_rank_runner(
     if capacity < loaded.max_model_len:
         loaded = replace(loaded, max_model_len=capacity)
     if group.rank == 0:
+        logger.info(
+            "KV cache pages each rank has memory for: %s (%s GB); every rank takes %d",
+            rank_pages, [round(n * page_bytes / 1e9, 2) for n in rank_pages], num_pages,
+        )
         logger.info(
             "model %s on %d ranks (%s, %s, native path), rank 0: %d query / %d KV heads, %s attention, "
             "KV cache %d pages x %d tokens (%s, %.2f GB per rank); CUDA graphs are off with tensor parallelism",
