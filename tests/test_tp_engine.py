@@ -156,3 +156,33 @@ def test_start_up_logs_every_rank_s_kv_pages_and_takes_the_smallest(tmp_path: Pa
     line = next(r.getMessage() for r in caplog.records if "each rank has memory for" in r.getMessage())
     assert line.startswith(f"KV cache pages each rank has memory for: [{pages}, {pages}]")
     assert line.endswith(f"every rank takes {pages}")
+
+
+def test_ranks_started_by_a_launcher_serve_and_all_exit_on_sigterm(tmp_path: Path) -> None:
+    """torchrun's way (each rank a `flashserve serve` with the env:// variables; here two on one
+    machine): rank 0 serves, rank 1 runs its shard's steps; SIGTERM to rank 0 ends both with 0."""
+    import subprocess
+    import sys
+
+    import httpx
+    from live_server import free_port, live_server
+
+    model = write_config(tmp_path)
+    master = str(free_port())
+    args = ["--model", model, "--load-format", "dummy", "--dtype", "float32", "--device", "cpu", "--num-pages", "64",
+            "--tp", "2"]
+    launcher = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master, "WORLD_SIZE": "2"}
+    worker = subprocess.Popen([sys.executable, "-m", "flashserve", "serve", *args],
+                              env=dict(os.environ, **launcher, RANK="1", LOCAL_RANK="1", FLASHSERVE_PORT=str(free_port())),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with live_server(args, env={**launcher, "RANK": "0", "LOCAL_RANK": "0"}) as (base, server):
+            reply = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": PROMPTS[1], "max_tokens": 4,
+                                                                "temperature": 0}, timeout=60)  # fmt: skip
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(60) == 0
+        assert worker.wait(60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()

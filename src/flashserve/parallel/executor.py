@@ -2,7 +2,8 @@
 
 `start_tensor_parallel` makes the calling process rank 0: it spawns ranks 1..N-1
 (`RankProcesses`, loopback env:// rendezvous on a free port), joins the group with them, and
-builds its own shard's runner. The engine drives the returned `TensorParallelRunner` exactly as
+builds its own shard's runner. Under a launcher that started every rank itself (torchrun; WORLD_SIZE
+set), rank 0 joins the launcher's group and serves, and every other rank runs `run_worker`. The engine drives the returned `TensorParallelRunner` exactly as
 it drives a `ModelRunner` (launch/collect): its `forward` first broadcasts the step to the
 workers, then runs rank 0's shard; the model's collectives pair up with the workers'. Only rank
 0 samples. The step budget probe and the warm-up go through `forward` too, so the workers
@@ -103,22 +104,46 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def launched_rank(world_size: int) -> int | None:
+    """This process's rank when a launcher (torchrun, or the same env:// variables set by hand on
+    each node) started every rank with WORLD_SIZE = `world_size`; None when WORLD_SIZE is unset
+    and flashserve starts the ranks itself."""
+    launched = os.environ.get("WORLD_SIZE")
+    if launched is None:
+        return None
+    if int(launched) != world_size:
+        raise ValueError(f"the launcher started {launched} ranks (WORLD_SIZE) but tensor_parallel_size is {world_size}")
+    return int(os.environ.get("RANK", "0"))
+
+
 def start_tensor_parallel(
     model_config: ModelConfig, cache_config: CacheConfig
 ) -> tuple[TensorParallelRunner, LoadedModel, int]:
-    """Starts ranks 1..N-1 and builds rank 0's runner in this process; as `build_runner` returns."""
+    """Builds rank 0's runner in this process, as `build_runner` returns, with ranks 1..N-1 beside
+    it: started here (child processes on this node), or already started by a launcher such as
+    torchrun, on this node or others (`launched_rank`). In a launched rank other than 0 this
+    never returns: the process runs its shard's steps until rank 0 ends them, then exits 0."""
     world_size = model_config.tensor_parallel_size
     if model_config.model_impl == "hf":  # refused before any process starts
         raise ValueError("tensor parallelism needs the native model path (model_impl auto or native, not hf)")
     if dist.is_initialized():
         raise RuntimeError("tensor_parallel_size > 1 starts its own ranks; this process is already in a group")
+    rank = launched_rank(world_size)
+    if rank is not None and rank != 0:
+        logger.info("rank %d of %d: running rank 0's steps until it ends them", rank, world_size)
+        run_worker(model_config, cache_config)
+        raise SystemExit(0)
     threads = torch.get_num_threads()  # build_rank_runner shares the cores out on a CPU; close restores it
-    port = free_port(_MASTER_ADDR)
-    workers = RankProcesses.start(run_worker, (model_config, cache_config), world_size=world_size,
-                                  ranks=range(1, world_size), master_addr=_MASTER_ADDR, master_port=port)  # fmt: skip
+    if rank is None:
+        port = free_port(_MASTER_ADDR)
+        env = rank_env(0, world_size, _MASTER_ADDR, port)
+        workers = RankProcesses.start(run_worker, (model_config, cache_config), world_size=world_size,
+                                      ranks=range(1, world_size), master_addr=_MASTER_ADDR, master_port=port)  # fmt: skip
+    else:  # the launcher's ranks: none of them is this process's child; a dead one fails a collective
+        env, workers = {}, RankProcesses({})
     group: TPGroup | None = None
     try:
-        with _environ(rank_env(0, world_size, _MASTER_ADDR, port)):
+        with _environ(env):
             group = init_tp_group(rank_device(model_config.device))
         control = control_group()
         base, loaded, num_pages = build_rank_runner(model_config, cache_config, group)
