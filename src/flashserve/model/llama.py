@@ -80,6 +80,24 @@ def _weight_and_bias(p: nn.ParameterDict) -> tuple[torch.Tensor, torch.Tensor | 
     return p["weight"], p["bias"] if "bias" in p else None
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T + bias; a weight packed for oneDNN (`pack_for_onednn`) goes through oneDNN."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def packs_for_onednn(device: torch.device, dtype: torch.dtype, compile: bool) -> bool:
+    """float32 projections on a CPU go through oneDNN with weights packed for it: on a 2-core AMD
+    EPYC 2-3x faster than `F.linear`'s BLAS at every row count measured (1 to 2,000). Not under
+    torch.compile, which traces dense weights."""
+    return device.type == "cpu" and dtype == torch.float32 and not compile and torch.backends.mkldnn.is_available()
+
+
+def pack_for_onednn(weight: Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
+
+
 # The forward between two attention calls, as functions of tensors only, so that one compiled
 # graph serves every layer (`--torch-compile`): weights are arguments, never module attributes.
 
@@ -98,7 +116,7 @@ def attention_input(
         hidden = ops.rmsnorm(residual, norm_w, eps)
     else:
         hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, eps)
-    q, k, v = F.linear(hidden, qkv_w, qkv_b).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q, k, v = linear(hidden, qkv_w, qkv_b).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     if q_norm_w is not None and k_norm_w is not None:
         q = ops.rmsnorm(q.view(t, spec.num_heads, d), q_norm_w, eps).view(t, spec.q_size)
         k = ops.rmsnorm(k.view(t, spec.num_kv_heads, d), k_norm_w, eps).view(t, spec.kv_size)
@@ -111,7 +129,7 @@ def attention_output(
     gate_up_w: Tensor, gate_up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """A layer from attention on: o_proj, add + RMSNorm, the SiLU MLP. Returns it and the residual."""
-    hidden = F.linear(attn.reshape(attn.shape[0], spec.q_size), o_w, o_b)
+    hidden = linear(attn.reshape(attn.shape[0], spec.q_size), o_w, o_b)
     return mlp(spec, ops, hidden, residual, norm_w, gate_up_w, gate_up_b, down_w, down_b)
 
 
@@ -121,7 +139,7 @@ def mlp(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`attention_output` after o_proj: a tensor-parallel rank all-reduces o_proj's output first."""
     hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)
-    return F.linear(ops.silu_and_mul(F.linear(hidden, gate_up_w, gate_up_b)), down_w, down_b), residual
+    return linear(ops.silu_and_mul(linear(hidden, gate_up_w, gate_up_b)), down_w, down_b), residual
 
 
 def final_norm(spec: LlamaSpec, ops: Ops, hidden: Tensor | None, residual: Tensor, norm_w: Tensor) -> Tensor:
@@ -164,6 +182,9 @@ class LlamaModel(nn.Module):
         # float32 [max_positions, head_dim], set by from_hf; a buffer so that .to(device) moves it.
         self.cos_sin_cache: torch.Tensor | None
         self.register_buffer("cos_sin_cache", None, persistent=False)
+        # A tied LM head packed for oneDNN on a CPU (`packs_for_onednn`), beside the embedding.
+        self.packed_lm_head: torch.Tensor | None
+        self.register_buffer("packed_lm_head", None, persistent=False)
 
     @classmethod
     def from_hf(
@@ -253,6 +274,14 @@ class LlamaModel(nn.Module):
             model = cls(spec, ops, compile=compile, group=group)
         model.load_state_dict(weights, strict=True, assign=True)
         model.eval()
+        if packs_for_onednn(device, model.embed_tokens["weight"].dtype, compile):
+            for layer in model.layers:
+                for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                    proj["weight"] = pack_for_onednn(proj["weight"])
+            if hasattr(model, "lm_head"):
+                model.lm_head["weight"] = pack_for_onednn(model.lm_head["weight"])
+            else:  # tied: the embedding stays dense for lookups, and the head gets a packed copy
+                model.packed_lm_head = pack_for_onednn(model.embed_tokens["weight"]).data
         positions = max_positions or spec.max_position_embeddings or _DEFAULT_MAX_POSITIONS
         model.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(spec.rope, spec.head_dim), positions, device)
         return model
@@ -261,7 +290,9 @@ class LlamaModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """[V, hidden] on one rank; a sharded model's rows of the vocabulary (padded) on each rank."""
         tied = self.spec.tie_word_embeddings and not self.sharded
-        return self.embed_tokens["weight"] if tied else self.lm_head["weight"]
+        if not tied:
+            return self.lm_head["weight"]
+        return self.packed_lm_head if self.packed_lm_head is not None else self.embed_tokens["weight"]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any) -> torch.Tensor:
         """input_ids, positions: int64 [T] (the step's packed tokens; `backend.plan` already ran).
@@ -301,7 +332,7 @@ class LlamaModel(nn.Module):
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
             )  # fmt: skip
             attn = backend.forward(i, q, k, v).reshape(q.shape[0], spec.q_size)
-            hidden = group.all_reduce(F.linear(attn, *_weight_and_bias(layer.o_proj)))
+            hidden = group.all_reduce(linear(attn, *_weight_and_bias(layer.o_proj)))
             hidden, residual = self._mlp(
                 spec, ops, hidden, residual, layer.post_attention_layernorm["weight"],
                 *_weight_and_bias(layer.gate_up_proj), *_weight_and_bias(layer.down_proj),
@@ -316,8 +347,8 @@ class LlamaModel(nn.Module):
         computes its rows of the vocabulary, and they are gathered (the padding cut off).
         """
         if not self.sharded:
-            return F.linear(hidden, self.lm_head_weight).float()
-        logits = self.group.all_gather(F.linear(hidden, self.lm_head_weight), dim=-1)
+            return linear(hidden, self.lm_head_weight).float()
+        logits = self.group.all_gather(linear(hidden, self.lm_head_weight), dim=-1)
         if logits.shape[-1] != self.spec.vocab_size:
             logits = logits[..., : self.spec.vocab_size]
         return logits.float().contiguous()
