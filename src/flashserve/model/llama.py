@@ -94,8 +94,9 @@ def packs_for_onednn(device: torch.device, dtype: torch.dtype, compile: bool) ->
     return device.type == "cpu" and dtype == torch.float32 and not compile and torch.backends.mkldnn.is_available()
 
 
-def pack_for_onednn(weight: Tensor) -> nn.Parameter:
-    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), requires_grad=False)
+def pack_for_onednn(weight: Tensor) -> Tensor:
+    """`weight` [out, in] reordered into oneDNN's blocked layout, for `linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 # The forward between two attention calls, as functions of tensors only, so that one compiled
@@ -277,11 +278,11 @@ class LlamaModel(nn.Module):
         if packs_for_onednn(device, model.embed_tokens["weight"].dtype, compile):
             for layer in model.layers:
                 for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                    proj["weight"] = pack_for_onednn(proj["weight"])
+                    proj["weight"] = nn.Parameter(pack_for_onednn(proj["weight"]), requires_grad=False)
             if hasattr(model, "lm_head"):
-                model.lm_head["weight"] = pack_for_onednn(model.lm_head["weight"])
+                model.lm_head["weight"] = nn.Parameter(pack_for_onednn(model.lm_head["weight"]), requires_grad=False)
             else:  # tied: the embedding stays dense for lookups, and the head gets a packed copy
-                model.packed_lm_head = pack_for_onednn(model.embed_tokens["weight"]).data
+                model.packed_lm_head = pack_for_onednn(model.embed_tokens["weight"])
         positions = max_positions or spec.max_position_embeddings or _DEFAULT_MAX_POSITIONS
         model.cos_sin_cache = rope_cos_sin_cache(rope_inv_freq(spec.rope, spec.head_dim), positions, device)
         return model

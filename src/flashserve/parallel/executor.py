@@ -2,11 +2,11 @@
 
 `start_tensor_parallel` makes the calling process rank 0: it spawns ranks 1..N-1
 (`RankProcesses`, loopback env:// rendezvous on a free port), joins the group with them, and
-builds its own shard's runner. Under a launcher that started every rank itself (torchrun; WORLD_SIZE
-set), rank 0 joins the launcher's group and serves, and every other rank runs `run_worker`. The engine drives the returned `TensorParallelRunner` exactly as
-it drives a `ModelRunner` (launch/collect): its `forward` first broadcasts the step to the
-workers, then runs rank 0's shard; the model's collectives pair up with the workers'. Only rank
-0 samples. The step budget probe and the warm-up go through `forward` too, so the workers
+builds its own shard's runner. Under a launcher that started every rank itself (torchrun;
+WORLD_SIZE set), rank 0 joins the launcher's group and serves, and every other rank runs
+`run_worker`. The engine drives the returned `TensorParallelRunner` exactly as it drives a
+`ModelRunner` (launch/collect): its `forward` first broadcasts the step to the workers, then runs
+rank 0's shard; the model's collectives pair up with the workers'. Only rank 0 samples. The step budget probe and the warm-up go through `forward` too, so the workers
 follow them as well.
 
 Lifetime: `close()` (also registered with atexit) sends the end and reaps the workers; a worker
