@@ -7,8 +7,10 @@ Offline: G groups x 16 prompts of `--shared` shared + `--unique` own random toke
 greedy, ignore_eos, shuffled, in one `LLM.generate` per configuration: no prefix caching; prefix
 caching in arrival order; prefix-sharing groups; groups + cascade attention (`on`).
 Each run gets prompts of its own (different random ids), so none reads another's cached pages; the
-last three configurations alternate `--rounds` times on one LLM and the best round of each is kept. Reports
-requests/s, output and total tokens/s and the share of prompt tokens computed.
+last three configurations alternate `--rounds` times on one LLM and the best round of each is kept.
+Then the same shape as an OpenAI batch file through `flashserve run-batch` (in-process, on that
+LLM's engine; groups, no cascade), to compare with `LLM.generate`. Reports requests/s, output and
+total tokens/s and the share of prompt tokens computed.
 
 Cascade decode: D groups x R requests behind a `--decode-prefix`-token prefix with a 64-token
 question each, 512 out, stepped through the engine: the median time of steps where every request
@@ -25,6 +27,7 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -54,6 +57,34 @@ def offline(llm: Any, prompts: list[list[int]], out: int, grouping: bool) -> dic
             "output_tokens_per_s": len(prompts) * out / wall, "total_tokens_per_s": (prompt_tokens + len(prompts) * out) / wall,
             "prompt_tokens": prompt_tokens, "computed_prompt_tokens": stats.num_computed_prompt_tokens,
             "computed_share": stats.num_computed_prompt_tokens / prompt_tokens, "groups": stats.num_groups}
+
+
+def run_batch(llm: Any, prompts: list[list[int]], out: int, model: str, workdir: Path) -> dict[str, Any]:
+    """The same requests as an OpenAI batch file through `flashserve run-batch` (in-process, on
+    `llm`'s engine, which it shuts down): /v1/completions lines with the prompts' token ids."""
+    from flashserve.batch import main as run_batch_main
+    from flashserve.cli import build_parser, to_batch_args
+
+    src, dst = workdir / "batch_in.jsonl", workdir / "batch_out.jsonl"
+    with src.open("w") as f:
+        for i, p in enumerate(prompts):
+            body = {"model": model, "prompt": p, "max_tokens": out, "temperature": 0, "ignore_eos": True}
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    ns = build_parser({}).parse_args(["run-batch", "-i", str(src), "-o", str(dst), "--model", model,
+                                      "--load-format", "dummy", "--max-concurrency", "1024", "--no-progress"])
+    t0 = time.perf_counter()
+    code = run_batch_main(to_batch_args(ns), stack=llm.stack)
+    wall = time.perf_counter() - t0
+    lines = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert code == 0 and len(lines) == len(prompts), (code, len(lines))
+    usage = [line["response"]["body"]["usage"] for line in lines]
+    assert all(u["completion_tokens"] == out for u in usage)
+    prompt_tokens = sum(u["prompt_tokens"] for u in usage)
+    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage)
+    return {"requests": len(prompts), "wall_s": wall, "requests_per_s": len(prompts) / wall,
+            "output_tokens_per_s": len(prompts) * out / wall, "total_tokens_per_s": (prompt_tokens + len(prompts) * out) / wall,
+            "prompt_tokens": prompt_tokens, "computed_prompt_tokens": prompt_tokens - cached,
+            "computed_share": (prompt_tokens - cached) / prompt_tokens}
 
 
 def decode_steps(llm: Any, prompts: list[list[int]], out: int) -> dict[str, Any]:
@@ -165,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sweep-prefixes", type=ints, default=[256, 1024, 4096], help="comma-separated prefix lengths")
     p.add_argument("--sweep-group-sizes", type=ints, default=[2, 4, 8, 16, 32, 64], help="comma-separated requests per group")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per LLM (two are alive at times)")
-    p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, decode, sweep")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, run-batch, decode, sweep")
     p.add_argument("--out", default="benchmark/results")
     args = p.parse_args(argv)
 
@@ -181,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rng = random.Random(0)
     doc: dict[str, Any] = {"gpu": gpu, "model": args.model, "args": vars(args)}
     skip = set(args.skip.split(","))
+    out_dir = Path(args.out) / gpu.replace(" ", "_") / "batchllm"
     common = {"load_format": "dummy", "max_num_seqs": 1024, "gpu_memory_utilization": args.gpu_memory_utilization}
     if "offline" not in skip:
         shape = (vocab, args.groups, args.per_group, args.shared, args.unique)
@@ -204,6 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     best[name] = r
         for name, r in best.items():
             runs[name] = r
+        if "run-batch" not in skip:  # last: it shuts the engine down
+            llm.engine.executor.cascade = None
+            with tempfile.TemporaryDirectory() as tmp:
+                runs["run-batch (groups)"] = run_batch(llm, group_prompts(rng, *shape), args.out_tokens, args.model,
+                                                       Path(tmp))
+            print(f"run-batch vs LLM.generate (groups): "
+                  f"{runs['run-batch (groups)']['requests_per_s'] / runs['prefix-sharing groups']['requests_per_s']:.3f}x")
         doc["offline"] = dict(runs)
         llm.close()
         del llm
@@ -221,10 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "sweep" not in skip:
             doc["sweep"] = sweep(llm, rng, vocab, args.sweep_groups, args.sweep_prefixes, args.sweep_group_sizes)
         llm.close()
-    out = Path(args.out) / gpu.replace(" ", "_") / "batchllm"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "batchllm.json").write_text(json.dumps(doc, indent=2))
-    plot(doc, out / "batchllm.png")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "batchllm.json").write_text(json.dumps(doc, indent=2))
+    plot(doc, out_dir / "batchllm.png")
     return 0
 
 

@@ -63,7 +63,7 @@ class FakeEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDead("the engine loop died")

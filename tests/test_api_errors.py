@@ -100,7 +100,7 @@ class RefusingEngine(FakeEngine):
     """An engine whose generate() raises at the call rather than at the first step."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: Any, group: Any = None,
-                 cache_salt: Any = None) -> Any:
+                 cache_salt: Any = None, stream: bool = True) -> Any:
         raise EngineDead("stopped")
 
 

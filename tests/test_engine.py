@@ -141,8 +141,8 @@ def test_duplicate_request_id_is_rejected():
 
 # ---- AsyncEngine -----------------------------------------------------------------------------
 
-async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> list:
-    return [o async for o in engine.generate(rid, prompt, params)]
+async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams, stream: bool = True) -> list:
+    return [o async for o in engine.generate(rid, prompt, params, stream=stream)]
 
 
 def test_async_engine_serves_concurrent_streams_in_order():
@@ -160,6 +160,25 @@ def test_async_engine_serves_concurrent_streams_in_order():
     for outs in asyncio.run(main()):
         assert [t for o in outs for t in o.new_token_ids] == [3, 4, 3, 4, 3, 4]
         assert outs[-1].finish_reason == "length"
+
+
+def test_a_request_not_streamed_gets_its_first_output_at_once_and_the_rest_merged_at_the_end():
+    async def main():
+        engine = AsyncEngine(make_engine([3, 4, 5]), max_model_len=512)
+        engine.start()
+        try:
+            streamed, merged = await asyncio.gather(
+                _collect(engine, "s", [1] * 5, SamplingParams(max_tokens=9)),
+                _collect(engine, "m", [1] * 5, SamplingParams(max_tokens=9), stream=False))
+        finally:
+            engine.shutdown()
+        return streamed, merged
+
+    streamed, merged = asyncio.run(main())
+    assert len(streamed) == 9
+    assert [len(o.new_token_ids) for o in merged] == [1, 8]
+    assert [t for o in merged for t in o.new_token_ids] == [t for o in streamed for t in o.new_token_ids]
+    assert merged[-1].finished and merged[-1].finish_reason == "length" and merged[-1].num_output_tokens == 9
 
 
 def test_closing_a_stream_early_aborts_its_request_and_frees_pages():

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.engine import LLMEngine
+from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.outputs import RequestOutput
 from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 from flashserve.engine.scheduler import Scheduler
@@ -69,6 +70,7 @@ def build_engine(
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
     engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size)
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
+
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,10 @@ class _Feeder:
         self.num_pinned_groups = 0
 
     def run(self) -> dict[str, list[RequestOutput]]:
+        with existing_objects_frozen():
+            return self._feed()
+
+    def _feed(self) -> dict[str, list[RequestOutput]]:
         engine, kv_cache = self.engine, self.kv_cache
         outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in self.ids}
         queue = [(g, i) for g, group in enumerate(self.plan.groups) for i in group.members]

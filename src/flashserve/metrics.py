@@ -122,7 +122,8 @@ class RequestRecord:
         self._closed = False
 
     def tokens(self, index: int, num_new_tokens: int, num_output_tokens: int) -> None:
-        """Choice `index` received `num_new_tokens` tokens now (one engine step's worth)."""
+        """Choice `index` received `num_new_tokens` tokens now (one engine step's worth, or the
+        steps a request that is not streamed gets merged)."""
         if num_new_tokens <= 0:
             return
         now = time.monotonic()
@@ -130,8 +131,10 @@ class RequestRecord:
             self.first_token = now
             self.metrics.ttft.observe(now - self.arrival)
         last = self._last_token[index]
-        if last is not None:
-            self.metrics.itl.observe((now - last) / num_new_tokens)
+        if last is not None:  # one observation per token, at the tokens' mean gap
+            gap = (now - last) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self.metrics.itl.observe(gap)
         self._last_token[index] = now
         self.output_tokens[index] = max(self.output_tokens[index], num_output_tokens)
 

@@ -1,14 +1,15 @@
 """Cascade attention on FlashInfer: groups' shared prefixes attended once and merged, against flat
-attention over the same pages; and the engine with cascade on samples the logits a teacher-forced
-flat pass gives."""
+attention over the same pages; and the engine with cascade on samples logits as close to a
+teacher-forced flat pass as the engine with flat attention does."""
 
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 import torch
-from test_engine_gpu import RecordingSampler, assert_sampled_from_teacher_forced_logits
+from test_engine_gpu import RecordingSampler, teacher_forced_errors
 from test_flashinfer_backend import KV_HEADS, NUM_LAYERS, PAGE, TOL, make_backends, rel_err
 
 from flashserve.attention.base import BatchLayout
@@ -59,7 +60,11 @@ def test_a_cascade_decode_step_runs_eagerly_not_from_a_graph() -> None:
     assert fi.cuda_graph_batch_size(BatchLayout.build(requests, PAGE, CascadePolicy())) is None
 
 
-def test_engine_with_cascade_samples_the_teacher_forced_logits() -> None:
+def test_engine_with_cascade_samples_logits_as_close_to_a_teacher_forced_pass_as_flat_attention() -> None:
+    """The same prompts with cascade off (flat) and on, each result's logits against a
+    teacher-forced flat re-scoring. The flat engine's own distance to that pass on these prompts is
+    the bf16 noise here (it reaches 3.04e-2 on the H100), so cascade is held to it: the prefix
+    level and the merge round in another order, which may cost a little, never more than 15%."""
     llm = LLM("llama-3.2-1b", load_format="dummy", num_pages=400, max_num_seqs=32, cascade_attention="on")
     rng = random.Random(5)
     shared = [rng.randrange(1, 128000) for _ in range(200)]
@@ -72,13 +77,24 @@ def test_engine_with_cascade_samples_the_teacher_forced_logits() -> None:
         cascade_steps.append(layout.prefix is not None)
         plan(layout)
 
-    runner.backend.plan = recording_plan
-    recorder = RecordingSampler(runner.sampler)
-    runner.sampler = recorder
-    try:
-        results = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    finally:
-        runner.sampler, runner.backend.plan = recorder.inner, plan
-    assert sum(cascade_steps) >= 15  # every decode step of the group went through the prefix level
+    errors = {}
+    for name, policy in (("flat", None), ("cascade", CascadePolicy())):
+        runner.cascade, cascade_steps[:] = policy, []
+        runner.backend.plan = recording_plan
+        recorder = RecordingSampler(runner.sampler)
+        runner.sampler = recorder
+        try:
+            results = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        finally:
+            runner.sampler, runner.backend.plan = recorder.inner, plan
+        if policy is None:
+            assert not any(cascade_steps)
+        else:
+            assert sum(cascade_steps) >= 15  # every decode step of the group went through the prefix level
+        errors[name] = teacher_forced_errors(llm, recorder, results)
     assert llm.engine.scheduler.kv_cache.num_used_pages == 0
-    assert_sampled_from_teacher_forced_logits(llm, recorder, results[::4])
+    flat, cascade = errors["flat"], errors["cascade"]
+    print(f"flat: max {max(flat):.3e}, mean {statistics.mean(flat):.3e}; "
+          f"cascade: max {max(cascade):.3e}, mean {statistics.mean(cascade):.3e}")
+    assert max(cascade) <= 1.15 * max(flat)
+    assert statistics.mean(cascade) <= 1.15 * statistics.mean(flat)

@@ -301,7 +301,7 @@ class _OpenAIServing:
         record = RequestRecord(self.metrics, request_id, sum(len(x) for x in prompts), len(ids), arrival,
                                x_request_id)
         return EngineStreams(self.engine, ids, choice_prompts, params, record, group=request_id,
-                             cache_salt=body.cache_salt, choices_per_prompt=body.n)
+                             cache_salt=body.cache_salt, choices_per_prompt=body.n, stream=bool(body.stream))
 
 
 def build_app(

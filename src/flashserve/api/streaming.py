@@ -72,12 +72,14 @@ class EngineStreams:
         group: str | None = None,  # the API request's id: its choices share one fair share
         cache_salt: str | None = None,
         choices_per_prompt: int = 1,  # n: choice i belongs to prompt i // n
+        stream: bool = True,  # False: only collect() reads it, so the engine may merge outputs
     ) -> None:
         self._engine = engine
         self._ids = list(request_ids)
         self._group = group
         self._cache_salt = cache_salt
         self._choices_per_prompt = choices_per_prompt
+        self._stream = stream
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._buffer: deque[tuple[int, RequestOutput]] = deque()
         self._finished = [False] * len(self._ids)
@@ -102,7 +104,7 @@ class EngineStreams:
         try:
             # Inside the try: an engine may refuse at the call (EngineDead) or at the first step.
             stream = self._engine.generate(request_id, prompt, params, group=self._group,
-                                           cache_salt=self._cache_salt)
+                                           cache_salt=self._cache_salt, stream=self._stream)
             async for out in stream:
                 finished = out.finished
                 self._queue.put_nowait((index, out))

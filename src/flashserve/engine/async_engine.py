@@ -3,7 +3,9 @@
 Handlers call `generate()` and read their request's outputs from an asyncio.Queue. The engine
 loop, a single background thread, owns `LLMEngine` (and so the scheduler); it receives new
 requests and aborts through a locked inbox and hands back each step's outputs with ONE
-`call_soon_threadsafe` per step, not one per token. Once per loop turn it also ends requests that
+`call_soon_threadsafe` per step, not one per token. A request that is not streamed wakes its
+handler twice, not once per step: its first output goes out at once (the time to first token),
+the rest are held and go out merged when it finishes. Once per loop turn it also ends requests that
 waited too long for their first schedule and publishes the step's numbers to the metrics.
 """
 
@@ -19,7 +21,8 @@ from typing import Callable
 
 from flashserve.engine.client import EngineDead, EngineOverloaded
 from flashserve.engine.engine import LLMEngine
-from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.heap import existing_objects_frozen
+from flashserve.engine.outputs import RequestOutput, merge_outputs
 from flashserve.metrics import Metrics, StepStats
 from flashserve.sampling_params import SamplingParams
 
@@ -75,6 +78,8 @@ class AsyncEngine:
         # Guarded by _wakeup: waiting requests as of the last loop turn, plus adds sent since.
         self._num_waiting = 0
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # Requests not streamed: None until their first output went out, then the outputs held.
+        self._held: dict[str, list[RequestOutput] | None] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -116,7 +121,7 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         # From the health check to the registration nothing awaits, so a loop that dies meanwhile
         # finds this stream in _streams when its _fail_all runs on this event loop.
@@ -136,6 +141,8 @@ class AsyncEngine:
             self._wakeup.notify()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = queue
+        if not stream:
+            self._held[request_id] = None
         finished = False
         try:
             while True:
@@ -146,6 +153,7 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._held.pop(request_id, None)
             if not finished:  # the consumer went away (client disconnect): free its pages
                 self._send(_Abort(request_id))
 
@@ -163,10 +171,22 @@ class AsyncEngine:
             self._wakeup.notify()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        held = self._held
         for out in outputs:
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            rid = out.request_id
+            queue = self._streams.get(rid)
+            if queue is None:
+                continue
+            if rid in held:  # not streamed
+                parts = held[rid]
+                if parts is not None:
+                    parts.append(out)
+                    if not out.finished:
+                        continue
+                    out = merge_outputs(parts)
+                elif not out.finished:
+                    held[rid] = []
+            queue.put_nowait(out)
 
     def _fail_all(self, message: str) -> None:
         """Event-loop side: every open stream gets a final error output."""
@@ -180,6 +200,10 @@ class AsyncEngine:
 
     # ---- engine-loop side ------------------------------------------------------------------
     def _run(self) -> None:
+        with existing_objects_frozen():
+            self._loop_until_stopped()
+
+    def _loop_until_stopped(self) -> None:
         try:
             while True:
                 with self._wakeup:

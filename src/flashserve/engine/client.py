@@ -21,7 +21,7 @@ class EngineClient(Protocol):
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs step by step; the last one has finished=True.
 
@@ -29,7 +29,8 @@ class EngineClient(Protocol):
         token ids the model cannot take, EngineOverloaded when the queue is full and EngineDead when
         the engine loop is gone. Requests with the same `group` (one API request's choices) share
         a fair share of the running slots. Requests with different `cache_salt`s never share
-        cached KV pages.
+        cached KV pages. `stream=False` (a caller that only wants the whole result) may merge
+        outputs after the first into fewer, larger ones; the last still has finished=True.
 
         Stop strings in `params.stop` are matched on the detokenized text by the engine, so
         `RequestOutput.new_text` never contains them. Closing the iterator early (a client that

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 from flashserve.engine.grammar import TokenBitmask
 from flashserve.sampling_params import SamplingParams
@@ -110,3 +111,23 @@ class RequestOutput:
     # On the output that carries the first token, when the request asks for prompt logprobs: one
     # entry per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+def merge_outputs(parts: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in order, the
+    rest as the last one says (the counts, the finish)."""
+    last = parts[-1]
+    if len(parts) == 1:
+        return last
+    logprobs = None
+    if any(p.logprobs is not None for p in parts):
+        logprobs = [lp for p in parts for lp in (p.logprobs or ())]
+    prompt_logprobs = next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None)
+    return replace(
+        last,
+        new_token_ids=[t for p in parts for t in p.new_token_ids],
+        new_text="".join(p.new_text for p in parts),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=max(p.num_cached_tokens for p in parts),
+    )
