@@ -12,7 +12,7 @@ from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
-from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.outputs import RequestOutput, merge_outputs
 from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 from flashserve.engine.scheduler import Scheduler
 from flashserve.sampling_params import SamplingParams
@@ -70,7 +70,6 @@ def build_engine(
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
     engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size)
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
-
 
 
 @dataclass(frozen=True)
@@ -248,13 +247,15 @@ class _Feeder:
 
 
 def _collect(request_id: str, prompt: list[int], outs: list[RequestOutput]) -> Completion:
-    last = outs[-1] if outs else None
+    if not outs:
+        return Completion(request_id, prompt, [], "", None, None)
+    whole = merge_outputs(outs)
     return Completion(
         request_id=request_id,
         prompt_token_ids=prompt,
-        token_ids=[t for o in outs for t in o.new_token_ids],
-        text="".join(o.new_text for o in outs),
-        finish_reason=last.finish_reason if last else None,
-        error=last.error if last else None,
-        num_cached_tokens=last.num_cached_tokens if last else 0,
+        token_ids=whole.new_token_ids,
+        text=whole.new_text,
+        finish_reason=whole.finish_reason,
+        error=whole.error,
+        num_cached_tokens=whole.num_cached_tokens,
     )
