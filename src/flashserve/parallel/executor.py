@@ -77,6 +77,10 @@ class TensorParallelRunner(ModelRunner):
         atexit.unregister(self.close)
         try:
             self._send(None)
+            # The last collective carries no tensor. gloo's threads release a finished broadcast's
+            # tensors, which takes the GIL: after a barrier they have, before the interpreter
+            # shuts down (a thread that wants the GIL then is killed, aborting the process).
+            dist.barrier(group=self.control)
             self.closed = True
             self.workers.join(_CLOSE_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - closing a broken group still reaps what is left

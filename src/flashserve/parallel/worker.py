@@ -147,6 +147,7 @@ def run_worker(model_config: ModelConfig, cache_config: CacheConfig) -> None:
         while True:
             dist.broadcast_object_list(box, src=0, group=control)
             if box[0] is None:
+                dist.barrier(group=control)  # rank 0's last collective: see TensorParallelRunner.close
                 break
             out, prompt_rows = decode_step(box[0])
             runner.forward(out, prompt_rows)
