@@ -7,6 +7,7 @@ here its cascade result over the same cache must equal its flat one.
 from __future__ import annotations
 
 import math
+from array import array
 
 import pytest
 import torch
@@ -194,7 +195,7 @@ def test_cascade_false_builds_the_flat_layout_without_a_prefix_level() -> None:
     a = p.take(2)
     requests = [req(0, a + p.take(1), 33, 1), req(1, a + p.take(1), 32, 3)]  # they share 2 pages
     flat = BatchLayout.build(requests, PAGE)
-    pages = requests[0].page_ids + requests[1].page_ids
+    pages = array("i", requests[0].page_ids + requests[1].page_ids)  # build concatenates into an int32 array
     assert flat == BatchLayout(PAGE, [0, 1, 4], [0, 3, 6], pages, [2, 3], [33, 32, 33, 34])
     assert flat.prefix is None and flat.saved_kv_reads() == 0
 

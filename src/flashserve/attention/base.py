@@ -11,6 +11,7 @@ fields mean the same with or without it, so a backend may ignore it and attend f
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
@@ -34,7 +35,7 @@ class BatchLayout:
     page_size: int
     qo_indptr: list[int]  # [B+1] new tokens per request (a prefill chunk, or 1 for decode)
     kv_indptr: list[int]  # [B+1] pages per request, after this step's append
-    kv_indices: list[int]  # page ids of all requests, concatenated
+    kv_indices: Sequence[int]  # page ids of all requests, concatenated (an int32 array from build)
     kv_last_page_len: list[int]  # [B] always in [1, page_size]
     positions: list[int]  # [T] absolute position of every new token (RoPE and the append)
     prefix: PrefixLevel | None = None  # groups sharing cached pages; None: attend flat
@@ -73,7 +74,8 @@ class BatchLayout:
         forms: >= `min_group` consecutive requests sharing >= `min_pages` whole pages of computed
         tokens (`cascade.find_groups`).
         """
-        qo_indptr, kv_indptr, kv_indices, last, positions = [0], [0], [], [], []
+        qo_indptr, kv_indptr, last, positions = [0], [0], [], []
+        kv_indices = array("i")  # extended from the page tables (int32 arrays too) by memcpy
         for r in requests:
             kv_len = r.kv_len
             n_pages = (kv_len + page_size - 1) // page_size

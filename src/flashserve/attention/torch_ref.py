@@ -17,6 +17,8 @@ return their log-sum-exps and `merge_attention_states` combines them, as FlashIn
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,14 @@ class _Plan:
     write_slots: torch.Tensor  # [T] long: flat cache slot of every new token
     groups: tuple[_Group, ...]  # each request over its pages (after its prefix, under a cascade)
     prefix_groups: tuple[_Group, ...] = ()  # each cascade group over its shared pages; () flat
+
+
+def page_tensor(ids: Sequence[int]) -> torch.Tensor:
+    """Page ids as an int64 CPU tensor: an int32 array (a layout's, a page table's) through its
+    buffer, any other sequence element by element."""
+    if isinstance(ids, array) and ids.typecode == "i":
+        return torch.frombuffer(ids, dtype=torch.int32).long() if len(ids) else torch.zeros(0, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def merge_attention_states(
@@ -122,7 +132,7 @@ class TorchAttentionBackend:
         slots: list[torch.Tensor] = []
         write: list[torch.Tensor] = []
         for i in range(layout.batch_size):
-            pages = torch.tensor(layout.kv_indices[layout.kv_indptr[i] : layout.kv_indptr[i + 1]], dtype=torch.long)
+            pages = page_tensor(layout.kv_indices[layout.kv_indptr[i] : layout.kv_indptr[i + 1]])
             if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
                 raise ValueError(f"request {i}: page ids out of range [0, {self.num_pages})")
             req_slots = self._page_slots(pages)[: kv_lens[i]]
@@ -140,7 +150,7 @@ class TorchAttentionBackend:
         shared: list[_Segment] = []
         if prefix is not None:
             for g in range(prefix.num_groups):
-                pages = torch.tensor(prefix.kv_indices[prefix.kv_indptr[g] : prefix.kv_indptr[g + 1]], dtype=torch.long)
+                pages = page_tensor(prefix.kv_indices[prefix.kv_indptr[g] : prefix.kv_indptr[g + 1]])
                 keys = self._page_slots(pages)  # whole pages: every slot holds a computed token
                 num_q = prefix.qo_indptr[g + 1] - prefix.qo_indptr[g]
                 shared.append(_Segment(prefix.token_start[g], num_q, keys, keys.numel() - 1))  # non-causal

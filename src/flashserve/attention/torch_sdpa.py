@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from flashserve.attention.base import BatchLayout
-from flashserve.attention.torch_ref import TorchAttentionBackend, merge_attention_states
+from flashserve.attention.torch_ref import TorchAttentionBackend, merge_attention_states, page_tensor
 
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp (what SDPA calls on a CPU);
 # without it continued prompts take one masked call.
@@ -76,7 +76,7 @@ class SdpaAttentionBackend(TorchAttentionBackend):
         if layout.page_size != self.page_size:
             raise ValueError(f"layout page_size {layout.page_size} != cache page_size {self.page_size}")
         ps, qo, kv_ptr = self.page_size, layout.qo_indptr, layout.kv_indptr
-        kv_indices = torch.tensor(layout.kv_indices, dtype=torch.long)
+        kv_indices = page_tensor(layout.kv_indices)
         if kv_indices.numel() and (int(kv_indices.min()) < 0 or int(kv_indices.max()) >= self.num_pages):
             raise ValueError(f"page ids out of range [0, {self.num_pages})")
         kv_lens = layout.kv_lens()

@@ -105,7 +105,10 @@ class KVCacheManager:
         self._page_hash: list[PageHash | None] = [None] * num_pages
         self._hash_to_page: dict[PageHash, int] = {}
         self._num_cached_free = 0  # pages in _free that still hold a hash
-        self._tables: dict[str, list[int]] = {}
+        # Page tables as int32 arrays: a step's layout concatenates them by memcpy and hands them
+        # to numpy and the device without converting an int at a time (67k page ids a step at 512
+        # requests of 2k tokens: ~2.4 ms of host time as Python lists on an H200's host).
+        self._tables: dict[str, array[int]] = {}
         # How many of a request's pages register() has already looked at: without it every step
         # would rescan every page of every running request.
         self._registered_upto: dict[str, int] = {}
@@ -138,9 +141,10 @@ class KVCacheManager:
         """Registered pages held by a pin (some may be in use by requests too)."""
         return sum(page_hash in self._hash_to_page for page_hash in self._pins)
 
-    def pages(self, request_id: str) -> list[int]:
-        """The request's page table, by reference (it grows in place); [] for an unknown id."""
-        return self._tables.get(request_id, [])
+    def pages(self, request_id: str) -> array[int]:
+        """The request's page table (int32), by reference (it grows in place); empty for an unknown id."""
+        table = self._tables.get(request_id)
+        return table if table is not None else array("i")
 
     def num_pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -203,7 +207,9 @@ class KVCacheManager:
             return True
         if take > len(self._free):
             return False
-        table = self._tables.setdefault(request_id, [])
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._tables[request_id] = array("i")
         for page in cached_pages:
             self._take(page)
             table.append(page)
@@ -267,7 +273,7 @@ class KVCacheManager:
             return
         for page in reversed(table):
             self._release(page)
-        # The list stays as it was: a ScheduledRequest built from it still describes its step.
+        # The table stays as it was: a ScheduledRequest built from it still describes its step.
 
     def pin(self, hashes: Sequence[PageHash]) -> int:
         """Keep the pages of `hashes` (a PageHasher chain) cached until unpin(handle): a registered

@@ -16,7 +16,7 @@ class ScheduledRequest:
     request_id: str
     new_token_ids: list[int]  # tokens whose K/V this step computes
     num_computed_tokens: int  # tokens already cached = position of new_token_ids[0]
-    page_ids: list[int]  # the request's pages (a view for this step), enough for kv_len tokens
+    page_ids: Sequence[int]  # the request's pages (a view for this step), enough for kv_len tokens
     # True when the chunk ends at the request's last known token, so the step samples its next one.
     sample: bool
     params: SamplingParams
