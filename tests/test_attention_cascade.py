@@ -220,10 +220,62 @@ def test_groups_of_consecutive_requests_sharing_pages_are_found_in_csr_form() ->
     assert prefix is not None
     assert (prefix.request_start, prefix.request_end) == ([1, 3], [3, 6])
     assert prefix.token_start == [4, 7] and prefix.qo_indptr == [0, 3, 10]
-    assert prefix.token_index() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
     assert prefix.kv_indptr == [0, 3, 4] and prefix.kv_indices == a + b
     assert prefix.kv_last_page_len == [PAGE, PAGE]  # prefixes are whole pages
     assert prefix.prefix_pages == [0, 3, 3, 1, 1, 1]
+
+
+def grouped_step() -> tuple[BatchLayout, list[int], list[int]]:
+    """A lone request (4 new tokens), a group of two (3 tokens) behind pages a, a group of three
+    (7 tokens) behind page b, then a lone request (2 tokens)."""
+    p = Pages()
+    a, b = p.take(3), p.take(1)
+    requests = [req(0, p.take(1), 4, 4), req(1, a + p.take(1), 48, 1), req(2, a + p.take(1), 50, 2)]
+    requests += [req(3, b + p.take(1), 17, 1), req(4, b + p.take(1), 16, 5), req(5, b + p.take(1), 20, 1)]
+    requests += [req(6, p.take(1), 3, 2)]
+    return BatchLayout.build(requests, PAGE, cascade=CascadePolicy()), a, b
+
+
+def test_row_segments_cover_every_row_in_step_order_groups_over_their_prefix_others_over_scratch() -> None:
+    layout, a, b = grouped_step()
+    assert layout.prefix is not None
+    segments = layout.prefix.row_segments(layout.num_tokens, scratch_page=0)
+    assert segments is not None
+    assert segments.qo_indptr == [0, 4, 7, 14, 16]
+    assert segments.kv_indices == [0, *a, *b, 0] and segments.kv_indptr == [0, 1, 4, 5, 6]
+    assert segments.kv_last_page_len == [1, PAGE, PAGE, 1]
+    assert list(segments.merge) == [0] * 4 + [1] * 10 + [0] * 2
+
+
+def test_row_segments_of_a_graph_step_pad_its_rows_and_segments_to_fixed_counts() -> None:
+    layout, a, b = grouped_step()
+    assert layout.prefix is not None
+    segments = layout.prefix.row_segments(layout.num_tokens, scratch_page=0, rows=20, slots=7)
+    assert segments is not None and segments.num_segments == 7
+    assert segments.qo_indptr == [0, 4, 7, 14, 20, 20, 20, 20]  # padding rows, then empty segments
+    assert segments.kv_indices == [0, *a, *b, 0, 0, 0, 0] and segments.kv_last_page_len[3:] == [1] * 4
+    assert list(segments.merge) == [0] * 4 + [1] * 10 + [0] * 6
+
+
+def test_row_segments_refuse_a_step_needing_more_segments_than_the_graph_has() -> None:
+    layout, _, _ = grouped_step()
+    assert layout.prefix is not None
+    assert layout.prefix.row_segments(layout.num_tokens, 0, rows=20, slots=3) is None
+
+
+def test_graph_eligibility_counts_the_segments_a_decode_step_builds() -> None:
+    from flashserve.attention.flashinfer import _segments_needed
+
+    p = Pages()
+    a, b = p.take(2), p.take(1)
+    requests = [req(0, a + p.take(1), 33, 1), req(1, a + p.take(1), 40, 1), req(2, p.take(1), 3, 1)]
+    requests += [req(3, b + p.take(1), 17, 1), req(4, b + p.take(1), 20, 1)]
+    for members in (requests, requests[2:], requests[:2] + requests[3:]):
+        layout = BatchLayout.build(members, PAGE, cascade=CascadePolicy())
+        assert layout.prefix is not None
+        for rows in (len(members), len(members) + 3):
+            segments = layout.prefix.row_segments(layout.num_tokens, 0, rows=rows)
+            assert segments is not None and _segments_needed(layout, rows) == segments.num_segments
 
 
 def test_suffix_level_is_each_requests_pages_after_its_prefix() -> None:
@@ -317,3 +369,18 @@ def test_unknown_cascade_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="auto, on, off"):
         cascade_policy("always")
 
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_common_pages_of_two_page_tables_is_their_common_prefix_whatever_the_hint(seed: int) -> None:
+    from flashserve.attention.cascade import _common_pages
+
+    rng = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=rng))
+    shared = int(torch.randint(0, n + 1, (1,), generator=rng))
+    a = array("i", range(1, n + 1))
+    b = array("i", list(range(1, shared + 1)) + list(range(100, 100 + n - shared)))
+    limit = int(torch.randint(0, n + 1, (1,), generator=rng))
+    for hint in (0, shared, limit, int(torch.randint(0, n + 1, (1,), generator=rng))):
+        assert _common_pages(a, b, limit, hint) == min(shared, limit)
+        assert _common_pages(list(a), list(b), limit, hint) == min(shared, limit)

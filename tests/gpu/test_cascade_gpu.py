@@ -1,6 +1,7 @@
 """Cascade attention on FlashInfer: groups' shared prefixes attended once and merged, against flat
-attention over the same pages; and the engine with cascade on samples logits as close to a
-teacher-forced flat pass as the engine with flat attention does."""
+attention over the same pages; and the engine with cascade on (its decode steps from cascade CUDA
+graphs) samples logits as close to a teacher-forced flat pass as the engine with flat attention
+does. Cascade decode from graphs against eager and flat attention: test_cuda_graph.py."""
 
 from __future__ import annotations
 
@@ -52,12 +53,17 @@ def test_cascade_step_matches_flat_attention(new: list[int], q_heads: int) -> No
         assert rel_err(out, expected) < TOL[torch.bfloat16]
 
 
-def test_a_cascade_decode_step_runs_eagerly_not_from_a_graph() -> None:
-    fi, _ = make_backends(8, 128, torch.bfloat16)
-    fi.init_cuda_graph([8, 16])
+def test_a_cascade_decode_step_pads_to_a_graph_only_where_cascade_graphs_were_built() -> None:
     requests = scheduled([1] * 6)
-    assert fi.cuda_graph_batch_size(BatchLayout.build(requests, PAGE)) == 8
-    assert fi.cuda_graph_batch_size(BatchLayout.build(requests, PAGE, CascadePolicy())) is None
+    flat, cascade = BatchLayout.build(requests, PAGE), BatchLayout.build(requests, PAGE, CascadePolicy())
+    without, _ = make_backends(8, 128, torch.bfloat16)
+    without.init_cuda_graph([8, 16])
+    assert without.cuda_graph_batch_size(flat) == 8
+    assert without.cuda_graph_batch_size(cascade) is None
+    with_cascade, _ = make_backends(8, 128, torch.bfloat16)
+    with_cascade.init_cuda_graph([8, 16], cascade=True)
+    assert with_cascade.cuda_graph_batch_size(flat) == 8
+    assert with_cascade.cuda_graph_batch_size(cascade) == 8
 
 
 def test_engine_with_cascade_samples_logits_as_close_to_a_teacher_forced_pass_as_flat_attention() -> None:
@@ -71,26 +77,32 @@ def test_engine_with_cascade_samples_logits_as_close_to_a_teacher_forced_pass_as
     llm.generate([shared], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # caches its pages
     prompts = [shared + [rng.randrange(1, 128000) for _ in range(rng.randint(1, 30))] for _ in range(16)]
     runner = llm.engine.executor
-    plan, cascade_steps = runner.backend.plan, []
+    backend = runner.backend
+    plan, plan_graph, cascade_steps = backend.plan, backend.plan_cuda_graph, []
 
     def recording_plan(layout: BatchLayout) -> None:
-        cascade_steps.append(layout.prefix is not None)
+        cascade_steps.append((layout.prefix is not None, False))
         plan(layout)
+
+    def recording_plan_graph(layout: BatchLayout, batch_size: int, cascade: bool | None = None) -> None:
+        cascade_steps.append((layout.prefix is not None, True))
+        plan_graph(layout, batch_size, cascade)
 
     errors = {}
     for name, policy in (("flat", None), ("cascade", CascadePolicy())):
         runner.cascade, cascade_steps[:] = policy, []
-        runner.backend.plan = recording_plan
+        backend.plan, backend.plan_cuda_graph = recording_plan, recording_plan_graph
         recorder = RecordingSampler(runner.sampler)
         runner.sampler = recorder
         try:
             results = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
         finally:
-            runner.sampler, runner.backend.plan = recorder.inner, plan
+            runner.sampler, backend.plan, backend.plan_cuda_graph = recorder.inner, plan, plan_graph
         if policy is None:
-            assert not any(cascade_steps)
+            assert not any(prefix for prefix, _ in cascade_steps)
         else:
-            assert sum(cascade_steps) >= 15  # every decode step of the group went through the prefix level
+            # Every decode step of the group went through the prefix level, from a cascade graph.
+            assert sum(prefix and graph for prefix, graph in cascade_steps) >= 15
         errors[name] = teacher_forced_errors(llm, recorder, results)
     assert llm.engine.scheduler.kv_cache.num_used_pages == 0
     flat, cascade = errors["flat"], errors["cascade"]

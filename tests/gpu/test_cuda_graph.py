@@ -117,6 +117,71 @@ def test_graph_decode_equals_eager_decode(q_heads: int, head_dim: int, dtype: to
     print(f"ERR graph-vs-eager {worst_graph:.2e}, eager-vs-ref {worst_ref:.2e} ({q_heads}/{KV_HEADS} heads, D={head_dim}, {dtype})")
 
 
+def test_cascade_decode_from_graphs_matches_eager_cascade_and_flat_attention() -> None:
+    """Two groups behind shared pages and a lone request: their own tokens prefilled eagerly,
+    then decode steps through cascade graphs (several groups a step, padded, crossing pages)
+    against the same steps through eager cascade attention and through the reference, flat."""
+    from flashserve.attention.cascade import CascadePolicy
+
+    q_heads, head_dim, dtype = 8, 128, torch.bfloat16
+
+    def fi_backend() -> FlashInferAttentionBackend:
+        return FlashInferAttentionBackend(
+            NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None, num_qo_heads=q_heads
+        )
+
+    graph_backend, eager_backend = fi_backend(), fi_backend()
+    ref_backend = TorchAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None)
+    graphed = CudaGraphRunner(TinyModel(graph_backend, q_heads, head_dim, dtype), graph_backend, GRAPH_SIZES,
+                              cascade=True)
+    eager = CudaGraphRunner(TinyModel(eager_backend, q_heads, head_dim, dtype), eager_backend, GRAPH_SIZES)
+    ref_model = TinyModel(ref_backend, q_heads, head_dim, dtype)
+    with torch.inference_mode():
+        graphed.capture()
+    eager_plans = []
+    plan = graph_backend.plan
+    graph_backend.plan = lambda layout: (eager_plans.append(layout), plan(layout))[1]
+
+    perm = (torch.randperm(NUM_PAGES - 1, generator=torch.Generator().manual_seed(1)) + 1).tolist()
+    shared_a, shared_b, own = perm[:3], perm[3:5], perm[5:]
+    # Requests 0-2 read shared_a (48 tokens), 3-4 shared_b (32), 5 nothing; 6 and 7 write the prefixes.
+    prefix = [shared_a] * 3 + [shared_b] * 2 + [[]]
+    pages = [p + own[i * 5 : (i + 1) * 5] for i, p in enumerate(prefix)] + [shared_a, shared_b]
+    lengths = [0] * 8
+    steps = [
+        ([6, 7], [48, 32]),  # the shared prefixes
+        (list(range(6)), [5, 9, 16, 3, 20, 7]),  # each request's own tokens, after its prefix
+        (list(range(6)), [1] * 6),  # 2 groups and a lone request: 4 segments, padded to 8 rows
+        ([0, 1, 3, 4], [1] * 4),  # 2 groups, exactly 4 rows
+        ([0, 1, 2], [1] * 3),  # 1 group, padded to 4
+    ] + [(list(range(6)), [1] * 6)] * 20  # crosses page boundaries
+    tol = 2e-2
+    with torch.inference_mode():
+        for n, (rows, new) in enumerate(steps):
+            if n == 1:
+                lengths[:5] = [48] * 3 + [32] * 2  # the members start behind the written prefixes
+            reqs = scheduled([lengths[i] for i in rows], new, [pages[i] for i in rows])
+            cascade, flat = BatchLayout.build(reqs, PAGE, CascadePolicy()), BatchLayout.build(reqs, PAGE)
+            ids = torch.tensor([t for r in reqs for t in r.new_token_ids], device="cuda")
+            pos = torch.tensor(flat.positions, device="cuda")
+            eager_plans.clear()
+            out_graph = graphed(ids, pos, cascade).clone()
+            if n >= 2:
+                assert cascade.prefix is not None and not eager_plans, f"step {n} did not replay a cascade graph"
+            out_eager = eager(ids, pos, cascade)
+            ref_backend.plan(flat)
+            out_ref = ref_model(ids, pos)
+            e_graph, e_ref = rel_err(out_graph, out_eager), rel_err(out_graph, out_ref)
+            assert e_graph < tol, f"graph vs eager cascade {e_graph:.2e} at step {n}"
+            assert e_ref < tol, f"graph vs flat reference {e_ref:.2e} at step {n}"
+            for i, k in zip(rows, new):
+                lengths[i] += k
+    # The graphs appended each token through the request's own pages: the caches agree.
+    for (gk, gv), (ek, ev) in zip(graph_backend.kv_cache, eager_backend.kv_cache):
+        torch.testing.assert_close(gk[1:], ek[1:], atol=tol, rtol=tol)
+        torch.testing.assert_close(gv[1:], ev[1:], atol=tol, rtol=tol)
+
+
 def test_capture_batch_sizes() -> None:
     assert capture_batch_sizes(1) == [1]
     assert capture_batch_sizes(6) == [1, 2, 4, 6]
@@ -137,7 +202,7 @@ def test_a_model_that_cannot_be_captured_decodes_eagerly() -> None:
         out = tiny(ids, pos)
         return out * (1.0 if out.sum().item() != 0 else 2.0)  # a host sync: illegal under capture
 
-    runner = SimpleNamespace(backend=backend, device=torch.device("cuda"), graphs=None)
+    runner = SimpleNamespace(backend=backend, device=torch.device("cuda"), graphs=None, cascade=None)
     model = SimpleNamespace(decode_logits=lambda b: syncing)
     with torch.inference_mode():
         capture_decode_graphs(runner, model, 4)

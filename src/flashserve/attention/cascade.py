@@ -53,10 +53,59 @@ class PrefixLevel:
             for g in range(self.num_groups)
         )
 
-    def token_index(self) -> list[int]:
-        """The step token of every level-0 query row, in `qo_indptr` order."""
-        qo = self.qo_indptr
-        return [self.token_start[g] + n for g in range(self.num_groups) for n in range(qo[g + 1] - qo[g])]
+    def row_segments(self, num_tokens: int, scratch_page: int, rows: int | None = None,
+                     slots: int | None = None) -> RowSegments | None:
+        """Level 0 as one batch over every query row of the step, in step order (`RowSegments`).
+
+        Each group's rows are a segment over its shared pages; every run of rows in no group, and
+        the `rows - num_tokens` padding rows of a graph step after them, is a segment over the one
+        `scratch_page` (its result is masked out of the merge). With `slots`, empty segments pad
+        the count to exactly `slots`; None when the step needs more than that.
+        """
+        rows = num_tokens if rows is None else rows
+        qo, kv, last, pages = [0], [0], [], []
+        mask = bytearray(rows)
+
+        def segment(end: int, group: int | None) -> None:
+            qo.append(end)
+            if group is None:
+                pages.append(scratch_page)
+                last.append(1)
+            else:
+                pages.extend(self.kv_indices[self.kv_indptr[group] : self.kv_indptr[group + 1]])
+                last.append(self.kv_last_page_len[group])
+            kv.append(len(pages))
+
+        for g in range(self.num_groups):
+            start, end = self.token_start[g], self.token_start[g] + self.qo_indptr[g + 1] - self.qo_indptr[g]
+            if start > qo[-1]:
+                segment(start, None)
+            segment(end, g)
+            mask[start:end] = b"\x01" * (end - start)
+        if rows > qo[-1]:
+            segment(rows, None)
+        if slots is not None:
+            if len(last) > slots:
+                return None
+            for _ in range(slots - len(last)):
+                segment(rows, None)
+        return RowSegments(qo, kv, pages, last, mask)
+
+
+@dataclass(frozen=True)
+class RowSegments:
+    """Level 0 over all of a step's query rows: S segments in FlashInfer's CSR vocabulary, and
+    which rows merge the result (1) or keep their own-pages result (0)."""
+
+    qo_indptr: list[int]  # [S+1]
+    kv_indptr: list[int]  # [S+1]
+    kv_indices: list[int]
+    kv_last_page_len: list[int]  # [S]
+    merge: bytearray  # [rows]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.kv_last_page_len)
 
 
 @dataclass(frozen=True)
@@ -93,13 +142,25 @@ def shareable_pages(request: ScheduledRequest, page_size: int) -> int:
     return min(request.num_computed_tokens // page_size, len(request.page_ids))
 
 
-def _common_pages(a: list[int], b: list[int], limit: int) -> int:
-    if a[:limit] == b[:limit]:  # the usual case, compared at C speed
+def _common_pages(a: Sequence[int], b: Sequence[int], limit: int, hint: int) -> int:
+    """Length of the common prefix of a[:limit] and b[:limit], by slices compared at C speed.
+
+    Members of one group have the same common prefix, so the previous pair's length (`hint`) is
+    tried first; otherwise a binary search over prefix lengths (a few slice compares, where a loop
+    over the page ids costs milliseconds per step at a thousand requests of long prompts).
+    """
+    if a[:limit] == b[:limit]:
         return limit
-    n = 0
-    while a[n] == b[n]:
-        n += 1
-    return n
+    if 0 < hint < limit and a[hint] != b[hint] and a[:hint] == b[:hint]:
+        return hint
+    lo, hi = 0, limit - 1  # a[:limit] != b[:limit], so the length is below limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass
@@ -133,10 +194,10 @@ def find_groups(
         return []
     caps = [shareable_pages(r, page_size) for r in requests]
     # adjacent[k]: pages requests k and k+1 may share.
-    adjacent = [
-        _common_pages(requests[k].page_ids, requests[k + 1].page_ids, min(caps[k], caps[k + 1]))
-        for k in range(len(requests) - 1)
-    ]
+    adjacent: list[int] = []
+    for k in range(len(requests) - 1):
+        hint = adjacent[-1] if adjacent else 0
+        adjacent.append(_common_pages(requests[k].page_ids, requests[k + 1].page_ids, min(caps[k], caps[k + 1]), hint))
     stack = [_Run(level=-1, first=0)]  # the whole batch, below every sharing level
     for k in range(len(adjacent) + 1):
         level = adjacent[k] if k < len(adjacent) else -1  # -1 closes every run at the end

@@ -6,17 +6,22 @@ tensor-core `BatchDecodeWithPagedKVCacheWrapper` (any GQA group size, faster tha
 kernel on Hopper). A step's index arrays are packed into one pinned buffer and go up in one copy.
 
 Cascade steps (a layout with a prefix level, `attention/cascade.py`): the same wrapper attends each
-request to its pages after its group's shared prefix, a second prefill wrapper attends each
-group's query rows to the group's prefix pages once (non-causal, several groups in one pass), and
-`merge_state` merges the two by their log-sum-exps (FLASHINFER.md §4). Both passes write float16
-(10 mantissa bits against bfloat16's 7; FlashInfer builds no float32 output), so the two roundings
-before the merge cost less than the one rounding to the cache dtype after it. Attention outputs are
-convex combinations of V rows, so they stay within float16's range wherever V does. Such steps run
-eagerly.
+request to its pages after its group's shared prefix, a second prefill wrapper attends every query
+row of the step once more, each group's rows to the group's prefix pages (non-causal, several
+groups in one pass) and the rows of no group to the scratch page, and `merge_state_in_place`
+merges the two by their log-sum-exps where a row's mask says it is in a group (FLASHINFER.md §4).
+Passing every row, not only the groups', keeps the pass's shapes those of the step, which is what a
+CUDA graph needs. Both passes write float16 (10 mantissa bits against bfloat16's 7; FlashInfer
+builds no float32 output), so the two roundings before the merge cost less than the one rounding to
+the cache dtype after it. Attention outputs are convex combinations of V rows, so they stay within
+float16's range wherever V does.
 
 CUDA graphs (decode only): `init_cuda_graph` builds one graph-mode decode wrapper per batch size
-over static index buffers; `plan_cuda_graph` pads a batch to such a size with dummy one-token
-requests on the scratch page and re-plans before each replay. `model/cuda_graph.py` drives it.
+over static index buffers, and with `cascade` a second set for cascade decode steps: a decode
+wrapper over each request's own pages and a graph-mode prefill wrapper over a fixed number of
+level-0 segments (`prefix_slots`). `plan_cuda_graph` pads a batch to such a size with dummy
+one-token requests on the scratch page and re-plans before each replay. `model/cuda_graph.py`
+drives it.
 
 `flashinfer` is imported in the constructor only, so this module imports without it.
 """
@@ -32,6 +37,7 @@ import numpy as np
 import torch
 
 from flashserve.attention.base import BatchLayout
+from flashserve.attention.cascade import PrefixLevel
 from flashserve.pinned import PinnedStaging
 
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
@@ -50,9 +56,18 @@ class _StepIndices:
     kv_indptr: torch.Tensor
     kv_last_page_len: torch.Tensor
     # A cascade step: `wrapper` attends each request to its pages after its group's prefix, and
-    # `prefix_wrapper` each group's query rows (`prefix_rows`, step token indices) to its prefix.
+    # `prefix_wrapper` every row to its group's prefix (`RowSegments`); rows where `prefix_merge`
+    # is set merge the two.
     prefix_wrapper: Any = None
-    prefix_rows: torch.Tensor | None = None
+    prefix_merge: torch.Tensor | None = None
+
+
+def prefix_slots(batch_size: int) -> int:
+    """Level-0 segments a cascade decode graph of `batch_size` rows is planned for: enough for
+    groups of four with an ungrouped run between each two, and few enough that the prefix pass's
+    query tile stays large (FlashInfer sizes a graph plan's tile for its longest possible segment,
+    rows - segments + 1). A step that needs more segments runs eagerly."""
+    return min(batch_size, max(4, batch_size // 4))
 
 
 class FlashInferAttentionBackend:
@@ -129,9 +144,10 @@ class FlashInferAttentionBackend:
         qo_indptr = np.asarray(layout.qo_indptr, dtype=np.int32)
         batch_indices = np.repeat(np.arange(layout.batch_size, dtype=np.int32), np.diff(qo_indptr))
         prefix = layout.prefix
-        levels = [] if prefix is None else [
-            prefix.suffix_kv_indptr, prefix.suffix_kv_indices,
-            prefix.qo_indptr, prefix.kv_indptr, prefix.kv_last_page_len, prefix.kv_indices, prefix.token_index(),
+        segments = None if prefix is None else prefix.row_segments(layout.num_tokens, self.scratch_page)
+        levels = [] if prefix is None or segments is None else [
+            prefix.suffix_kv_indptr, prefix.suffix_kv_indices, segments.qo_indptr, segments.kv_indptr,
+            segments.kv_last_page_len, segments.kv_indices, np.frombuffer(segments.merge, dtype=np.uint8),
         ]
         self._staging.begin()
         host, dev = self._staging.upload(
@@ -141,22 +157,22 @@ class FlashInferAttentionBackend:
         qo_h, kv_indptr_h, last_h = host[:3]
         kv_indptr_d, last_d, indices_d, batch_d, pos_d = dev[1:6]
         # The main pass: over each request's pages, or under a cascade its pages after its prefix.
-        attend_indptr_h, attend_indices_d = (kv_indptr_h, indices_d) if prefix is None else (host[6], dev[7])
-        out_dtype = self.dtype if prefix is None else torch.float16  # a cascade's levels: see the module doc
+        attend_indptr_h, attend_indices_d = (kv_indptr_h, indices_d) if not levels else (host[6], dev[7])
+        out_dtype = self.dtype if not levels else torch.float16  # a cascade's levels: see the module doc
         if layout.is_decode_only:
             wrapper, args = self._decode, (attend_indptr_h, attend_indices_d, last_h)
             kwargs = self._plan_kwargs(out_dtype)
         else:
             wrapper, args = self._prefill, (qo_h, attend_indptr_h, attend_indices_d, last_h)
             kwargs = {**self._plan_kwargs(out_dtype), "causal": True}
-        prefix_wrapper = prefix_rows = None
-        if prefix is not None:
-            # Each group's query rows over its shared pages, all computed before this step's
-            # tokens: non-causal (`cascade.shareable_pages`).
-            prefix_wrapper, prefix_rows = self._cascade_prefix_wrapper(), dev[12].long()
+        prefix_wrapper = merge = None
+        if levels:
+            # Every row over its group's shared pages, all computed before this step's tokens:
+            # non-causal (`cascade.shareable_pages`).
+            prefix_wrapper, merge = self._cascade_prefix_wrapper(), dev[12].to(torch.bool)
             self._plan_wrapper(prefix_wrapper, (host[8], host[9], dev[11], host[10]),
                                {**self._plan_kwargs(out_dtype), "causal": False})
-        self._step = _StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d, prefix_wrapper, prefix_rows)
+        self._step = _StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d, prefix_wrapper, merge)
         self._plan_wrapper(wrapper, args, kwargs)
 
     def _cascade_prefix_wrapper(self) -> Any:
@@ -198,18 +214,20 @@ class FlashInferAttentionBackend:
 
     def _cascade(self, step: _StepIndices, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Each request over its own pages, each group's rows over its prefix once, merged by
-        their log-sum-exps (FlashInfer's, base 2, as `merge_state` takes them)."""
-        rows = step.prefix_rows
-        assert rows is not None
+        their log-sum-exps (FlashInfer's, base 2, as `merge_state_in_place` takes them) where the
+        row is in a group. No host work and no data-dependent shape: a graph can hold it."""
         out, lse = step.wrapper.run(q, cache, return_lse=True)
-        prefix_out, prefix_lse = step.prefix_wrapper.run(q.index_select(0, rows), cache, return_lse=True)
-        merged, _ = self._fi.merge_state(out.index_select(0, rows), lse.index_select(0, rows), prefix_out, prefix_lse)
-        return out.index_copy_(0, rows, merged).to(self.dtype)
+        prefix_out, prefix_lse = step.prefix_wrapper.run(q, cache, return_lse=True)
+        self._fi.merge_state_in_place(out, lse, prefix_out, prefix_lse, mask=step.prefix_merge)
+        return out.to(self.dtype)
 
     # ---- CUDA-graph decode -------------------------------------------------------------------
 
-    def init_cuda_graph(self, batch_sizes: Sequence[int], max_total_pages: int | None = None) -> None:
-        """Builds a graph-mode decode wrapper per batch size over shared static index buffers.
+    def init_cuda_graph(
+        self, batch_sizes: Sequence[int], max_total_pages: int | None = None, *, cascade: bool = False
+    ) -> None:
+        """Builds a graph-mode decode wrapper per batch size over shared static index buffers, and
+        with `cascade` the wrappers of cascade decode graphs too.
 
         `max_total_pages` bounds the pages of one graph step (default: every page once, plus one
         scratch page per padding row); a step with more runs eagerly.
@@ -218,80 +236,152 @@ class FlashInferAttentionBackend:
         if not sizes or sizes[0] < 1:
             raise ValueError(f"batch sizes must be positive, got {list(batch_sizes)}")
         capacity = max_total_pages if max_total_pages is not None else self.num_pages + sizes[-1]
-        self._graph = _GraphBuffers(self, sizes, capacity)
+        self._graph = _GraphBuffers(self, sizes, capacity, cascade)
 
     def cuda_graph_batch_size(self, layout: BatchLayout) -> int | None:
-        """The captured batch size this step pads to, or None when it must run eagerly."""
+        """The captured batch size this step pads to, or None when it must run eagerly.
+
+        A cascade step pads to a cascade graph of that size (`plan_cuda_graph`)."""
         g = self._graph
-        if g is None or not layout.is_decode_only or layout.prefix is not None:
-            return None  # the graphs attend flat; a cascade step runs eagerly
-        n = layout.batch_size
-        size = next((s for s in g.wrappers if s >= n), None)
-        if size is None or len(layout.kv_indices) + size - n > g.capacity:
+        if g is None or not layout.is_decode_only:
             return None
+        n, prefix = layout.batch_size, layout.prefix
+        size = next((s for s in g.wrappers if s >= n), None)
+        if size is None:
+            return None
+        own_pages = len(layout.kv_indices) if prefix is None else len(prefix.suffix_kv_indices)
+        if own_pages + size - n > g.capacity:
+            return None
+        if prefix is not None:
+            slots = prefix_slots(size)
+            if not g.cascade or _segments_needed(layout, size) > slots or len(prefix.kv_indices) + slots > g.capacity:
+                return None
         return size
 
-    def plan_cuda_graph(self, layout: BatchLayout, batch_size: int) -> None:
-        """Plans the graph wrapper of `batch_size` for a decode step padded to that size.
+    def plan_cuda_graph(self, layout: BatchLayout, batch_size: int, cascade: bool | None = None) -> None:
+        """Plans the graph of `batch_size` (flat, or with `cascade`, by default when the layout has
+        a prefix level, the cascade graph) for a decode step padded to that size.
 
         Padding rows are one-token requests at position 0 on the scratch page. Call before every
         replay (the kernels' split schedule depends on the current lengths) and before capture
         (with an empty layout: every row is padding).
         """
         g = self._graph
-        if g is None or batch_size not in g.wrappers:
-            raise ValueError(f"no CUDA-graph decode wrapper for batch size {batch_size}")
+        cascade = layout.prefix is not None if cascade is None else cascade
+        if g is None or batch_size not in g.wrappers or (cascade and not g.cascade):
+            raise ValueError(f"no CUDA-graph decode wrapper for batch size {batch_size} (cascade: {cascade})")
         if not layout.is_decode_only or layout.batch_size > batch_size:
             raise ValueError(f"a decode step of at most {batch_size} requests is needed, got {layout.batch_size} requests")
+        prefix = layout.prefix if cascade else None
         pad = batch_size - layout.batch_size
-        kv_indptr = np.concatenate([np.asarray(layout.kv_indptr, dtype=np.int32),
-                                    layout.kv_indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
-        last = np.concatenate([np.asarray(layout.kv_last_page_len, dtype=np.int32), np.ones(pad, dtype=np.int32)])
-        positions = np.concatenate([np.asarray(layout.positions, dtype=np.int32), np.zeros(pad, dtype=np.int32)])
-        indices = np.concatenate([np.asarray(layout.kv_indices, dtype=np.int32), np.full(pad, self.scratch_page, np.int32)])
+        kv_indptr = np.asarray(layout.kv_indptr if prefix is None else prefix.suffix_kv_indptr, dtype=np.int32)
+        indices = np.asarray(layout.kv_indices if prefix is None else prefix.suffix_kv_indices, dtype=np.int32)
+        positions = np.asarray(layout.positions, dtype=np.int32)
+        if prefix is not None:  # appends go through each request's own pages: positions within them
+            positions = positions - np.asarray(prefix.prefix_pages, dtype=np.int32) * self.page_size
+        arrays = [
+            np.concatenate([kv_indptr, kv_indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)]),
+            np.concatenate([np.asarray(layout.kv_last_page_len, dtype=np.int32), np.ones(pad, dtype=np.int32)]),
+            np.concatenate([positions, np.zeros(pad, dtype=np.int32)]),
+            np.concatenate([indices, np.full(pad, self.scratch_page, np.int32)]),
+        ]
+        segments = None
+        if cascade:
+            level = layout.prefix if layout.prefix is not None else _NO_GROUPS
+            segments = level.row_segments(layout.num_tokens, self.scratch_page, batch_size, prefix_slots(batch_size))
+            if segments is None:
+                raise ValueError(f"the step needs more level-0 segments than the {batch_size}-row graph's")
+            arrays += [segments.qo_indptr, segments.kv_indptr, segments.kv_last_page_len, segments.kv_indices,
+                       np.frombuffer(segments.merge, dtype=np.uint8)]
         self._staging.begin()
-        host, dev = self._staging.upload([kv_indptr, last, positions, indices])
+        host, dev = self._staging.upload(arrays)
         indptr_h, last_h = host[:2]
-        pos_d, indices_d = dev[2:]
+        pos_d, indices_d = dev[2:4]
         g.positions[:batch_size].copy_(pos_d, non_blocking=True)
-        # The wrapper copies indptr, indices and last_page_len into the static buffers it was built on.
-        self._step = g.steps[batch_size]
-        self._plan_wrapper(g.wrappers[batch_size], (indptr_h, indices_d, last_h), self._plan_kwargs())
+        # The wrappers copy indptr, indices and last_page_len into the static buffers they were built on.
+        self._step = step = g.steps[batch_size, cascade]
+        if segments is not None:
+            g.prefix_merge[:batch_size].copy_(dev[8], non_blocking=True)
+            self._plan_wrapper(step.prefix_wrapper, (host[4], host[5], dev[7], host[6]),
+                               {**self._plan_kwargs(torch.float16), "causal": False})
+        self._plan_wrapper(step.wrapper, (indptr_h, indices_d, last_h),
+                           self._plan_kwargs(torch.float16 if cascade else None))
+
+
+def _segments_needed(layout: BatchLayout, rows: int) -> int:
+    """Level-0 segments of a cascade decode step padded to `rows`: its groups, the runs of
+    requests in no group between and around them, and the padding rows (`PrefixLevel.row_segments`)."""
+    prefix = layout.prefix
+    assert prefix is not None
+    count, cursor = 0, 0
+    for start, end in zip(prefix.request_start, prefix.request_end):
+        count += 1 + (start > cursor)
+        cursor = end
+    return count + (rows > cursor)
+
+
+_NO_GROUPS = PrefixLevel([], [], [], [0], [0], [], [], [], [0], [])  # a cascade graph's capture step
 
 
 class _GraphBuffers:
-    """Static index buffers and one graph-mode decode wrapper per captured batch size.
+    """Static index buffers and the graph-mode wrappers of every captured batch size: one decode
+    wrapper per size, and with `cascade` a decode wrapper over each request's own pages and a
+    prefill wrapper over the level-0 segments per size.
 
     The buffers' addresses are baked into the captured kernels; only their contents change.
     """
 
-    def __init__(self, backend: FlashInferAttentionBackend, sizes: list[int], capacity: int) -> None:
+    def __init__(self, backend: FlashInferAttentionBackend, sizes: list[int], capacity: int, cascade: bool) -> None:
         fi, dev, max_bs = backend._fi, backend.device, sizes[-1]
         self.capacity = capacity
+        self.cascade = cascade
         self.kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
         self.last_page_len = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.batch_indices = torch.arange(max_bs, dtype=torch.int32, device=dev)
         self.kv_indices = torch.full((capacity,), backend.scratch_page, dtype=torch.int32, device=dev)
+        max_slots = prefix_slots(max_bs)
+        self.prefix_merge = torch.zeros(max_bs, dtype=torch.bool, device=dev)
+        self.prefix_qo_indptr = torch.zeros(max_slots + 1, dtype=torch.int32, device=dev)
+        self.prefix_kv_indptr = torch.zeros(max_slots + 1, dtype=torch.int32, device=dev)
+        self.prefix_last_page_len = torch.ones(max_slots, dtype=torch.int32, device=dev)
+        self.prefix_kv_indices = torch.full((capacity,), backend.scratch_page, dtype=torch.int32, device=dev) \
+            if cascade else self.kv_indices
         self.wrappers: dict[int, Any] = {}
-        self.steps: dict[int, _StepIndices] = {}
-        shared_int_ws: tuple[torch.Tensor, torch.Tensor] | None = None
-        for bs in sizes:
-            w = fi.BatchDecodeWithPagedKVCacheWrapper(
+        self.steps: dict[tuple[int, bool], _StepIndices] = {}
+        # Graphs never run concurrently and each replay is preceded by its own plans, so wrappers
+        # of one role share one int workspace and its pinned twin (8 MB each per wrapper
+        # otherwise); the staging event orders every plan's pinned writes. A cascade step's two
+        # passes are planned together, so decode and prefix wrappers keep separate ones.
+        shared: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def share(role: str, w: Any) -> Any:
+            if role in shared:
+                w._int_workspace_buffer, w._pin_memory_int_workspace_buffer = shared[role]
+            else:
+                shared[role] = (w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+            return w
+
+        def decode(bs: int) -> Any:
+            return share("decode", fi.BatchDecodeWithPagedKVCacheWrapper(
                 backend._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, backend="fa2",
                 paged_kv_indptr_buffer=self.kv_indptr[: bs + 1],
                 paged_kv_indices_buffer=self.kv_indices,
                 paged_kv_last_page_len_buffer=self.last_page_len[:bs],
-            )
-            # Graphs never run concurrently and each replay is preceded by its own plan, so the
-            # wrappers can share one int workspace and its pinned twin (8 MB each per wrapper
-            # otherwise); the staging event orders every plan's pinned writes.
-            if shared_int_ws is None:
-                shared_int_ws = (w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
-            else:
-                w._int_workspace_buffer, w._pin_memory_int_workspace_buffer = shared_int_ws
-            self.wrappers[bs] = w
-            self.steps[bs] = _StepIndices(
-                w, self.batch_indices[:bs], self.positions[:bs], self.kv_indices,
-                self.kv_indptr[: bs + 1], self.last_page_len[:bs],
-            )
+            ))
+
+        for bs in sizes:
+            self.wrappers[bs] = w = decode(bs)
+            indices = (self.batch_indices[:bs], self.positions[:bs], self.kv_indices,
+                       self.kv_indptr[: bs + 1], self.last_page_len[:bs])
+            self.steps[bs, False] = _StepIndices(w, *indices)
+            if cascade:
+                slots = prefix_slots(bs)
+                prefix = share("prefix", fi.BatchPrefillWithPagedKVCacheWrapper(
+                    backend._workspace, "NHD", use_cuda_graph=True, backend="fa2",
+                    qo_indptr_buf=self.prefix_qo_indptr[: slots + 1],
+                    paged_kv_indptr_buf=self.prefix_kv_indptr[: slots + 1],
+                    paged_kv_indices_buf=self.prefix_kv_indices,
+                    paged_kv_last_page_len_buf=self.prefix_last_page_len[:slots],
+                ))
+                self.steps[bs, True] = _StepIndices(decode(bs), *indices, prefix, self.prefix_merge[:bs])

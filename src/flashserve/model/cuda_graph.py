@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps: capture the model forward once per batch size, replay it.
 
 A decode step of B requests replays the graph of the smallest captured size >= B, with the batch
-padded by dummy one-token requests on the attention backend's scratch page. Prefill steps, and
-batches above the largest size, run eagerly. The model forward is any callable
+padded by dummy one-token requests on the attention backend's scratch page. With `cascade`, every
+size is captured a second time with cascade attention, which decode steps with a prefix level
+replay. Prefill steps, and batches above the largest size, run eagerly. The model forward is any callable
 `(input_ids [T], positions [T]) -> Tensor [T, ...]` that attends through the backend and does not
 synchronise with the host (no `.item()`, no data-dependent shapes).
 """
@@ -48,14 +49,16 @@ class CudaGraphRunner:
         batch_sizes: Sequence[int],
         *,
         max_total_pages: int | None = None,
+        cascade: bool = False,
     ) -> None:
         if not batch_sizes:
             raise ValueError("at least one batch size to capture is needed")
         self.forward = forward
         self.backend = backend
         self.batch_sizes = sorted(set(batch_sizes))
+        self.cascade = cascade
         self._max_total_pages = max_total_pages
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (batch size, cascade)
         self._input_ids: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
@@ -65,14 +68,14 @@ class CudaGraphRunner:
         return bool(self._graphs)
 
     def capture(self) -> None:
-        """Captures one graph per batch size, largest first, all in one memory pool.
+        """Captures one graph per batch size (two with cascade), largest first, all in one memory pool.
 
         Run it after any warm-up that builds kernels. Raises NotCapturableError, before capturing
         anything, when the forward synchronises with the host (a failed capture would leave CUDA
         state, the RNG's among it, unfit for eager work).
         """
         backend, device = self.backend, self.backend.device
-        backend.init_cuda_graph(self.batch_sizes, self._max_total_pages)
+        backend.init_cuda_graph(self.batch_sizes, self._max_total_pages, cascade=self.cascade)
         max_bs = self.batch_sizes[-1]
         # Padding rows keep whatever ids/positions an earlier step left: any valid value will do.
         self._input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
@@ -80,9 +83,9 @@ class CudaGraphRunner:
         empty = BatchLayout(backend.page_size, [0], [0], [], [], [])
         pool = None
         with torch.inference_mode():  # as the steps run: compiled pieces guard on it
-            for bs in reversed(self.batch_sizes):
+            for bs, cascade in ((bs, c) for bs in reversed(self.batch_sizes) for c in (False, True)[: 1 + self.cascade]):
                 ids, pos = self._input_ids[:bs], self._positions[:bs]
-                backend.plan_cuda_graph(empty, bs)
+                backend.plan_cuda_graph(empty, bs, cascade)
                 # Eager warm-up on a side stream, as torch.cuda.graphs asks: lazy initialisation
                 # (kernel builds, library handles, allocator) must not happen under capture.
                 side = torch.cuda.Stream(device)
@@ -99,7 +102,7 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graph, pool=pool):
                     self._out[:bs].copy_(self.forward(ids, pos))
                 pool = graph.pool()
-                self._graphs[bs] = graph
+                self._graphs[bs, cascade] = graph
         torch.cuda.synchronize(device)
 
     def _check_no_host_sync(self, ids: torch.Tensor, pos: torch.Tensor) -> None:
@@ -117,7 +120,7 @@ class CudaGraphRunner:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """input_ids/positions [T] (any device) of the step `layout` describes -> forward's output."""
         size = self.backend.cuda_graph_batch_size(layout) if self._graphs else None
-        graph = self._graphs.get(size) if size is not None else None
+        graph = self._graphs.get((size, layout.prefix is not None)) if size is not None else None
         if graph is None:
             self.backend.plan(layout)
             return self.forward(input_ids, positions)
@@ -125,6 +128,6 @@ class CudaGraphRunner:
         n = layout.batch_size
         self._input_ids[:n].copy_(input_ids, non_blocking=True)
         self._positions[:n].copy_(positions, non_blocking=True)
-        self.backend.plan_cuda_graph(layout, size)
+        self.backend.plan_cuda_graph(layout, size, layout.prefix is not None)
         graph.replay()
         return self._out[:n]

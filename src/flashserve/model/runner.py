@@ -111,7 +111,6 @@ class ModelRunner:
             positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device, non_blocking=True)
             all_sample = all(r.sample for r in out.requests)
             if self.graphs is not None and layout.is_decode_only and all_sample and not prompt_rows:
-                # A cascade step finds no graph of its size and runs eagerly.
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
                 return self.graphs(input_ids, positions, layout)
             self.backend.plan(layout)
@@ -378,11 +377,14 @@ def capture_decode_graphs(runner: ModelRunner, model: StepModel, max_batch_size:
 
     t0 = time.perf_counter()
     sizes = capture_batch_sizes(max_batch_size)
-    graphs = CudaGraphRunner(model.decode_logits(runner.backend), runner.backend, sizes)  # type: ignore[arg-type]
+    cascade = runner.cascade is not None  # cascade decode steps get graphs of their own
+    graphs = CudaGraphRunner(model.decode_logits(runner.backend), runner.backend, sizes,  # type: ignore[arg-type]
+                             cascade=cascade)
     try:
         graphs.capture()
     except NotCapturableError as exc:
         logger.warning("decoding eagerly, without CUDA graphs: %s", exc)
         return
     runner.graphs = graphs
-    logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - t0)
+    logger.info("captured decode CUDA graphs%s for batch sizes %s in %.1f s", " (flat and cascade)" if cascade else "",
+                sizes, time.perf_counter() - t0)
