@@ -192,9 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decode-requests", type=int, default=256, help="requests per decode group")
     p.add_argument("--decode-prefix", type=int, default=4096)
     p.add_argument("--decode-out", type=int, default=512)
-    p.add_argument("--sweep-groups", type=int, default=2, help="groups in each cascade sweep configuration")
-    p.add_argument("--sweep-prefixes", type=ints, default=[256, 1024, 4096], help="comma-separated prefix lengths")
-    p.add_argument("--sweep-group-sizes", type=ints, default=[2, 4, 8, 16, 32, 64], help="comma-separated requests per group")
+    p.add_argument("--sweep-groups", type=int, default=4, help="groups in each cascade sweep configuration")
+    p.add_argument("--sweep-prefixes", type=ints, default=[256, 512, 1024, 4096],
+                   help="comma-separated prefix lengths")
+    p.add_argument("--sweep-group-sizes", type=ints, default=[2, 4, 8, 16, 64],
+                   help="comma-separated requests per group")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per LLM (two are alive at times)")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, run-batch, decode, sweep")
     p.add_argument("--out", default="benchmark/results")
@@ -275,6 +277,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     parts = [k for k in ("offline", "decode") if k in doc]
+    if not parts:  # a sweep alone: its table and JSON say it all
+        return
     fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 3.8), squeeze=False)
     for ax, part in zip(axes[0], parts):
         names = list(doc[part])

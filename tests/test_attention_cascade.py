@@ -14,7 +14,7 @@ import torch
 
 from flashserve.attention import torch_ref
 from flashserve.attention.base import BatchLayout
-from flashserve.attention.cascade import CascadePolicy, cascade_policy, find_groups
+from flashserve.attention.cascade import AUTO_MIN_SAVED_TOKENS, CascadePolicy, cascade_policy, find_groups
 from flashserve.attention.torch_ref import TorchAttentionBackend, merge_attention_states
 from flashserve.attention.torch_sdpa import SdpaAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
@@ -359,10 +359,21 @@ def test_group_thresholds_below_their_minimum_are_refused(min_group: int, min_pa
         BatchLayout.build([req(0, [1], 0, 3)], PAGE, cascade=CascadePolicy(min_group, min_pages))
 
 
-@pytest.mark.parametrize(("mode", "policy"), [("on", CascadePolicy()), ("off", None), ("auto", None)])
+@pytest.mark.parametrize(("mode", "policy"), [
+    ("on", CascadePolicy()), ("off", None), ("auto", CascadePolicy(min_saved_tokens=AUTO_MIN_SAVED_TOKENS)),
+])
 def test_cascade_modes_pick_the_group_thresholds(mode: str, policy: CascadePolicy | None) -> None:
-    # "auto" attends flat: no configuration measured faster with cascade (cascade_policy's doc).
     assert cascade_policy(mode) == policy
+
+
+def test_a_step_whose_groups_save_too_few_reads_attends_flat() -> None:
+    p = Pages()
+    a, b = p.take(3), p.take(2)
+    requests = [req(i, a + p.take(1), 48, 1) for i in range(4)]
+    requests += [req(4 + i, b + p.take(1), 40, 1) for i in range(2)]
+    saved = (3 * 3 + 1 * 2) * PAGE  # the groups' (members - 1) * prefix tokens
+    assert BatchLayout.build(requests, PAGE, CascadePolicy(min_saved_tokens=saved)).prefix is not None
+    assert BatchLayout.build(requests, PAGE, CascadePolicy(min_saved_tokens=saved + 1)).prefix is None
 
 
 def test_unknown_cascade_mode_is_refused() -> None:

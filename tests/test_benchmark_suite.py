@@ -222,7 +222,8 @@ def test_batchllm_bench_reports_every_configuration(tiny_model: str, tmp_path: P
     assert batchllm_bench.main([
         "--model", tiny_model, "--groups", "2", "--per-group", "3", "--shared", "40", "--unique", "5",
         "--out-tokens", "3", "--rounds", "1", "--decode-groups", "2", "--decode-requests", "3", "--decode-prefix", "40",
-        "--decode-out", "4", "--sweep-prefixes", "32", "--sweep-group-sizes", "2,3", "--out", str(tmp_path),
+        "--decode-out", "4", "--sweep-groups", "2", "--sweep-prefixes", "32", "--sweep-group-sizes", "2,3",
+        "--out", str(tmp_path),
     ]) == 0
     doc = json.loads((tmp_path / "cpu" / "batchllm" / "batchllm.json").read_text())
     assert list(doc["offline"]) == ["no caching", "prefix caching, arrival order", "prefix-sharing groups",

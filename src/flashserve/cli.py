@@ -82,7 +82,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--tensor-parallel-size", _positive_int, 1, "ranks that share the model's weights on this node "
            "(this process and N-1 worker processes; native model path only) (alias --tp)"),
     Option("--cascade-attention", str, "auto", "attend a prefix shared by a group of requests once for the group "
-           "(on: every such group; auto: where it measured faster, so far nowhere: flat)", list(CASCADE_MODES)),
+           "(on: every such group; auto: in a step whose groups save >= 512k KV token reads)", list(CASCADE_MODES)),
     Option("--page-size", int, 16, "tokens per KV cache page"),
     Option("--num-pages", int, None, "KV cache pages (default: sized from memory)"),
     Option("--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV cache"),

@@ -72,7 +72,7 @@ class BatchLayout:
     ) -> BatchLayout:
         """The step's flat layout; with a `cascade` policy, also its prefix level when a group
         forms: >= `min_group` consecutive requests sharing >= `min_pages` whole pages of computed
-        tokens (`cascade.find_groups`).
+        tokens (`cascade.find_groups`), in a step whose groups save >= `min_saved_tokens` reads.
         """
         qo_indptr, kv_indptr, last, positions = [0], [0], [], []
         kv_indices = array("i")  # extended from the page tables (int32 arrays too) by memcpy
@@ -89,7 +89,7 @@ class BatchLayout:
         prefix = None
         if cascade is not None:
             prefix = build_prefix_level(requests, page_size, qo_indptr, kv_indptr, kv_indices,
-                                        cascade.min_group, cascade.min_pages)
+                                        cascade.min_group, cascade.min_pages, cascade.min_saved_tokens)
         return cls(page_size, qo_indptr, kv_indptr, kv_indices, last, positions, prefix)
 
 

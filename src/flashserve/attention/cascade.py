@@ -111,26 +111,35 @@ class RowSegments:
 @dataclass(frozen=True)
 class CascadePolicy:
     """Which groups a step attends through a prefix level: >= `min_group` requests sharing >=
-    `min_pages` whole pages (`find_groups`)."""
+    `min_pages` whole pages (`find_groups`), and only in a step whose groups save at least
+    `min_saved_tokens` KV token reads (`PrefixLevel.saved_page_reads` times the page size)."""
 
     min_group: int = 2
     min_pages: int = 1
+    min_saved_tokens: int = 0
 
 
 CASCADE_MODES = ("auto", "on", "off")
 
+# Where cascade decode steps measured faster than flat ones (NVIDIA H100, 1B shape, decode steps
+# from CUDA graphs, `benchmark/batchllm_bench.py`): 4 groups x 64 requests behind 4,096-token
+# prefixes (1.03M reads saved a step) 10.3 -> 7.3 ms, 4 x 256 behind 4,096 (4.2M) 40.2 -> 27.9 ms;
+# slower at 4 x 16 behind 4,096 (246k: 3.84 -> 4.04 ms), 4 x 64 behind 1,024 (258k: 6.2 -> 6.6 ms)
+# and every smaller shape (about +0.5 ms a step: the second pass, its plan and the merge). A flat
+# step re-reads a shared prefix from L2 while the prefixes of a layer fit there, so the saving
+# is real only well past that.
+AUTO_MIN_SAVED_TOKENS = 1 << 19
+
 
 def cascade_policy(mode: str) -> CascadePolicy | None:
     """`--cascade-attention`: "on" forms any group that saves reads, in every step; "off" attends
-    flat; "auto" cascades where it measured faster, which on the shapes measured so far is nowhere
-    (`benchmark/batchllm_bench.py`, H100, 1B shape): a cascade step runs eagerly, without the
-    decode CUDA graphs, and its second pass and merge per layer cost more host time than the
-    prefix reads they save, up to 4,096-token prefixes shared by 64 requests and offline batches of
-    2,000-token prefixes shared by 16. So "auto" attends flat."""
-    if mode in ("off", "auto"):
+    flat; "auto" cascades a step whose groups save at least `AUTO_MIN_SAVED_TOKENS` KV reads."""
+    if mode == "off":
         return None
     if mode == "on":
         return CascadePolicy()
+    if mode == "auto":
+        return CascadePolicy(min_saved_tokens=AUTO_MIN_SAVED_TOKENS)
     raise ValueError(f"cascade attention must be one of {', '.join(CASCADE_MODES)}, got {mode!r}")
 
 
@@ -149,6 +158,8 @@ def _common_pages(a: Sequence[int], b: Sequence[int], limit: int, hint: int) -> 
     tried first; otherwise a binary search over prefix lengths (a few slice compares, where a loop
     over the page ids costs milliseconds per step at a thousand requests of long prompts).
     """
+    if limit == 0 or a[0] != b[0]:  # nothing shared: most neighbours in most batches
+        return 0
     if a[:limit] == b[:limit]:
         return limit
     if 0 < hint < limit and a[hint] != b[hint] and a[:hint] == b[:hint]:
@@ -226,10 +237,12 @@ def build_prefix_level(
     kv_indices: list[int],
     min_group: int = 2,
     min_pages: int = 1,
+    min_saved_tokens: int = 0,
 ) -> PrefixLevel | None:
-    """The prefix level over a flat layout's arrays, or None when no group forms."""
+    """The prefix level over a flat layout's arrays, or None when no group forms or the groups
+    save fewer than `min_saved_tokens` KV token reads."""
     groups = find_groups(requests, page_size, min_group, min_pages)
-    if not groups:
+    if not groups or sum((end - first - 1) * pages for first, end, pages in groups) * page_size < min_saved_tokens:
         return None
     token_start: list[int] = []
     qo, kv_ptr, pages_of_groups = [0], [0], []

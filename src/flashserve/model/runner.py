@@ -356,15 +356,20 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
     decode = [ScheduledRequest(r.request_id, [1], 5, r.page_ids, True, r.params, r.prompt_token_ids, [1])
               for r in prefill]
     steps = [prefill, decode, decode[:1]]
-    if runner.cascade is not None and n >= 3:
-        # Two requests behind one shared full page (a group under any policy "on" gives): the
-        # prefix pass and the merge, whose kernels are built on first use too.
+    policy = runner.cascade
+    if policy is not None and n >= 3:
+        # Two requests behind one shared full page, a group under the warm-up's policy of any
+        # group: the prefix pass and the merge, whose kernels are built on first use too.
         shared, own = page_ids[0][:1], [page_ids[1][0], page_ids[2][0]]
         tokens = [1] * runner.page_size
         steps.append([ScheduledRequest(f"warmup-cascade-{i}", [1], runner.page_size, shared + [page], True, params[0],
                                        tokens, [1]) for i, page in enumerate(own)])
-    for step in steps:
-        runner.execute(SchedulerOutput(step))
+        runner.cascade = CascadePolicy()
+    try:
+        for step in steps:
+            runner.execute(SchedulerOutput(step))
+    finally:
+        runner.cascade = policy
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("warm-up (kernel builds and compilation included) took %.1f s", time.perf_counter() - t0)
