@@ -263,9 +263,7 @@ def test_row_segments_refuse_a_step_needing_more_segments_than_the_graph_has() -
     assert layout.prefix.row_segments(layout.num_tokens, 0, rows=20, slots=3) is None
 
 
-def test_graph_eligibility_counts_the_segments_a_decode_step_builds() -> None:
-    from flashserve.attention.flashinfer import _segments_needed
-
+def test_the_segment_count_a_graph_is_chosen_by_is_the_count_built() -> None:
     p = Pages()
     a, b = p.take(2), p.take(1)
     requests = [req(0, a + p.take(1), 33, 1), req(1, a + p.take(1), 40, 1), req(2, p.take(1), 3, 1)]
@@ -275,7 +273,8 @@ def test_graph_eligibility_counts_the_segments_a_decode_step_builds() -> None:
         assert layout.prefix is not None
         for rows in (len(members), len(members) + 3):
             segments = layout.prefix.row_segments(layout.num_tokens, 0, rows=rows)
-            assert segments is not None and _segments_needed(layout, rows) == segments.num_segments
+            assert segments is not None
+            assert layout.prefix.num_row_segments(layout.num_tokens, rows) == segments.num_segments
 
 
 def test_suffix_level_is_each_requests_pages_after_its_prefix() -> None:

@@ -63,6 +63,8 @@ class PrefixLevel:
         the count to exactly `slots`; None when the step needs more than that.
         """
         rows = num_tokens if rows is None else rows
+        if slots is not None and self.num_row_segments(num_tokens, rows) > slots:
+            return None
         qo, kv, last, pages = [0], [0], [], []
         mask = bytearray(rows)
 
@@ -85,11 +87,19 @@ class PrefixLevel:
         if rows > qo[-1]:
             segment(rows, None)
         if slots is not None:
-            if len(last) > slots:
-                return None
             for _ in range(slots - len(last)):
                 segment(rows, None)
         return RowSegments(qo, kv, pages, last, mask)
+
+    def num_row_segments(self, num_tokens: int, rows: int | None = None) -> int:
+        """Segments `row_segments` builds before padding: the groups, the runs of rows in no group
+        between and around them, and the padding rows."""
+        rows = num_tokens if rows is None else rows
+        count, cursor = 0, 0
+        for g in range(self.num_groups):
+            count += 1 + (self.token_start[g] > cursor)
+            cursor = self.token_start[g] + self.qo_indptr[g + 1] - self.qo_indptr[g]
+        return count + (rows > cursor)
 
 
 @dataclass(frozen=True)

@@ -144,11 +144,12 @@ class FlashInferAttentionBackend:
         qo_indptr = np.asarray(layout.qo_indptr, dtype=np.int32)
         batch_indices = np.repeat(np.arange(layout.batch_size, dtype=np.int32), np.diff(qo_indptr))
         prefix = layout.prefix
-        segments = None if prefix is None else prefix.row_segments(layout.num_tokens, self.scratch_page)
-        levels = [] if prefix is None or segments is None else [
-            prefix.suffix_kv_indptr, prefix.suffix_kv_indices, segments.qo_indptr, segments.kv_indptr,
-            segments.kv_last_page_len, segments.kv_indices, np.frombuffer(segments.merge, dtype=np.uint8),
-        ]
+        levels: list[Sequence[int] | np.ndarray] = []
+        if prefix is not None:
+            segments = prefix.row_segments(layout.num_tokens, self.scratch_page)
+            assert segments is not None  # without a slot count there is no limit
+            levels = [prefix.suffix_kv_indptr, prefix.suffix_kv_indices, segments.qo_indptr, segments.kv_indptr,
+                      segments.kv_last_page_len, segments.kv_indices, np.frombuffer(segments.merge, dtype=np.uint8)]
         self._staging.begin()
         host, dev = self._staging.upload(
             [qo_indptr, layout.kv_indptr, layout.kv_last_page_len, layout.kv_indices, batch_indices, layout.positions,
@@ -254,7 +255,8 @@ class FlashInferAttentionBackend:
             return None
         if prefix is not None:
             slots = prefix_slots(size)
-            if not g.cascade or _segments_needed(layout, size) > slots or len(prefix.kv_indices) + slots > g.capacity:
+            if (not g.cascade or prefix.num_row_segments(layout.num_tokens, size) > slots
+                    or len(prefix.kv_indices) + slots > g.capacity):
                 return None
         return size
 
@@ -306,18 +308,6 @@ class FlashInferAttentionBackend:
                                {**self._plan_kwargs(torch.float16), "causal": False})
         self._plan_wrapper(step.wrapper, (indptr_h, indices_d, last_h),
                            self._plan_kwargs(torch.float16 if cascade else None))
-
-
-def _segments_needed(layout: BatchLayout, rows: int) -> int:
-    """Level-0 segments of a cascade decode step padded to `rows`: its groups, the runs of
-    requests in no group between and around them, and the padding rows (`PrefixLevel.row_segments`)."""
-    prefix = layout.prefix
-    assert prefix is not None
-    count, cursor = 0, 0
-    for start, end in zip(prefix.request_start, prefix.request_end):
-        count += 1 + (start > cursor)
-        cursor = end
-    return count + (rows > cursor)
 
 
 _NO_GROUPS = PrefixLevel([], [], [], [0], [0], [], [], [], [0], [])  # a cascade graph's capture step

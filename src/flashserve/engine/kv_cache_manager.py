@@ -202,6 +202,10 @@ class KVCacheManager:
         against the free pages too). Raises ValueError for cached pages passed to a request that
         already holds pages, or ones that are not registered, repeat, or exceed `num_tokens`.
         """
+        if not cached_pages:  # a running request: most steps its last page has room
+            table = self._tables.get(request_id)
+            if table is not None and len(table) * self.page_size >= num_tokens:
+                return True
         fresh, take = self._plan(request_id, num_tokens, cached_pages)
         if fresh <= 0 and not cached_pages:
             return True
@@ -238,12 +242,14 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
-        table = self.pages(request_id)
         num_pages = len(hashes) if num_pages is None else num_pages
+        start = self._registered_upto.get(request_id, 0)
+        if num_pages <= start:  # nothing new: most steps of a decoding request
+            return
+        table = self.pages(request_id)
         if num_pages > min(len(hashes), len(table)):
             raise ValueError(f"{num_pages} pages to register for request {request_id!r} holding "
                              f"{len(table)} pages with {len(hashes)} hashes")
-        start = self._registered_upto.get(request_id, 0)
         for i in range(start, num_pages):
             page, page_hash = table[i], hashes[i]
             held = self._page_hash[page]
@@ -256,8 +262,7 @@ class KVCacheManager:
                 self._page_hash[page] = page_hash
                 if page_hash in self._pins:
                     self._take(page)  # a pin waiting for this hash holds the page from now on
-        if num_pages > start:
-            self._registered_upto[request_id] = num_pages
+        self._registered_upto[request_id] = num_pages
 
     def free(self, request_id: str) -> None:
         """Drop the request's references; an unknown or already freed id is a no-op.

@@ -128,9 +128,11 @@ class Scheduler:
         preempted = False
 
         i = 0
+        capacity_tokens = self.kv_cache.capacity * self.kv_cache.page_size
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            error = self._capacity_error(request)
+            # The capacity check of `_capacity_error`, inline: every running request, every step.
+            error = self._capacity_error(request) if request.num_tokens > capacity_tokens else None
             if error is not None:
                 self._finish(request, FinishReason.ERROR, error)
                 self._finished_unreported.append(request)
