@@ -15,11 +15,9 @@ own pages) over the copy bandwidth measured in the same run. Writes `cascade_att
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
-from benchmark.decode_attention import kernel_us_per_call
+from benchmark.decode_attention import kernel_us_per_call, save_rows
 from benchmark.floor import measure_rates
 
 PAGE = 16
@@ -114,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("cascade eager", "cascade graph"):
             for kernel, us in row[f"{name}_top"]:
                 print(f"{'':>24}{name}: {us:9.1f} us  {kernel}")
-    out = Path(args.out) / gpu.replace(" ", "_")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cascade_attention.json").write_text(json.dumps({"gpu": gpu, "rates": rates.to_json(), "rows": rows},
-                                                           indent=2))
+    save_rows(args.out, gpu, "cascade_attention.json", rates, rows)
     return 0
 
 

@@ -89,11 +89,16 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"shape": name, "batch": batch, "kv_len": kv_len, "tensor_cores_us": tc,
                              "cuda_cores_us": cc, "floor_us": floor})
                 print(f"{name:>13} {batch:6d} {kv_len:6d} {tc:13.2f} {cc:11.2f} {floor:7.2f}", flush=True)
-    out = Path(args.out) / gpu.replace(" ", "_")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_attention.json").write_text(json.dumps({"gpu": gpu, "rates": rates.to_json(), "rows": rows},
-                                                          indent=2))
+    save_rows(args.out, gpu, "decode_attention.json", rates, rows)
     return 0
+
+
+def save_rows(out: str, gpu: str, name: str, rates: Any, rows: list[dict[str, Any]]) -> Path:
+    """Writes {gpu, rates, rows} as `name` under `out`/<GPU>/; returns the path."""
+    path = Path(out) / gpu.replace(" ", "_") / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"gpu": gpu, "rates": rates.to_json(), "rows": rows}, indent=2))
+    return path
 
 
 if __name__ == "__main__":

@@ -60,16 +60,23 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def fi_backend(q_heads: int, head_dim: int, dtype: torch.dtype) -> FlashInferAttentionBackend:
+    return FlashInferAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None,
+                                      num_qo_heads=q_heads)
+
+
+def assert_request_pages_agree(a: FlashInferAttentionBackend, b: FlashInferAttentionBackend, tol: float) -> None:
+    """Every page but the scratch page 0 (where padding rows write) holds the same K/V."""
+    for (ak, av), (bk, bv) in zip(a.kv_cache, b.kv_cache):
+        torch.testing.assert_close(ak[1:], bk[1:], atol=tol, rtol=tol)
+        torch.testing.assert_close(av[1:], bv[1:], atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize(
     "q_heads,head_dim,dtype", [(6, 64, torch.bfloat16), (8, 128, torch.float16)], ids=["g3-d64-bf16", "g4-d128-fp16"]
 )
 def test_graph_decode_equals_eager_decode(q_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-    def fi_backend() -> FlashInferAttentionBackend:
-        return FlashInferAttentionBackend(
-            NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None, num_qo_heads=q_heads
-        )
-
-    graph_backend, eager_backend = fi_backend(), fi_backend()
+    graph_backend, eager_backend = fi_backend(q_heads, head_dim, dtype), fi_backend(q_heads, head_dim, dtype)
     ref_backend = TorchAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None)
     graphed = CudaGraphRunner(TinyModel(graph_backend, q_heads, head_dim, dtype), graph_backend, GRAPH_SIZES)
     eager = CudaGraphRunner(TinyModel(eager_backend, q_heads, head_dim, dtype), eager_backend, GRAPH_SIZES)
@@ -110,10 +117,7 @@ def test_graph_decode_equals_eager_decode(q_heads: int, head_dim: int, dtype: to
             worst_graph, worst_ref = max(worst_graph, e_graph), max(worst_ref, e_ref)
             for i, n in zip(rows, new):
                 lengths[i] += n
-    # Padding rows wrote only the scratch page 0: every request page holds the same K/V.
-    for (gk, gv), (ek, ev) in zip(graph_backend.kv_cache, eager_backend.kv_cache):
-        torch.testing.assert_close(gk[1:], ek[1:], atol=tol, rtol=tol)
-        torch.testing.assert_close(gv[1:], ev[1:], atol=tol, rtol=tol)
+    assert_request_pages_agree(graph_backend, eager_backend, tol)  # padding rows wrote only page 0
     print(f"ERR graph-vs-eager {worst_graph:.2e}, eager-vs-ref {worst_ref:.2e} ({q_heads}/{KV_HEADS} heads, D={head_dim}, {dtype})")
 
 
@@ -124,13 +128,7 @@ def test_cascade_decode_from_graphs_matches_eager_cascade_and_flat_attention() -
     from flashserve.attention.cascade import CascadePolicy
 
     q_heads, head_dim, dtype = 8, 128, torch.bfloat16
-
-    def fi_backend() -> FlashInferAttentionBackend:
-        return FlashInferAttentionBackend(
-            NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None, num_qo_heads=q_heads
-        )
-
-    graph_backend, eager_backend = fi_backend(), fi_backend()
+    graph_backend, eager_backend = fi_backend(q_heads, head_dim, dtype), fi_backend(q_heads, head_dim, dtype)
     ref_backend = TorchAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None)
     graphed = CudaGraphRunner(TinyModel(graph_backend, q_heads, head_dim, dtype), graph_backend, GRAPH_SIZES,
                               cascade=True)
@@ -177,9 +175,7 @@ def test_cascade_decode_from_graphs_matches_eager_cascade_and_flat_attention() -
             for i, k in zip(rows, new):
                 lengths[i] += k
     # The graphs appended each token through the request's own pages: the caches agree.
-    for (gk, gv), (ek, ev) in zip(graph_backend.kv_cache, eager_backend.kv_cache):
-        torch.testing.assert_close(gk[1:], ek[1:], atol=tol, rtol=tol)
-        torch.testing.assert_close(gv[1:], ev[1:], atol=tol, rtol=tol)
+    assert_request_pages_agree(graph_backend, eager_backend, tol)
 
 
 def test_capture_batch_sizes() -> None:
@@ -194,8 +190,7 @@ def test_a_model_that_cannot_be_captured_decodes_eagerly() -> None:
 
     from flashserve.model.runner import capture_decode_graphs
 
-    backend = FlashInferAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, 64, torch.bfloat16, "cuda", None,
-                                         num_qo_heads=4)
+    backend = fi_backend(4, 64, torch.bfloat16)
     tiny = TinyModel(backend, 4, 64, torch.bfloat16)
 
     def syncing(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
