@@ -168,7 +168,7 @@ def _common_pages(a: Sequence[int], b: Sequence[int], limit: int, hint: int) -> 
     tried first; otherwise a binary search over prefix lengths (a few slice compares, where a loop
     over the page ids costs milliseconds per step at a thousand requests of long prompts).
     """
-    if limit == 0 or a[0] != b[0]:  # nothing shared: most neighbours in most batches
+    if limit == 0 or a[0] != b[0]:
         return 0
     if a[:limit] == b[:limit]:
         return limit
@@ -213,12 +213,18 @@ def find_groups(
         raise ValueError(f"a group shares at least 1 page, got min_pages={min_pages}")
     if len(requests) < 2:
         return []
-    caps = [shareable_pages(r, page_size) for r in requests]
-    # adjacent[k]: pages requests k and k+1 may share.
+    # adjacent[k]: pages requests k and k+1 may share. Neighbours whose first pages differ (most,
+    # in most batches) cost one comparison.
     adjacent: list[int] = []
     for k in range(len(requests) - 1):
-        hint = adjacent[-1] if adjacent else 0
-        adjacent.append(_common_pages(requests[k].page_ids, requests[k + 1].page_ids, min(caps[k], caps[k + 1]), hint))
+        a, b = requests[k].page_ids, requests[k + 1].page_ids
+        if not a or not b or a[0] != b[0]:
+            adjacent.append(0)
+            continue
+        limit = min(shareable_pages(requests[k], page_size), shareable_pages(requests[k + 1], page_size))
+        adjacent.append(_common_pages(a, b, limit, adjacent[-1] if adjacent else 0))
+    if max(adjacent) < min_pages:
+        return []
     stack = [_Run(level=-1, first=0)]  # the whole batch, below every sharing level
     for k in range(len(adjacent) + 1):
         level = adjacent[k] if k < len(adjacent) else -1  # -1 closes every run at the end
