@@ -9,9 +9,13 @@ from flashserve.engine.grammar import TokenBitmask
 from flashserve.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step: a prefill chunk or one decode token."""
+    """One request's share of a step: a prefill chunk or one decode token.
+
+    Read-only by convention, not frozen: a frozen dataclass's __init__ sets every field through
+    object.__setattr__, 0.68 against 0.15 us here, paid for every running request every step.
+    """
 
     request_id: str
     new_token_ids: list[int]  # tokens whose K/V this step computes
