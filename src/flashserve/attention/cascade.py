@@ -14,7 +14,7 @@ Pure Python (no torch): the layout is built on the host once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
     from flashserve.engine.outputs import ScheduledRequest
@@ -47,9 +47,9 @@ class PrefixLevel:
         return len(self.request_start)
 
     def saved_page_reads(self) -> int:
-        """Pages read once per group instead of once per member: sum of (members - 1) * pages."""
-        return sum(
-            (self.request_end[g] - self.request_start[g] - 1) * (self.kv_indptr[g + 1] - self.kv_indptr[g])
+        """Pages read once per group instead of once per member (`saved_page_reads`)."""
+        return saved_page_reads(
+            (self.request_start[g], self.request_end[g], self.kv_indptr[g + 1] - self.kv_indptr[g])
             for g in range(self.num_groups)
         )
 
@@ -151,6 +151,12 @@ def cascade_policy(mode: str) -> CascadePolicy | None:
     if mode == "auto":
         return CascadePolicy(min_saved_tokens=AUTO_MIN_SAVED_TOKENS)
     raise ValueError(f"cascade attention must be one of {', '.join(CASCADE_MODES)}, got {mode!r}")
+
+
+def saved_page_reads(groups: Iterable[tuple[int, int, int]]) -> int:
+    """Pages the groups (first, end, shared pages) read once instead of once per member: sum of
+    (members - 1) * pages."""
+    return sum((end - first - 1) * pages for first, end, pages in groups)
 
 
 def shareable_pages(request: ScheduledRequest, page_size: int) -> int:
@@ -258,7 +264,7 @@ def build_prefix_level(
     """The prefix level over a flat layout's arrays, or None when no group forms or the groups
     save fewer than `min_saved_tokens` KV token reads."""
     groups = find_groups(requests, page_size, min_group, min_pages)
-    if not groups or sum((end - first - 1) * pages for first, end, pages in groups) * page_size < min_saved_tokens:
+    if not groups or saved_page_reads(groups) * page_size < min_saved_tokens:
         return None
     token_start: list[int] = []
     qo, kv_ptr, pages_of_groups = [0], [0], []

@@ -3,9 +3,9 @@
 A decode step of B requests replays the graph of the smallest captured size >= B, with the batch
 padded by dummy one-token requests on the attention backend's scratch page. With `cascade`, every
 size is captured a second time with cascade attention, which decode steps with a prefix level
-replay. Prefill steps, and batches above the largest size, run eagerly. The model forward is any callable
-`(input_ids [T], positions [T]) -> Tensor [T, ...]` that attends through the backend and does not
-synchronise with the host (no `.item()`, no data-dependent shapes).
+replay. Prefill steps, and batches above the largest size, run eagerly. The model forward is any
+callable `(input_ids [T], positions [T]) -> Tensor [T, ...]` that attends through the backend and
+does not synchronise with the host (no `.item()`, no data-dependent shapes).
 """
 
 from __future__ import annotations
