@@ -71,7 +71,7 @@ def run_batch(llm: Any, prompts: list[list[int]], out: int, model: str, workdir:
             body = {"model": model, "prompt": p, "max_tokens": out, "temperature": 0, "ignore_eos": True}
             f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
     ns = build_parser({}).parse_args(["run-batch", "-i", str(src), "-o", str(dst), "--model", model,
-                                      "--load-format", "dummy", "--max-concurrency", "1024", "--no-progress"])
+                                      "--load-format", "dummy", "--no-progress"])
     t0 = time.perf_counter()
     code = run_batch_main(to_batch_args(ns), stack=llm.stack)
     wall = time.perf_counter() - t0

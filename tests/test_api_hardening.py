@@ -54,6 +54,17 @@ async def test_a_non_finite_sampling_value_is_400_naming_the_field(field: str, l
     assert field in error["message"] and "finite" in error["message"]
 
 
+@pytest.mark.parametrize(("field", "body"), [
+    ("prompt", f'{{"model": "{MODEL}", "prompt": [1, 18446744073709551616], "max_tokens": 2}}'),
+    ("max_tokens", f'{{"model": "{MODEL}", "prompt": [1, 2], "max_tokens": 18446744073709551616}}'),
+])
+async def test_an_integer_past_64_bits_is_400_naming_the_field(field: str, body: str) -> None:
+    async with api_client(FakeEngine(), None) as c:
+        r = await c.post("/v1/completions", content=body, headers=JSON)
+    error = assert_openai_error(r, 400)
+    assert error["param"] == field
+
+
 async def test_after_a_non_finite_value_the_server_still_answers() -> None:
     async with api_client(FakeEngine(), None) as c:
         refused = await c.post("/v1/completions", content=with_raw("repetition_penalty", "NaN"), headers=JSON)

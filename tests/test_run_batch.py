@@ -47,6 +47,21 @@ def test_a_malformed_line_becomes_an_error_with_its_code(text: str, code: str) -
     assert isinstance(parsed, LineError) and parsed.code == code and parsed.line_no == 3
 
 
+def test_a_non_finite_value_in_a_line_is_sent_on_as_written() -> None:
+    """NaN is no strict JSON, but the server, not the line parser, refuses it, naming the field."""
+    text = '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "top_p": NaN}}'
+    parsed = parse_line(text, 1)
+    assert isinstance(parsed, BatchRequest)
+    assert b'"top_p": NaN' in parsed.payload
+
+
+def test_a_strict_line_is_sent_on_with_the_same_json_value() -> None:
+    body = {"prompt": list(range(100)), "max_tokens": 7, "temperature": 0.5, "stop": ["\u00e9", "\n"]}
+    parsed = parse_line(line("a", "/v1/completions", body), 1)
+    assert isinstance(parsed, BatchRequest)
+    assert json.loads(parsed.payload) == body
+
+
 def test_requests_sharing_a_prompt_prefix_are_submitted_together(smollm2_tokenizer: Any) -> None:
     system = {"role": "system", "content": "You are a terse assistant for a library. " * 6}
     chat = [BatchRequest(n, f"c{n}", "/v1/chat/completions",

@@ -24,6 +24,7 @@ from typing import IO, Any
 
 from flashserve.batch_lines import BatchRequest, LineError, error_line, order_requests, parse_line, post, result_line
 from flashserve.cli import BatchArgs
+from flashserve.server_stack import build_server, load_engine  # the app's imports belong to start-up
 
 logger = logging.getLogger("flashserve")
 
@@ -90,8 +91,6 @@ def main(args: BatchArgs, stack: Any = None) -> int:
     except OSError as exc:
         print(f"flashserve run-batch: cannot write {args.output_file}: {exc}", file=sys.stderr)
         return EXIT_BAD_FILE
-    from flashserve.server_stack import build_server, load_engine
-
     with out:
         if stack is None:
             stack = load_engine(args.serve)
@@ -130,7 +129,7 @@ async def _run(server: Any, errors: list[LineError], requests: list[BatchRequest
 
     for error in errors:
         write(error_line(error))
-    slots = asyncio.Semaphore(args.max_concurrency)
+    slots = asyncio.Semaphore(args.max_concurrency or 2 * server.engine.engine.scheduler.config.max_num_seqs)
     pending: set[asyncio.Task[None]] = set()
 
     async def one(request: BatchRequest) -> None:

@@ -9,12 +9,12 @@ rather than an HTTP client: no socket, and no client library needed at run time.
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, MutableMapping
 
+from flashserve.api.json_body import dumps, loads, loads_strict
 from flashserve.engine.prefix_groups import plan_prefix_groups
 
 CHAT_URL = "/v1/chat/completions"
@@ -32,10 +32,11 @@ class BatchRequest:
     custom_id: str
     url: str
     body: Any  # sent as it is: an invalid body gets the server's own error answer
+    strict: bool = True  # the line was strict JSON (no NaN, no integer past 64 bits)
 
     @property
     def payload(self) -> bytes:
-        return json.dumps(self.body, ensure_ascii=False).encode()
+        return dumps(self.body, self.strict)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class LineError:
 
 def parse_line(text: str, line_no: int) -> BatchRequest | LineError:
     try:
-        item = json.loads(text)
+        item, strict = loads_strict(text)
     except ValueError as exc:
         return LineError(line_no, None, "invalid_json", f"line {line_no} is not valid JSON: {exc}")
     if not isinstance(item, dict):
@@ -68,7 +69,7 @@ def parse_line(text: str, line_no: int) -> BatchRequest | LineError:
     body = item["body"]
     if isinstance(body, dict) and body.get("stream"):
         return LineError(line_no, custom_id, "invalid_request", "stream is not supported in a batch")
-    return BatchRequest(line_no, custom_id, url, body)
+    return BatchRequest(line_no, custom_id, url, body, strict)
 
 
 def error_line(error: LineError) -> dict[str, Any]:
@@ -78,7 +79,7 @@ def error_line(error: LineError) -> dict[str, Any]:
 
 def result_line(custom_id: str, status: int, request_id: str, body: bytes) -> dict[str, Any]:
     try:
-        parsed: Any = json.loads(body)
+        parsed: Any = loads(body)
     except ValueError:
         parsed = body.decode("utf-8", "replace")
     return {"id": _line_id(), "custom_id": custom_id,

@@ -131,8 +131,8 @@ SERVER_ONLY_FLAGS = frozenset({
 })
 
 RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag not in SERVER_ONLY_FLAGS) + (
-    Option("--max-concurrency", _positive_int, 512, "batch requests in flight at once (keep it above "
-           "--max-num-seqs so that the engine's batch stays full)"),
+    Option("--max-concurrency", _positive_int, None, "batch requests in flight at once (default: twice "
+           "--max-num-seqs, so that the engine always has the next requests waiting)"),
     Option("--prefix-grouping", _bool, True, "submit requests grouped by shared prompt prefixes, "
            "decode-heavy groups first, instead of in file order (--no-prefix-grouping)"),
     Option("--progress", _bool, True, "progress bar on stderr (--no-progress)"),
@@ -230,7 +230,7 @@ class BatchArgs:
     serve: ServeArgs  # the model, cache and scheduler options, as `serve` takes them
     input_file: str
     output_file: str
-    max_concurrency: int = 512
+    max_concurrency: int | None = None  # None: twice the engine's max_num_seqs
     prefix_grouping: bool = True
     progress: bool = True
 

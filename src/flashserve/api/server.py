@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Coroutine, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.middleware.cors import CORSMiddleware
@@ -27,6 +28,7 @@ from flashserve.api.choices import (
     empty_chat_choice,
     empty_text_choice,
 )
+from flashserve.api.json_body import loads
 from flashserve.api.errors import APIError, engine_dead, install_error_handlers, invalid, overloaded
 from flashserve.api.middleware import GuardMiddleware, RequestIdMiddleware
 from flashserve.api.logprobs import TokenTexts
@@ -304,6 +306,26 @@ class _OpenAIServing:
                              cache_salt=body.cache_salt, choices_per_prompt=body.n, stream=bool(body.stream))
 
 
+class _JSONRequest(Request):
+    """A request whose JSON body is parsed by `json_body.loads` (orjson first); a body neither
+    parser reads raises json.JSONDecodeError, which FastAPI answers as before."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads(await self.body())
+        return self._json
+
+
+class _JSONRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_JSONRequest(request.scope, request.receive))
+
+        return route
+
+
 def build_app(
     engine: EngineClient,
     tokenizer: Any,
@@ -326,6 +348,7 @@ def build_app(
     serving = _OpenAIServing(engine, tokenizer, served_model_names, max_model_len, eos_token_ids,
                              options, metrics, state, vocab_size)
     app = FastAPI(title="flashserve", version="0.1.0")
+    app.router.route_class = _JSONRoute
     install_error_handlers(app, metrics)
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/chat/completions", serving.chat, methods=["POST"], response_model=None)
