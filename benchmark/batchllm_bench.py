@@ -8,6 +8,8 @@ greedy, ignore_eos, shuffled, in one `LLM.generate` per configuration: no prefix
 caching in arrival order; prefix-sharing groups; groups + cascade attention (`on`).
 Each run gets prompts of its own (different random ids), so none reads another's cached pages; the
 last three configurations alternate `--rounds` times on one LLM and the best round of each is kept.
+Then, on the same LLM, a profile of 21 steps of a groups run, flat and with cascade, where each step
+mixes a prefill chunk with hundreds of decodes: the host's time per step and the kernels' by class.
 Then the same shape as an OpenAI batch file through `flashserve run-batch` (in-process, on that
 LLM's engine; groups, no cascade), to compare with `LLM.generate`. Reports requests/s, output and
 total tokens/s and the share of prompt tokens computed.
@@ -85,6 +87,54 @@ def run_batch(llm: Any, prompts: list[list[int]], out: int, model: str, workdir:
             "output_tokens_per_s": len(prompts) * out / wall, "total_tokens_per_s": (prompt_tokens + len(prompts) * out) / wall,
             "prompt_tokens": prompt_tokens, "computed_prompt_tokens": prompt_tokens - cached,
             "computed_share": (prompt_tokens - cached) / prompt_tokens}
+
+
+KERNEL_CLASSES = (("attention", ("prefill", "batchdecode")), ("merge", ("merge",)),
+                  ("matmul", ("gemm", "nvjet", "cutlass", "sm90")), ("norm", ("norm",)), ("rope", ("rope",)),
+                  ("kv append", ("append",)))
+
+
+def kernel_class(name: str) -> str:
+    lower = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in lower for k in keys)), "other")
+
+
+def step_profile(llm: Any, prompts: list[list[int]], out: int, first: int, last: int) -> dict[str, Any]:
+    """An offline run (groups) whose steps `first`..`last` run under the torch profiler: the wall
+    time between their returns, and the device time of their kernels by class. The window sits
+    where prefill chunks and hundreds of decodes share every step."""
+    import torch
+
+    engine, step = llm.engine, llm.engine.step
+    walls: list[float] = []
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+
+    def profiled() -> Any:
+        n = len(walls)
+        if n == first:
+            torch.cuda.synchronize()
+            prof.__enter__()
+        t0 = time.perf_counter()
+        outputs = step()
+        walls.append(time.perf_counter() - t0)
+        if n == last:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+        return outputs
+
+    engine.step = profiled
+    try:
+        offline(llm, prompts, out, grouping=True)
+    finally:
+        del engine.step
+    steps = last - first + 1
+    device: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+            cls = kernel_class(event.key)
+            device[cls] = device.get(cls, 0.0) + event.self_device_time_total / 1e3 / steps
+    return {"steps": f"{first}-{last}", "wall_ms_per_step": 1e3 * sum(walls[first : last + 1]) / steps,
+            "device_ms_per_step": sum(device.values()), "device_ms_by_class": device}
 
 
 def decode_steps(llm: Any, prompts: list[list[int]], out: int) -> dict[str, Any]:
@@ -198,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sweep-group-sizes", type=ints, default=[2, 4, 8, 16, 64],
                    help="comma-separated requests per group")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per LLM (two are alive at times)")
-    p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, run-batch, decode, sweep")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, profile, run-batch, decode, sweep")
     p.add_argument("--out", default="benchmark/results")
     args = p.parse_args(argv)
 
@@ -240,6 +290,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     best[name] = r
         for name, r in best.items():
             runs[name] = r
+        if "profile" not in skip and torch.cuda.is_available():
+            doc["profile"] = {}
+            for name, policy in (("groups", None), ("groups + cascade", CascadePolicy())):
+                llm.engine.executor.cascade = policy
+                doc["profile"][name] = p = step_profile(llm, group_prompts(rng, *shape), args.out_tokens, 150, 170)
+                print(f"{name:>20}: steps {p['steps']}: {p['wall_ms_per_step']:.2f} ms a step on the host's clock, "
+                      f"{p['device_ms_per_step']:.2f} ms of kernels ("
+                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["device_ms_by_class"].items(), key=lambda kv: -kv[1]))
+                      + ")", flush=True)
         if "run-batch" not in skip:  # last: it shuts the engine down
             llm.engine.executor.cascade = None
             with tempfile.TemporaryDirectory() as tmp:

@@ -13,15 +13,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# At module level: whoever imports this builds a server, and the app's imports (2 s, torch and
+# transformers among them) then belong to start-up, not to the first request or batch line.
+from flashserve.api.options import ServerState
+from flashserve.api.server import build_app
 from flashserve.cli import ServeArgs
+from flashserve.engine.async_engine import AsyncEngine
+from flashserve.metrics import Metrics
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from flashserve.api.options import ServerState
-    from flashserve.engine.async_engine import AsyncEngine
     from flashserve.llm import EngineStack
-    from flashserve.metrics import Metrics
 
 logger = logging.getLogger("flashserve")
 
@@ -56,11 +59,6 @@ def served_names(args: ServeArgs, loaded_name: str) -> list[str]:
 
 def build_server(args: ServeArgs, stack: EngineStack) -> ServerStack:
     """The AsyncEngine (not started) and the app over a loaded engine, as `serve` configures them."""
-    from flashserve.api.options import ServerState
-    from flashserve.api.server import build_app
-    from flashserve.engine.async_engine import AsyncEngine
-    from flashserve.metrics import Metrics
-
     loaded = stack.loaded
     metrics = Metrics()
     state = ServerState()

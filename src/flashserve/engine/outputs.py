@@ -67,10 +67,10 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampledTokens:
     """The runner's result for one scheduled request (runner -> scheduler, one per
-    `SchedulerOutput.requests` entry, in order)."""
+    `SchedulerOutput.requests` entry, in order). Read-only by convention, like `RequestOutput`."""
 
     # Sampled this step, oldest first: [] for a chunk that does not sample (or on error).
     token_ids: list[int] = field(default_factory=list)
@@ -93,9 +93,12 @@ def sample_error(message: str) -> SampledTokens:
     return SampledTokens(error=message)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """What the engine tells the API about one request after a step (engine -> API)."""
+    """What the engine tells the API about one request after a step (engine -> API).
+
+    Read-only by convention rather than frozen: one is made per running request per step, and a
+    slotted class's __init__ takes 0.5 us against a frozen one's 1.3 (12 fields, this project's VM)."""
 
     request_id: str
     new_token_ids: list[int]
