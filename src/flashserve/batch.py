@@ -31,7 +31,6 @@ logger = logging.getLogger("flashserve")
 EXIT_ENGINE_DIED = 1
 EXIT_BAD_FILE = 2
 EXIT_INTERRUPTED = 130
-SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -100,18 +99,11 @@ def main(args: BatchArgs, stack: Any = None) -> int:
             t0 = time.perf_counter()
             requests = order_requests(requests, stack.tokenizer, stack.page_size, stack.max_model_len)
             logger.info("ordered %d requests by shared prefixes in %.1f s", len(requests), time.perf_counter() - t0)
-        # The engine thread lets go of the GIL at each wait on the device; at the default 5 ms
-        # switch interval the event loop, busy with other requests' handlers, may keep it that long
-        # each time (1,600 requests on an H100: 100 and 102 requests/s at 5 ms, 111 at 0.5 ms).
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch, SWITCH_INTERVAL_S))
         try:
             tally = asyncio.run(_run(server, errors, requests, out, args))
         except KeyboardInterrupt:
             print(f"flashserve run-batch: interrupted; finished results are in {args.output_file}", file=sys.stderr)
             return EXIT_INTERRUPTED
-        finally:
-            sys.setswitchinterval(switch)
     print(tally.summary())
     return EXIT_ENGINE_DIED if server.engine.dead_reason is not None else 0
 
