@@ -82,6 +82,9 @@ class TensorParallelRunner(ModelRunner):
             # shuts down (a thread that wants the GIL then is killed, aborting the process).
             dist.barrier(group=self.control)
             self.closed = True
+            # Every rank leaves the group before rank 0 waits for the workers to exit: a worker's
+            # NCCL teardown waits for its peers (on two H200s it did not exit in 30 s otherwise).
+            close_tp_group(self.group)
             self.workers.join(_CLOSE_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - closing a broken group still reaps what is left
             logger.warning("tensor-parallel workers did not stop cleanly: %s", exc)
