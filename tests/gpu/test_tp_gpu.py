@@ -6,13 +6,14 @@ captures no CUDA graphs yet. Skipped on a machine with fewer than two GPUs."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from test_tp_engine import gone, worker_pids
 
 from flashserve.llm import LLM
 from flashserve.sampling_params import SamplingParams
@@ -41,14 +42,6 @@ def one_gpu_tokens(model: str) -> list[list[int]]:
         return [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_two_gpus_generate_the_greedy_tokens_of_one(model: str, one_gpu_tokens: list[list[int]]) -> None:
     with LLM(model, tensor_parallel_size=2, **ENGINE) as llm:
         tokens = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
@@ -57,7 +50,7 @@ def test_two_gpus_generate_the_greedy_tokens_of_one(model: str, one_gpu_tokens: 
 
 def test_close_ends_the_worker_promptly(model: str) -> None:
     llm = LLM(model, tensor_parallel_size=2, **ENGINE)
-    pids = [p.pid for p in llm.engine.executor.workers.processes.values()]  # type: ignore[attr-defined]
+    pids = worker_pids(llm)
     start = time.monotonic()
     llm.close()
     assert time.monotonic() - start < 10  # not the 30 s join timeout and a kill
