@@ -132,6 +132,52 @@ def test_abort_frees_pages_now_and_reports_abort():
     assert not engine.has_unfinished
 
 
+def test_a_request_not_streamed_gets_an_output_for_its_first_token_and_one_at_the_end(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    script = tok.encode("The answer is 42. END of story")
+    engine = make_engine(script, tokenizer=tok)
+    engine.add_request("m", [1, 2, 3], SamplingParams(max_tokens=len(script)), stream=False)
+    outs = run_to_end(engine)["m"]
+    assert [len(o.new_token_ids) for o in outs] == [1, len(script) - 1]
+    assert [t for o in outs for t in o.new_token_ids] == script
+    assert "".join(o.new_text for o in outs) == tok.decode(script, skip_special_tokens=True)
+    assert outs[-1].finished and outs[-1].num_output_tokens == len(script)
+
+
+def test_a_request_not_streamed_stops_at_a_stop_string_like_a_streamed_one(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    script = tok.encode("The answer is 42. END of story, more text follows here")
+    results = {}
+    for stream in (True, False):
+        engine = make_engine(script, tokenizer=tok)
+        engine.add_request("a", tok.encode("Q"), SamplingParams(max_tokens=50, stop=("END",)), stream=stream)
+        outs = run_to_end(engine)["a"]
+        results[stream] = ([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
+                           outs[-1].finish_reason)
+    assert results[False] == results[True]
+
+
+def test_aborting_a_request_not_streamed_returns_the_tokens_it_held():
+    engine = make_engine([9, 8])
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=100), stream=False)
+    sent = [t for _ in range(5) for o in engine.step() for t in o.new_token_ids]
+    out = engine.abort("a")
+    assert out is not None and out.finish_reason == "abort"
+    assert sent + out.new_token_ids == ([9, 8] * 50)[: out.num_output_tokens]
+    assert len(sent) == 1
+
+
+def test_a_step_counts_the_tokens_it_made_for_requests_not_streamed():
+    engine = make_engine([4])
+    engine.add_request("s", [1, 2, 3], SamplingParams(max_tokens=6))
+    engine.add_request("m", [1, 2, 3], SamplingParams(max_tokens=6), stream=False)
+    counts = []
+    while engine.has_unfinished:
+        engine.step()
+        counts.append(engine.num_step_tokens)
+    assert sum(counts) == 12 and max(counts) == 2
+
+
 def test_duplicate_request_id_is_rejected():
     engine = make_engine([9])
     engine.add_request("a", [1], SamplingParams())

@@ -227,7 +227,7 @@ class _Feeder:
                         pinned_pages += pages
                         self.num_pinned_groups += 1
                     group_of[self.ids[i]] = g
-                    engine.add_request(self.ids[i], self.tokens[i], self.params[i])
+                    engine.add_request(self.ids[i], self.tokens[i], self.params[i], stream=False)
                 for out in engine.step():
                     outputs[out.request_id].append(out)
                     if not out.finished:

@@ -4,8 +4,8 @@ Handlers call `generate()` and read their request's outputs from an asyncio.Queu
 loop, a single background thread, owns `LLMEngine` (and so the scheduler); it receives new
 requests and aborts through a locked inbox and hands back each step's outputs with ONE
 `call_soon_threadsafe` per step, not one per token. A request that is not streamed wakes its
-handler twice, not once per step: its first output goes out at once (the time to first token),
-the rest are held and go out merged when it finishes. Once per loop turn it also ends requests that
+handler twice, not once per step: the engine sends its first output at once (the time to first
+token) and holds the rest until it finishes (`LLMEngine.add_request`). Once per loop turn it also ends requests that
 waited too long for their first schedule and publishes the step's numbers to the metrics.
 """
 
@@ -22,7 +22,7 @@ from typing import Callable
 from flashserve.engine.client import EngineDead, EngineOverloaded
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
-from flashserve.engine.outputs import RequestOutput, merge_outputs
+from flashserve.engine.outputs import RequestOutput
 from flashserve.metrics import Metrics, StepStats
 from flashserve.sampling_params import SamplingParams
 
@@ -36,6 +36,7 @@ class _Add:
     params: SamplingParams
     group: str | None = None
     cache_salt: str | None = None
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,6 @@ class AsyncEngine:
         # Guarded by _wakeup: waiting requests as of the last loop turn, plus adds sent since.
         self._num_waiting = 0
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
-        # Requests not streamed: None until their first output went out, then the outputs held.
-        self._held: dict[str, list[RequestOutput] | None] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -137,12 +136,10 @@ class AsyncEngine:
                 raise EngineOverloaded(
                     f"the server is overloaded: {self._num_waiting} requests are already waiting; retry later")
             self._num_waiting += 1
-            self._inbox.append(_Add(request_id, list(prompt_token_ids), params, group, cache_salt))
+            self._inbox.append(_Add(request_id, list(prompt_token_ids), params, group, cache_salt, stream))
             self._wakeup.notify()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = queue
-        if not stream:
-            self._held[request_id] = None
         finished = False
         try:
             while True:
@@ -153,7 +150,6 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
-            self._held.pop(request_id, None)
             if not finished:  # the consumer went away (client disconnect): free its pages
                 self._send(_Abort(request_id))
 
@@ -171,22 +167,11 @@ class AsyncEngine:
             self._wakeup.notify()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        held = self._held
+        streams = self._streams
         for out in outputs:
-            rid = out.request_id
-            queue = self._streams.get(rid)
-            if queue is None:
-                continue
-            if rid in held:  # not streamed
-                parts = held[rid]
-                if parts is not None:
-                    parts.append(out)
-                    if not out.finished:
-                        continue
-                    out = merge_outputs(parts)
-                elif not out.finished:
-                    held[rid] = []
-            queue.put_nowait(out)
+            queue = streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
 
     def _fail_all(self, message: str) -> None:
         """Event-loop side: every open stream gets a final error output."""
@@ -215,9 +200,11 @@ class AsyncEngine:
                 start = time.monotonic()
                 outputs = self._apply(inbox)
                 outputs.extend(self._expire(start))
+                generated = 0
                 if self.engine.has_unfinished:
                     outputs.extend(self.engine.step())
-                self._record(outputs, start)
+                    generated = self.engine.num_step_tokens
+                self._record(outputs, start, generated)
                 if outputs:
                     self._emit(outputs)
         except BaseException as exc:  # the loop itself died: fail everyone, report unhealthy
@@ -238,7 +225,8 @@ class AsyncEngine:
                     outputs.append(aborted)
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.group, item.cache_salt)
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.group, item.cache_salt,
+                                        item.stream)
             except Exception as exc:
                 outputs.append(_error_output(item.request_id, len(item.prompt_token_ids), str(exc)))
         return outputs
@@ -261,8 +249,9 @@ class AsyncEngine:
         outputs = [self.engine.abort(rid, message) for rid in expired]
         return [out for out in outputs if out is not None]
 
-    def _record(self, outputs: list[RequestOutput], step_start: float) -> None:
-        """Publish the queue length for `generate()` and this step's numbers to the metrics."""
+    def _record(self, outputs: list[RequestOutput], step_start: float, generation_tokens: int = 0) -> None:
+        """Publish the queue length for `generate()` and this step's numbers to the metrics
+        (`generation_tokens`: the step's output tokens, those held for requests not streamed included)."""
         scheduler = self.engine.scheduler
         with self._wakeup:
             self._num_waiting = scheduler.num_waiting + sum(isinstance(i, _Add) for i in self._inbox)
@@ -273,10 +262,9 @@ class AsyncEngine:
             if request.request_id not in self._scheduled:
                 self._scheduled.add(request.request_id)
                 queue_times.append(step_start - request.arrival_time)
-        prompt_tokens = generation_tokens = 0
+        prompt_tokens = 0
         for out in outputs:
             n = len(out.new_token_ids)
-            generation_tokens += n
             if n and out.num_output_tokens == n:  # its first tokens: its prompt was prefilled
                 prompt_tokens += out.num_prompt_tokens
             if out.finished:

@@ -43,9 +43,12 @@ class Executor(Protocol):
 class _Live:
     request: Request
     detokenizer: IncrementalDetokenizer | None
-    num_emitted_tokens: int = 0
+    stream: bool = True  # False: an output for the first tokens, then one when it finishes
+    num_processed_tokens: int = 0  # output tokens detokenized and checked for stop strings
+    num_sent_tokens: int = 0  # output tokens that went out in an output
+    sent_any: bool = False  # an output with tokens went out
     prompt_logprobs_sent: bool = False
-    new_text: list[str] = field(default_factory=list)
+    new_text: list[str] = field(default_factory=list)  # text not sent yet
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
@@ -71,6 +74,7 @@ class LLMEngine:
         self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
+        self.num_step_tokens = 0  # output tokens the last step() produced, held ones included
 
     @property
     def has_unfinished(self) -> bool:
@@ -88,11 +92,13 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, group: str | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, stream: bool = True,
     ) -> None:
         """Queue a request; raises InvalidParameter for ids the model cannot take. Requests with the
         same `group` (the choices and prompts of one API request) share the scheduler's fair share;
-        requests with different `cache_salt`s never share cached KV pages."""
+        requests with different `cache_salt`s never share cached KV pages. A request not streamed
+        gets two outputs, not one per step: its first tokens at once (the time to first token),
+        then everything after them when it finishes (or is aborted)."""
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_request(prompt_token_ids, params)
@@ -102,7 +108,7 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params, self._decode)
-        self._live[request_id] = _Live(request, detok)
+        self._live[request_id] = _Live(request, detok, stream)
         self.scheduler.add_request(request)
 
     def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
@@ -125,7 +131,9 @@ class LLMEngine:
             self._launched = None
             touched += self.scheduler.update(out, self.executor.collect(handle))
             touched += self._launch()
-        return [self._process(self._live[r.request_id]) for r in touched if r.request_id in self._live]
+        self.num_step_tokens = 0
+        return [output for r in touched if r.request_id in self._live
+                if (output := self._process(self._live[r.request_id])) is not None]
 
     def _launch(self) -> list[Request]:
         out = self.scheduler.schedule()
@@ -135,10 +143,13 @@ class LLMEngine:
         self._launched = (out, self.executor.launch(out))
         return []
 
-    def _process(self, live: _Live) -> RequestOutput:
+    def _process(self, live: _Live) -> RequestOutput | None:
+        """The request's new tokens turned into text and checked for stop strings; its output, or
+        None while a request that is not streamed holds them."""
         req = live.request
-        new_ids = req.output_token_ids[live.num_emitted_tokens :]
-        live.num_emitted_tokens = req.num_output_tokens
+        new_ids = req.output_token_ids[live.num_processed_tokens :]
+        live.num_processed_tokens = req.num_output_tokens
+        self.num_step_tokens += len(new_ids)
         if live.detokenizer is not None:
             try:
                 self._detokenize(live, new_ids)
@@ -147,7 +158,9 @@ class LLMEngine:
                 self.scheduler.finish(req.request_id, FinishReason.ERROR, f"detokenization failed: {exc}")
         if req.is_finished:
             self._live.pop(req.request_id, None)
-        return self._output(live, new_ids)
+        elif live.sent_any and not live.stream:
+            return None
+        return self._output(live)
 
     def _detokenize(self, live: _Live, new_ids: list[int]) -> None:
         detok = live.detokenizer
@@ -162,20 +175,24 @@ class LLMEngine:
         if live.request.is_finished and not detok.stopped:
             live.new_text.append(detok.flush())
 
-    def _output(self, live: _Live, new_ids: list[int] | None = None) -> RequestOutput:
+    def _output(self, live: _Live) -> RequestOutput:
+        """Everything the request got since its last output (an abort included)."""
         req = live.request
+        start, end = live.num_sent_tokens, live.num_processed_tokens
+        new_ids = req.output_token_ids[start:end]
+        live.num_sent_tokens = end
+        live.sent_any = live.sent_any or end > start
         text = "".join(live.new_text)
         live.new_text.clear()
         logprobs = prompt_logprobs = None
         if new_ids and req.params.logprobs is not None:
-            start = req.num_output_tokens - len(new_ids)
-            logprobs = req.output_logprobs[start : start + len(new_ids)]
+            logprobs = req.output_logprobs[start:end]
         if req.params.prompt_logprobs is not None and not live.prompt_logprobs_sent and (new_ids or req.is_finished):
             live.prompt_logprobs_sent = True
             prompt_logprobs = [None, *req.prompt_logprobs]
         return RequestOutput(
             request_id=req.request_id,
-            new_token_ids=new_ids if new_ids is not None else [],  # already a fresh slice
+            new_token_ids=new_ids,  # already a fresh slice
             new_text=text,
             finished=req.is_finished,
             finish_reason=req.finish_reason.value if req.finish_reason is not None else None,
