@@ -32,7 +32,7 @@ class BatchRequest:
     custom_id: str
     url: str
     body: Any  # sent as it is: an invalid body gets the server's own error answer
-    strict: bool = True  # the line was strict JSON (no NaN, no integer past 64 bits)
+    strict: bool = True  # orjson read the line (no NaN or Infinity), so it writes the body back
 
     @property
     def payload(self) -> bytes:

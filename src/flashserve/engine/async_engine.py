@@ -5,8 +5,9 @@ loop, a single background thread, owns `LLMEngine` (and so the scheduler); it re
 requests and aborts through a locked inbox and hands back each step's outputs with ONE
 `call_soon_threadsafe` per step, not one per token. A request that is not streamed wakes its
 handler twice, not once per step: the engine sends its first output at once (the time to first
-token) and holds the rest until it finishes (`LLMEngine.add_request`). Once per loop turn it also ends requests that
-waited too long for their first schedule and publishes the step's numbers to the metrics.
+token) and holds the rest until it finishes (`LLMEngine.add_request`). Once per loop turn it also
+ends requests that waited too long for their first schedule and publishes the step's numbers to
+the metrics.
 """
 
 from __future__ import annotations
@@ -225,8 +226,8 @@ class AsyncEngine:
                     outputs.append(aborted)
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.group, item.cache_salt,
-                                        item.stream)
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.group,
+                                        item.cache_salt, item.stream)
             except Exception as exc:
                 outputs.append(_error_output(item.request_id, len(item.prompt_token_ids), str(exc)))
         return outputs
