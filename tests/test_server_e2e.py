@@ -81,8 +81,10 @@ def test_sixteen_concurrent_streams_complete_while_bad_requests_get_errors(serve
         return codes
 
     async def main():
-        c = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
-        return await asyncio.gather(*[stream_one(c, i) for i in range(16)], bad_requests(server))
+        # Closed here, on its own loop: left to the garbage collector, its pooled connections
+        # would be closed later on another test's loop, failing that test.
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as c:
+            return await asyncio.gather(*[stream_one(c, i) for i in range(16)], bad_requests(server))
 
     *streams, codes = asyncio.run(main())
     assert codes == [400, 400, 400, 404]
