@@ -169,7 +169,7 @@ def _prompt_ids(requests: Sequence[BatchRequest], tokenizer: Any) -> list[list[i
                     prompt = prompt[0]  # several prompts: the first one places the request
                 if isinstance(prompt, str) and tokenizer is not None:
                     text.append((k, prompt))
-                elif isinstance(prompt, list) and set(map(type, prompt)) <= {int}:  # 2x all(isinstance)
+                elif isinstance(prompt, list) and set(map(type, prompt)) <= {int}:  # one pass in C
                     ids[k] = list(prompt)
         except Exception:  # a malformed body: the server will say what is wrong with it
             continue

@@ -46,7 +46,6 @@ class _Live:
     stream: bool = True  # False: an output for the first tokens, then one when it finishes
     num_processed_tokens: int = 0  # output tokens detokenized and checked for stop strings
     num_sent_tokens: int = 0  # output tokens that went out in an output
-    sent_any: bool = False  # an output with tokens went out
     prompt_logprobs_sent: bool = False
     new_text: list[str] = field(default_factory=list)  # text not sent yet
 
@@ -158,7 +157,7 @@ class LLMEngine:
                 self.scheduler.finish(req.request_id, FinishReason.ERROR, f"detokenization failed: {exc}")
         if req.is_finished:
             self._live.pop(req.request_id, None)
-        elif live.sent_any and not live.stream:
+        elif live.num_sent_tokens and not live.stream:  # its first tokens went out: hold the rest
             return None
         return self._output(live)
 
@@ -181,7 +180,6 @@ class LLMEngine:
         start, end = live.num_sent_tokens, live.num_processed_tokens
         new_ids = req.output_token_ids[start:end]
         live.num_sent_tokens = end
-        live.sent_any = live.sent_any or end > start
         text = "".join(live.new_text)
         live.new_text.clear()
         logprobs = prompt_logprobs = None
