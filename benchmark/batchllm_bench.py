@@ -294,10 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc["profile"] = {}
             for name, policy in (("groups", None), ("groups + cascade", CascadePolicy())):
                 llm.engine.executor.cascade = policy
-                doc["profile"][name] = p = step_profile(llm, group_prompts(rng, *shape), args.out_tokens, 150, 170)
-                print(f"{name:>20}: steps {p['steps']}: {p['wall_ms_per_step']:.2f} ms a step on the host's clock, "
-                      f"{p['device_ms_per_step']:.2f} ms of kernels ("
-                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["device_ms_by_class"].items(), key=lambda kv: -kv[1]))
+                doc["profile"][name] = prof = step_profile(llm, group_prompts(rng, *shape), args.out_tokens, 150, 170)
+                print(f"{name:>20}: steps {prof['steps']}: {prof['wall_ms_per_step']:.2f} ms a step on the host's clock, "
+                      f"{prof['device_ms_per_step']:.2f} ms of kernels ("
+                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["device_ms_by_class"].items(), key=lambda kv: -kv[1]))
                       + ")", flush=True)
         if "run-batch" not in skip:  # last: it shuts the engine down
             llm.engine.executor.cascade = None
