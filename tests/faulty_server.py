@@ -13,10 +13,10 @@ FAULT_TOKEN = 4242
 
 
 def _faulty(launch: Any) -> Any:
-    def launch_or_fail(self: ModelRunner, out: Any) -> Any:
+    def launch_or_fail(self: ModelRunner, out: Any, previous: Any = None) -> Any:
         if any(r.num_computed_tokens == 0 and r.new_token_ids[:1] == [FAULT_TOKEN] for r in out.requests):
             raise RuntimeError("injected device fault")
-        return launch(self, out)
+        return launch(self, out, previous)
 
     return launch_or_fail
 

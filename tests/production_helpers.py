@@ -44,7 +44,7 @@ class FakeModelRunner(ModelRunner):
         self.delay = delay
         self.fail_forward = fail_forward
 
-    def forward(self, out: SchedulerOutput, prompt_rows=()) -> torch.Tensor:  # noqa: ANN001
+    def forward(self, out: SchedulerOutput, prompt_rows=(), previous=None) -> torch.Tensor:  # noqa: ANN001
         if self.delay:
             time.sleep(self.delay)
         if self.fail_forward is not None:

@@ -24,12 +24,14 @@ class ScriptedExecutor:
         self.fail_with = fail_with
         self.steps = 0
 
-    def launch(self, out: SchedulerOutput) -> list[SampledTokens]:
+    def launch(self, out: SchedulerOutput, previous: list[SampledTokens] | None = None) -> list[SampledTokens]:
         self.steps += 1
         if self.fail_with is not None:
             raise self.fail_with
+        # A row whose last token is in flight comes after that token: the request's output lacks it.
         return [
-            sampled(self.script[len(r.output_token_ids) % len(self.script)]) if r.sample else NOTHING
+            sampled(self.script[(len(r.output_token_ids) + r.last_token_in_flight) % len(self.script)])
+            if r.sample else NOTHING
             for r in out.requests
         ]
 
@@ -40,10 +42,10 @@ class ScriptedExecutor:
 VOCAB = 50_000  # above every id the scripts and tokenizers here use
 
 
-def make_engine(script: list[int], num_pages: int = 64, tokenizer=None, **kw) -> LLMEngine:
+def make_engine(script: list[int], num_pages: int = 64, tokenizer=None, overlap: bool = False, **kw) -> LLMEngine:
     bm = KVCacheManager(num_pages, 16)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm, max_model_len=512)
-    return LLMEngine(sched, ScriptedExecutor(script, **kw), tokenizer, vocab_size=VOCAB)
+    return LLMEngine(sched, ScriptedExecutor(script, **kw), tokenizer, vocab_size=VOCAB, overlap=overlap)
 
 
 def run_to_end(engine: LLMEngine, max_steps: int = 1000) -> dict[str, list]:
@@ -106,7 +108,7 @@ def test_next_step_is_launched_before_this_steps_text_is_made(smollm2_tokenizer)
 
     engine = make_engine([5, 6, 7], tokenizer=RecordingTokenizer())
     launch = engine.executor.launch
-    engine.executor.launch = lambda out: (events.append("launch"), launch(out))[1]
+    engine.executor.launch = lambda out, previous=None: (events.append("launch"), launch(out, previous))[1]
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
     engine.step()
     assert events[:2] == ["launch", "launch"] and "decode" in events[2:]
@@ -265,3 +267,105 @@ def test_engine_loop_failure_fails_streams_and_reports_unhealthy():
     outs, healthy = asyncio.run(main())
     assert outs[-1].finish_reason == "error" and "device lost" in outs[-1].error
     assert not healthy
+
+
+# ---- overlap scheduling: step N+1 scheduled and launched before step N's results are applied
+
+
+class InFlightExecutor(ScriptedExecutor):
+    """Records, per launch, the rows whose token was in flight and the step they came from."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__(script)
+        self.in_flight_rows: list[int] = []
+        self.previous_given: list[bool] = []
+
+    def launch(self, out: SchedulerOutput, previous: list[SampledTokens] | None = None) -> list[SampledTokens]:
+        self.in_flight_rows.append(sum(r.last_token_in_flight for r in out.requests))
+        self.previous_given.append(previous is not None)
+        return super().launch(out, previous)
+
+
+def overlap_engine(script: list[int], num_pages: int = 64, tokenizer=None) -> LLMEngine:
+    engine = make_engine(script, num_pages, tokenizer, overlap=True)
+    engine.executor = InFlightExecutor(script)
+    return engine
+
+
+def test_overlap_gives_every_request_the_tokens_and_finish_of_stepping_in_turn():
+    script = [5, 6, 7, 9, 11, 13]
+    results = {}
+    for overlap in (False, True):
+        engine = make_engine(script, num_pages=24, overlap=overlap)
+        for i in range(10):
+            params = SamplingParams(max_tokens=3 + 2 * i, stop_token_ids=(11,) if i % 3 == 0 else ())
+            engine.add_request(f"r{i}", list(range(1, 30 + 3 * i)), params)
+        outs = run_to_end(engine)
+        results[overlap] = {rid: ([t for o in seq for t in o.new_token_ids], seq[-1].finish_reason)
+                            for rid, seq in outs.items()}
+        assert engine.scheduler.kv_cache.num_used_pages == 0
+    assert results[True] == results[False]
+
+
+def test_overlap_launches_decode_steps_behind_the_step_that_samples_their_tokens():
+    engine = overlap_engine([5, 6, 7])
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=5))
+    run_to_end(engine)
+    # The prefill, then each decode step launched before the last one's token reached the host.
+    assert engine.executor.in_flight_rows == [0, 1, 1, 1, 1]
+    assert engine.executor.previous_given == [False, True, True, True, True]
+
+
+def test_a_request_that_its_token_in_flight_ends_by_length_gets_no_further_row():
+    engine = overlap_engine([5, 6, 7])
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3))
+    outs = run_to_end(engine)["a"]
+    assert [t for o in outs for t in o.new_token_ids] == [5, 6, 7]
+    assert engine.executor.steps == 3  # no row computed past max_tokens
+
+
+def test_a_request_stopped_by_eos_in_flight_drops_its_extra_row_and_returns_its_pages():
+    engine = overlap_engine([5, 6, 2, 8])
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=20, eos_token_ids=(2,)))
+    engine.add_request("b", [4] * 40, SamplingParams(max_tokens=6))
+    outs = run_to_end(engine)
+    assert [t for o in outs["a"] for t in o.new_token_ids] == [5, 6, 2]
+    assert outs["a"][-1].finish_reason == "stop"
+    assert [t for o in outs["b"] for t in o.new_token_ids] == [5, 6, 2, 8, 5, 6]
+    assert engine.scheduler.kv_cache.num_used_pages == 0
+
+
+def test_a_request_with_penalties_waits_for_its_token_before_the_next_step_is_scheduled():
+    engine = overlap_engine([5, 6, 7])
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, repetition_penalty=1.2))
+    outs = run_to_end(engine)["a"]
+    assert [t for o in outs for t in o.new_token_ids] == [5, 6, 7, 5]
+    assert not any(engine.executor.in_flight_rows)
+
+
+def test_an_abort_while_a_step_is_scheduled_ahead_returns_every_page():
+    engine = overlap_engine([5, 6, 7])
+    engine.add_request("a", [1] * 35, SamplingParams(max_tokens=50))
+    engine.add_request("b", [2] * 20, SamplingParams(max_tokens=50))
+    for _ in range(4):
+        engine.step()
+    out = engine.abort("a")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    outs = run_to_end(engine)
+    assert outs["b"][-1].num_output_tokens == 50
+    assert engine.scheduler.kv_cache.num_used_pages == 0
+
+
+def test_overlap_preempting_a_request_whose_token_is_in_flight_loses_no_token():
+    # 6 pages of 16 tokens: two requests growing past 48 tokens each cannot both stay.
+    script = [5, 6, 7, 9]
+    results = {}
+    for overlap in (False, True):
+        engine = make_engine(script, num_pages=7, overlap=overlap)
+        engine.add_request("a", [1] * 30, SamplingParams(max_tokens=40))
+        engine.add_request("b", [2] * 30, SamplingParams(max_tokens=40))
+        outs = run_to_end(engine)
+        results[overlap] = {rid: [t for o in seq for t in o.new_token_ids] for rid, seq in outs.items()}
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.scheduler.kv_cache.num_used_pages == 0
+    assert results[True] == results[False] == {r: (script * 10)[:40] for r in "ab"}

@@ -495,3 +495,43 @@ def test_requests_without_a_group_are_not_capped() -> None:
         s.add_request(req(f"r{i}", max_tokens=50))
     step(s)
     assert s.num_running == 8
+
+
+# Scheduling ahead: the next step scheduled before the last one's results are applied
+
+
+def test_a_step_scheduled_ahead_gives_a_sampling_request_a_decode_row_whose_token_is_in_flight() -> None:
+    s = make()
+    s.add_request(req("a", prompt_len=8))
+    first = s.schedule()
+    ahead = s.schedule()  # before update(first)
+    (row,) = ahead.requests
+    assert row.last_token_in_flight and row.sample
+    assert row.num_computed_tokens == 8 and row.num_new_tokens == 1
+    assert row.output_token_ids == []  # the token in flight is not on the host yet
+    s.update(first, [sampled(TOKEN)])
+    s.update(ahead, [sampled(TOKEN + 1)])
+    assert s.get("a").output_token_ids == [TOKEN, TOKEN + 1]
+
+
+def test_a_prefill_chunk_scheduled_ahead_is_the_next_chunk_and_has_no_token_in_flight() -> None:
+    s = make(max_tokens_per_step=8)
+    s.add_request(req("a", prompt_len=20))
+    first = s.schedule()
+    ahead = s.schedule()
+    (row,) = ahead.requests
+    assert not row.last_token_in_flight and not row.sample
+    assert row.num_computed_tokens == 8 and row.new_token_ids == list(range(18, 26))
+
+
+def test_a_request_whose_token_in_flight_reaches_max_tokens_is_not_scheduled_ahead() -> None:
+    s = make()
+    s.add_request(req("a", max_tokens=1))
+    s.add_request(req("b", max_tokens=5))
+    first = s.schedule()
+    ahead = s.schedule()
+    assert [r.request_id for r in ahead.requests] == ["b"]
+    touched = s.update(first, [sampled(TOKEN), sampled(TOKEN)])
+    assert [r.request_id for r in touched if r.is_finished] == ["a"]
+    s.update(ahead, [sampled(TOKEN)])
+    assert s.get("b").output_token_ids == [TOKEN, TOKEN]

@@ -93,6 +93,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--max-num-batched-tokens", _positive_int, None, "most tokens in one step (prefill chunks + decode "
            "tokens) (default: 2048 on CUDA; on a CPU as many as one step computes in about 0.4 s, measured "
            "at start-up)"),
+    Option("--overlap-scheduling", _bool, True, "schedule and launch each step while the device computes "
+           "the one before (--no-overlap-scheduling: one after the other)"),
     Option("--cuda-graph", _bool, True, "capture decode steps in CUDA graphs (--no-cuda-graph or --enforce-eager to disable)"),
     Option("--seed", int, 0, "seed of the sampler for requests without a seed"),
     Option("--log-level", str, "info", "log level", ["debug", "info", "warning", "error"]),
@@ -211,7 +213,8 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
     cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,
                         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
                         enable_prefix_caching=ns.enable_prefix_caching)
-    scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens)
+    scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+                                overlap_scheduling=ns.overlap_scheduling)
     api_keys = tuple(ns.api_key or ())
     server = ServerConfig(host=ns.host, port=ns.port, log_level=ns.log_level, api_keys=api_keys)
     api = APIOptions(

@@ -45,6 +45,9 @@ class SchedulerConfig:
     # step, so chunking a prompt only costs time). None: max_num_batched_tokens. On a CPU with the
     # budget left to the default, a lone prompt of up to 8,192 tokens prefills in one step.
     prefill_only_budget: int | None = None
+    # Schedule and launch the next step while the device computes the last one; its decode tokens
+    # come from the last step's sampled ids on the device (`engine/engine.py`).
+    overlap_scheduling: bool = True
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,8 @@ def build_engine(
     # loaded.max_model_len is already capped by what the KV cache holds.
     kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching)
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
-    engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size)
+    overlap = scheduler.overlap_scheduling and runner.overlap_capable
+    engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size, overlap=overlap)
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
 
 

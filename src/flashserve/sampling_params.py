@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def schedules_ahead(self) -> bool:
+        """Whether the request's next step may be scheduled before its last token reaches the
+        host: not when the sampler reads its output so far (penalties, min_tokens, the per-token
+        seeds), its grammar needs the token for the next mask, or its prompt logprobs are copied to
+        the host (which would wait for the step launched behind)."""
+        return not (self.needs_penalties or self.min_tokens or (self.seed is not None and not self.greedy)
+                    or self.grammar is not None or self.prompt_logprobs is not None)
 
     @property
     def needs_penalties(self) -> bool:

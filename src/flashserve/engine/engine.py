@@ -3,11 +3,15 @@
 When a request stops is decided in one place, `check_stop` (engine/stop.py): the scheduler asks it
 after every token, this engine after a stop string.
 
-The device computes the next step while the host detokenizes this one: a step's results are
-applied (`update`), the next step is scheduled and launched, and only then does the host turn
-the results into text and outputs. A stop string found then finishes a request that is already
-in the launched step; `update` drops its token, and its freed pages are reused only by steps
-that run after it on the device.
+The device computes the next step while the host works on this one. With overlap scheduling
+(`overlap=True`), step N+1 is scheduled and launched before step N's results are collected: its
+decode rows take their tokens from N's sampled ids on the device, so the device goes from N to
+N+1 without waiting for the host, and the host applies N's results (`update`), detokenizes them
+and builds outputs while N+1 runs. Without it (or for a step whose requests need their last token
+on the host first: `SamplingParams.schedules_ahead`), N's results are applied, then N+1 is
+scheduled and launched, then the host detokenizes N. Either way a request that a result or a stop
+string finishes may already be in the launched step; `update` drops its token, and its freed
+pages are reused only by steps that run after it on the device.
 
 `LLMEngine` is driven by exactly one thread (the engine loop of `AsyncEngine`, or the caller of
 the offline API); nothing in it is thread-safe and nothing in it needs to be.
@@ -30,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
-    def launch(self, out: SchedulerOutput) -> Any:
-        """Starts a non-empty step on the device; returns a handle for `collect`."""
+    def launch(self, out: SchedulerOutput, previous: Any = None) -> Any:
+        """Starts a non-empty step on the device; returns a handle for `collect`. `previous`: the
+        handle of the step still on the device whose sampled ids are the step's tokens in flight
+        (`ScheduledRequest.last_token_in_flight`), when the step has any."""
         ...
 
     def collect(self, handle: Any) -> list[SampledTokens]:
@@ -62,14 +68,18 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
 
 class LLMEngine:
     def __init__(
-        self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None, *, vocab_size: int
+        self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None, *, vocab_size: int,
+        overlap: bool = False,
     ) -> None:
+        """overlap: schedule and launch each step before collecting the one before (the executor
+        fills tokens in flight from `previous`)."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's embedding rows; never changes, so any thread may read it
+        self.overlap = overlap
         self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
@@ -128,18 +138,22 @@ class LLMEngine:
         if self._launched is not None:
             out, handle = self._launched
             self._launched = None
-            touched += self.scheduler.update(out, self.executor.collect(handle))
-            touched += self._launch()
+            if self.overlap and all(r.params.schedules_ahead for r in out.requests):
+                touched += self._launch(handle)  # behind the step on the device, before its results
+                touched += self.scheduler.update(out, self.executor.collect(handle))
+            else:
+                touched += self.scheduler.update(out, self.executor.collect(handle))
+                touched += self._launch()
         self.num_step_tokens = 0
         return [output for r in touched if r.request_id in self._live
                 if (output := self._process(self._live[r.request_id])) is not None]
 
-    def _launch(self) -> list[Request]:
+    def _launch(self, previous: Any = None) -> list[Request]:
         out = self.scheduler.schedule()
         if out.is_empty:
             # update() reports requests the scheduler failed on its own (e.g. too long to fit).
             return self.scheduler.update(out, [])
-        self._launched = (out, self.executor.launch(out))
+        self._launched = (out, self.executor.launch(out, previous))
         return []
 
     def _process(self, live: _Live) -> RequestOutput | None:

@@ -27,6 +27,10 @@ class ScheduledRequest:
     # Read-only views for the sampler (penalties, min_tokens, per-step seeds); not copies.
     prompt_token_ids: list[int] = field(repr=False, default_factory=list)
     output_token_ids: list[int] = field(repr=False, default_factory=list)
+    # The last of new_token_ids is a placeholder for the token that the step before this one (still
+    # on the device) samples for this request; the runner takes it from that step's ids. Only a
+    # decode row has one, and then output_token_ids lacks that token.
+    last_token_in_flight: bool = False
 
     @property
     def num_new_tokens(self) -> int:

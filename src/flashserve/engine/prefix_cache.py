@@ -68,11 +68,12 @@ class PrefixCache:
         if self.enabled and request.num_tokens % self.page_size == 0:
             self._extend(request)
 
-    def computed(self, request: Request) -> None:
-        """The request's K/V now covers num_computed_tokens: its full pages become shareable."""
+    def computed(self, request: Request, num_tokens: int) -> None:
+        """The request's K/V now covers its first `num_tokens` tokens (a step's results came back):
+        its full pages among them become shareable."""
         if not self.enabled:
             return
-        full = request.num_computed_tokens // self.page_size
+        full = num_tokens // self.page_size
         self.kv_cache.register(request.request_id, request.page_hashes, full)
         start, end = self._computing_range.get(request.request_id, (0, 0))
         if start < min(full, end):

@@ -39,9 +39,13 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    # Tokens whose K/V is in the cache. After a preemption this drops to 0 and the request
-    # recomputes prompt + output so far (preemption by recompute).
+    # Tokens whose K/V is in the cache or computed by a launched step (it advances when a step is
+    # scheduled). After a preemption this drops to 0 and the request recomputes prompt + output so
+    # far (preemption by recompute).
     num_computed_tokens: int = 0
+    # Output tokens that launched steps sample and whose ids the host does not have yet (0 or 1):
+    # the next step may be scheduled behind them, its token taken from the device.
+    num_output_placeholders: int = 0
     num_preemptions: int = 0
     # Prompt tokens found in the prefix cache at the first schedule (usage's cached_tokens).
     num_cached_tokens: int = 0

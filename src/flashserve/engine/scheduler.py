@@ -3,6 +3,14 @@
 One step is `schedule()` (what runs now) then `update()` (what came out). All request state changes
 happen in these two calls and in `add_request` / `abort` / `finish`, all made from the engine loop.
 
+Scheduling ahead (overlap): the next step may be scheduled before the last one's results are
+applied. `schedule()` advances each request's computed tokens when it schedules them, and a
+request that samples in a step still on the device has an output placeholder: the next step gives
+it a decode row whose token the runner takes from that step's sampled ids on the device
+(`ScheduledRequest.last_token_in_flight`). A request that the pending token finishes by length is
+not scheduled again; one that it finishes otherwise (EOS, a stop id or string) computes one
+discarded row, whose result `update()` drops. Updates come in the order of the schedules.
+
 Policy (like vLLM v1): running requests first, oldest first, each gets one decode token or its next
 prefill chunk; then waiting requests are admitted first-come first-served while the token budget,
 the sequence cap and the free pages allow. A step in which no running request has output yet may
@@ -56,7 +64,8 @@ class Scheduler:
         # Finished by the scheduler itself outside update() (invalid or impossible requests);
         # the next update() reports them so the engine has one place to emit outputs.
         self._finished_unreported: list[Request] = []
-        self._in_flight: dict[str, Request] = {}  # the last schedule()'s requests, for update()
+        # The requests of each scheduled step whose results update() has not applied, oldest first.
+        self._in_flight: deque[dict[str, Request]] = deque()
         self.num_preemptions = 0  # since start; the engine loop turns it into a metric
         self.max_running_per_group = max(1, config.max_num_seqs // 2)
         self._group_running: dict[str, int] = {}  # running requests per group
@@ -122,7 +131,8 @@ class Scheduler:
         update(out, []) anyway.
         """
         budget = self.config.max_num_batched_tokens
-        if self.config.prefill_only_budget is not None and all(not r.output_token_ids for r in self.running):
+        if self.config.prefill_only_budget is not None and all(
+                not r.output_token_ids and not r.num_output_placeholders for r in self.running):
             budget = max(budget, self.config.prefill_only_budget)  # no stream waits on this step
         scheduled: list[tuple[Request, int]] = []
         preempted = False
@@ -137,7 +147,10 @@ class Scheduler:
                 self._finish(request, FinishReason.ERROR, error)
                 self._finished_unreported.append(request)
                 continue  # running[i] is now the next request
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_placeholders and self._ends_by_length(request):
+                i += 1  # its token in flight is its last: nothing more to compute
+                continue
+            n = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + n):
                 victim = self.running[-1]  # never one already scheduled: those are older
                 self._preempt(victim)
@@ -154,6 +167,9 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[i]
+            if request.num_output_placeholders:
+                i += 1  # preempted while its token was in flight: its tokens are not all known yet
+                continue
             if request.group is not None and self._group_running.get(request.group, 0) >= self.max_running_per_group:
                 i += 1  # its group holds its fair share; later requests of other groups go first
                 continue
@@ -179,10 +195,22 @@ class Scheduler:
             scheduled.append((request, n))
             budget -= n
 
-        self._in_flight = {r.request_id: r for r, _ in scheduled}
         released, self._released = self._released, []
         requests = [self._scheduled_request(r, n) for r, n in scheduled]
-        return SchedulerOutput(requests, released, self._bitmask(scheduled, requests))
+        bitmask = self._bitmask(scheduled, requests)
+        for (request, n), s in zip(scheduled, requests):
+            request.num_computed_tokens += n
+            if s.sample:
+                request.num_output_placeholders += 1
+        if scheduled:
+            self._in_flight.append({r.request_id: r for r, _ in scheduled})
+        return SchedulerOutput(requests, released, bitmask)
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Its tokens in flight reach max_tokens or the context length (check_stop's LENGTH)."""
+        pending = request.num_output_placeholders
+        return (request.num_output_tokens + pending >= request.params.max_tokens
+                or request.num_tokens + pending >= self.max_model_len)
 
     def _bitmask(self, scheduled: list[tuple[Request, int]], requests: list[ScheduledRequest]) -> TokenBitmask | None:
         """The token bitmask of this step's sampling rows, if any follows a grammar."""
@@ -203,13 +231,20 @@ class Scheduler:
         if len(results) != len(out.requests):
             raise ValueError(f"{len(results)} results for {len(out.requests)} scheduled requests")
         touched, self._finished_unreported = self._finished_unreported, []
-        advanced = self._advance_grammars(out, results)
+        if out.is_empty:
+            return touched
+        in_flight = self._in_flight.popleft()
+        if len(in_flight) != len(out.requests):
+            raise ValueError("update() got a step other than the oldest one scheduled")
+        advanced = self._advance_grammars(out, results, in_flight)
         for scheduled, result in zip(out.requests, results):
-            request = self._in_flight.get(scheduled.request_id)
+            request = in_flight.get(scheduled.request_id)
             if request is None or request.is_finished:
                 continue
-            request.num_computed_tokens = scheduled.kv_len
-            self.prefix_cache.computed(request)
+            if scheduled.sample:
+                request.num_output_placeholders -= 1
+            if request.status is RequestStatus.RUNNING:  # not preempted since it was scheduled
+                self.prefix_cache.computed(request, scheduled.kv_len)
             if result.prompt_logprobs:
                 self._add_prompt_logprobs(request, scheduled, result)
             error = result.error
@@ -223,15 +258,16 @@ class Scheduler:
                 continue
             self._append(request, result, advanced.get(request.request_id))
             touched.append(request)
-        self._in_flight = {}
         return touched
 
-    def _advance_grammars(self, out: SchedulerOutput, results: Sequence[SampledTokens]) -> dict[str, tuple[bool, bool]]:
+    @staticmethod
+    def _advance_grammars(out: SchedulerOutput, results: Sequence[SampledTokens],
+                          in_flight: dict[str, Request]) -> dict[str, tuple[bool, bool]]:
         """The first new token of every live grammar request, through its matcher in one call:
         request id -> (accepted, terminated)."""
         rows = []
         for scheduled, result in zip(out.requests, results):
-            request = self._in_flight.get(scheduled.request_id)
+            request = in_flight.get(scheduled.request_id)
             if (request is not None and request.matcher is not None and not request.is_finished
                     and scheduled.sample and result.error is None and result.token_ids):
                 rows.append((request, result.token_ids[0]))
@@ -315,17 +351,22 @@ class Scheduler:
 
     def _scheduled_request(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        in_flight = start + n > request.num_tokens  # its last token is the one a launched step samples
+        tokens = _token_slice(request, start, start + n)
+        if in_flight:
+            tokens.append(0)  # the runner writes the sampled id here on the device
         return ScheduledRequest(
             request_id=request.request_id,
-            new_token_ids=_token_slice(request, start, start + n),
+            new_token_ids=tokens,
             num_computed_tokens=start,
             # The live table, like the token lists below: valid for this step, which is all a
             # runner reads (it grows only in a later schedule(); free() leaves it as it was).
             page_ids=self.kv_cache.pages(request.request_id),
-            sample=start + n == request.num_tokens,
+            sample=start + n == request.num_tokens + request.num_output_placeholders,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            last_token_in_flight=in_flight,
         )
 
 

@@ -24,6 +24,12 @@ class PendingLogprobs:
     top_ids: torch.Tensor  # [N, k]
     top_logprobs: torch.Tensor  # [N, k]
 
+    def to_cpu(self) -> PendingLogprobs:
+        """Copies to the host enqueued on the device's stream (a CUDA event tells when they are
+        there; `ModelRunner.launch` records one after them)."""
+        return PendingLogprobs(*(t.to("cpu", non_blocking=True) for t in (self.chosen, self.top_ids,
+                                                                         self.top_logprobs)))
+
     def to_host(self, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
         """One TokenLogprob per row: `token_ids[i]` with its logprob and the row's first
         `num_top[i]` top tokens."""

@@ -44,8 +44,13 @@ class LaunchedStep:
 
     num_requests: int
     sampling: list[int]  # indices of the requests that sample
+    sampled_request_ids: list[str] = field(default_factory=list)  # their ids, in that order
     ids: torch.Tensor | None = None  # their token ids, still on the device
     results: list[SampledTokens] | None = None  # or already on the host (per-row fallback)
+    # Copies to the host, enqueued behind the sampling, and the event that says they are there:
+    # collecting a step must not wait for a step launched after it.
+    host_ids: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
     # Sampling rows (positions in `sampling`) that asked for logprobs, and how many top tokens.
     logprob_rows: list[int] = field(default_factory=list)
     logprob_top: list[int] = field(default_factory=list)
@@ -81,8 +86,13 @@ class NativeCausalLM:
 
 
 class ModelRunner:
-    """Runs one scheduled step: packs its tokens, plans the backend, runs the model, samples."""
+    """Runs one scheduled step: packs its tokens, plans the backend, runs the model, samples.
 
+    A step may be launched while the one before it is still on the device (`launch(out,
+    previous)`): rows whose last token is in flight take it from `previous`'s sampled ids there.
+    """
+
+    overlap_capable = True  # the engine may schedule a step behind one still running
     def __init__(
         self,
         loaded: LoadedModel,
@@ -101,13 +111,15 @@ class ModelRunner:
         self.model: StepModel = model if model is not None else HFCausalLM(loaded.model)
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
 
-    def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = ()) -> torch.Tensor:
+    def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
+                previous: LaunchedStep | None = None) -> torch.Tensor:
         """float32 logits: one row per request with sample=True, in schedule order, then the
-        token rows `prompt_rows` (indices into the step's tokens) for prompt logprobs."""
+        token rows `prompt_rows` (indices into the step's tokens) for prompt logprobs.
+        `previous`: the step before, for the rows whose last token it samples."""
         with torch.inference_mode():
             layout = BatchLayout.build(out.requests, self.page_size, self.cascade)
             token_ids = [t for r in out.requests for t in r.new_token_ids]
-            input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            input_ids = self._input_ids(out, layout, token_ids, previous)
             positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device, non_blocking=True)
             all_sample = all(r.sample for r in out.requests)
             if self.graphs is not None and layout.is_decode_only and all_sample and not prompt_rows:
@@ -119,18 +131,55 @@ class ModelRunner:
             logits_indices = torch.tensor(rows + list(prompt_rows), dtype=torch.long).to(self.device, non_blocking=True)
             return self.model.forward(input_ids, positions, self.backend, logits_indices)
 
+    def _input_ids(self, out: SchedulerOutput, layout: BatchLayout, token_ids: list[int],
+                   previous: LaunchedStep | None) -> torch.Tensor:
+        """The step's token ids on the device, the tokens in flight copied from `previous`'s ids."""
+        dst = [layout.qo_indptr[i + 1] - 1 for i, r in enumerate(out.requests) if r.last_token_in_flight]
+        if not dst:
+            return torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if previous is None:
+            raise ValueError("a step with tokens in flight needs the step that samples them")
+        row_of = {rid: j for j, rid in enumerate(previous.sampled_request_ids)}
+        src = [row_of[r.request_id] for r in out.requests if r.last_token_in_flight]
+        if previous.ids is None:  # sampled row by row: the ids are on the host already
+            assert previous.results is not None
+            for d, j in zip(dst, src):
+                token_ids[d] = previous.results[j].token_ids[0] if previous.results[j].token_ids else 0
+            return torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        k = len(dst)
+        if dst[-1] == k - 1 and src[-1] == k - 1 and dst == src == list(range(k)):
+            input_ids[:k] = previous.ids[:k]  # steady decoding: the same requests in the same order
+        else:
+            index = torch.tensor([dst, src], dtype=torch.long).to(self.device, non_blocking=True)
+            input_ids.index_copy_(0, index[0], previous.ids.index_select(0, index[1]).long())
+        return input_ids
+
     def execute(self, out: SchedulerOutput) -> list[SampledTokens]:
         """One result per `out.requests`, in order (no tokens for a chunk that does not sample)."""
         return self.collect(self.launch(out))
 
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
-        """Enqueues the step's forward, sampling and logprobs without waiting for the device."""
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueues the step's forward, sampling and logprobs without waiting for the device.
+        `previous`: the launched step whose sampled ids fill this step's tokens in flight."""
+        step = self._launch(out, previous)
+        if step.ids is not None:
+            # Enqueued now, so that collect() waits for this step only, not for later ones.
+            step.host_ids = step.ids.to("cpu", non_blocking=True)
+            if step.logprobs is not None:
+                step.logprobs = step.logprobs.to_cpu()
+            if step.ids.is_cuda:
+                step.ready = torch.cuda.Event()
+                step.ready.record()
+        return step
+
+    def _launch(self, out: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         sampling = [i for i, r in enumerate(out.requests) if r.sample]
-        step = LaunchedStep(len(out.requests), sampling)
+        step = LaunchedStep(len(out.requests), sampling, [out.requests[i].request_id for i in sampling])
         if out.is_empty:
             return step
         step.prompt_logprobs = PromptLogprobs.plan(out.requests)
-        logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else ())
+        logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else (), previous)
         requests = [out.requests[i] for i in sampling]
         with torch.inference_mode():
             if step.prompt_logprobs is not None:
@@ -161,7 +210,9 @@ class ModelRunner:
             for i, result in zip(step.sampling, step.results):
                 results[i] = result
         elif step.ids is not None:
-            ids = step.ids.tolist()
+            if step.ready is not None:
+                step.ready.synchronize()
+            ids = (step.host_ids if step.host_ids is not None else step.ids).tolist()
             logprobs: dict[int, object] = {}
             if step.logprobs is not None:
                 chosen = [ids[j] for j in step.logprob_rows]

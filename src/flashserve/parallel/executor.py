@@ -29,7 +29,7 @@ import torch.distributed as dist
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.model.loader import LoadedModel
-from flashserve.model.runner import ModelRunner, warm_up
+from flashserve.model.runner import LaunchedStep, ModelRunner, warm_up
 from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group
 from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
 from flashserve.parallel.worker import WireStep, build_rank_runner, control_group, encode_step, rank_device, run_worker
@@ -52,7 +52,13 @@ class TensorParallelRunner(ModelRunner):
         self.closed = False
         self.num_threads = torch.get_num_threads()  # this process's CPU threads to restore at close
 
-    def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = ()) -> torch.Tensor:
+    # The workers get a step's token ids from rank 0's message, so every token must be on the host.
+    overlap_capable = False
+
+    def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
+                previous: LaunchedStep | None = None) -> torch.Tensor:
+        if any(r.last_token_in_flight for r in out.requests):
+            raise ValueError("tensor-parallel steps take no tokens in flight")
         self._send(encode_step(out, list(prompt_rows)))
         try:
             return super().forward(out, prompt_rows)
