@@ -279,15 +279,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Built with cascade on, so that cascade decode graphs are captured; each configuration sets
         # the policy. The same LLM for the rest, which alternate `--rounds` times; the best round
         # of each is kept.
-        configs = {"prefix caching, arrival order": (None, False), "prefix-sharing groups": (None, True),
-                   "groups + cascade": (CascadePolicy(), True)}
+        # (cascade policy, grouping, overlap scheduling)
+        configs = {"prefix caching, arrival order": (None, False, True), "prefix-sharing groups": (None, True, True),
+                   "groups + cascade": (CascadePolicy(), True, True),
+                   "groups, steps in turn (no overlap scheduling)": (None, True, False)}
         best: dict[str, dict[str, Any]] = {}
         for _ in range(args.rounds):
-            for name, (policy, grouping) in configs.items():
+            for name, (policy, grouping, overlap) in configs.items():
                 llm.engine.executor.cascade = policy
+                llm.engine.overlap = overlap
                 r = offline(llm, group_prompts(rng, *shape), args.out_tokens, grouping)
                 if name not in best or r["requests_per_s"] > best[name]["requests_per_s"]:
                     best[name] = r
+        llm.engine.overlap = True
         for name, r in best.items():
             runs[name] = r
         if "profile" not in skip and torch.cuda.is_available():

@@ -37,6 +37,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--overlap", choices=["on", "off", "both"], default="both",
+                   help="overlap scheduling in the timed runs; both: one run with it, then one without")
     args = p.parse_args()
 
     from flashserve.llm import LLM
@@ -78,12 +80,16 @@ def main() -> None:
         runner.graphs = timed(totals, "    graph replay (with its plan)", runner.graphs)
         runner.backend.plan_cuda_graph = timed(totals, "      plan_cuda_graph", runner.backend.plan_cuda_graph)
     engine._process = timed(totals, "outputs (detokenize, stop strings)", engine._process)
-    steps, wall = run("timed")
+    for overlap in {"on": [True], "off": [False], "both": [True, False]}[args.overlap]:
+        engine.overlap = overlap
+        totals.clear()
+        steps, wall = run(f"timed-{overlap}")
+        print(f"{args.batch} x {args.prompt} in / {args.output} out, overlap scheduling {'on' if overlap else 'off'}: "
+              f"{steps} steps in {wall:.3f} s, {args.batch * args.output / wall:.0f} output tok/s, "
+              f"{wall / steps * 1e3:.3f} ms per step")
+        for name, total in sorted(totals.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:40s} {total / steps * 1e3:7.3f} ms per step")
     gc.callbacks.remove(on_gc)
-    print(f"{args.batch} x {args.prompt} in / {args.output} out: {steps} steps in {wall:.3f} s, "
-          f"{args.batch * args.output / wall:.0f} output tok/s, {wall / steps * 1e3:.3f} ms per step")
-    for name, total in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:40s} {total / steps * 1e3:7.3f} ms per step")
     print("  (launch includes forward, which includes the graph replay or plan + eager forward, then sample_ids)")
     profiler = cProfile.Profile()
     profiler.enable()
