@@ -16,7 +16,8 @@ from flashserve.sampling_params import SamplingParams
 
 
 class RecordingSampler:
-    """Keeps the logits row each request was sampled from, keyed by (request id, output length)."""
+    """Keeps the logits row each request was sampled from, keyed by (request id, output position):
+    a row whose last token is in flight samples the output after that token."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -24,7 +25,7 @@ class RecordingSampler:
 
     def sample_ids(self, logits, requests, bitmask=None):
         for row, r in zip(logits, requests):
-            self.rows[(r.request_id, len(r.output_token_ids))] = row.float().cpu()
+            self.rows[(r.request_id, len(r.output_token_ids) + r.last_token_in_flight)] = row.float().cpu()
         return self.inner.sample_ids(logits, requests, bitmask)
 
 
