@@ -1,15 +1,19 @@
 """The runner's side of overlap scheduling: a row whose token is in flight takes it from the step
-before on the device, and its logits equal transformers' eager forward over the whole sequence."""
+before on the device, and its logits equal transformers' eager forward over the whole sequence;
+seeds and min_tokens count the token in flight."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from test_model_hf import Requests, build_model, eager_logits, make_runner
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput, sample_error, sampled
+from flashserve.llm import LLM
 from flashserve.model.runner import LaunchedStep
+from flashserve.sampling_params import SamplingParams
 
 
 def in_flight(reqs: Requests, rid: str, position: int) -> ScheduledRequest:
@@ -60,3 +64,31 @@ def test_tokens_in_flight_from_a_step_sampled_row_by_row_come_from_its_results()
     logits = runner.forward(SchedulerOutput([in_flight(reqs, "a", 7)]), (), previous)
     reqs.tokens["a"][7] = 42
     torch.testing.assert_close(logits[0], eager_logits(model, reqs.tokens["a"])[7], atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("", max_num_seqs=4, num_pages=96)
+
+
+def generate(llm: LLM, overlap: bool, params: SamplingParams) -> list[list[int]]:
+    llm.engine.overlap = overlap
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 200, 300, 400]]
+    return [r.token_ids for r in llm.generate(prompts, params)]
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_and_without_overlap(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    assert params.schedules_ahead
+    assert generate(llm, True, params) == generate(llm, False, params)
+
+
+def test_min_tokens_counts_the_token_in_flight(llm: LLM) -> None:
+    llm.engine.overlap = True
+    prompt = [[1, 2, 3, 4, 5]]
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    k = next(k for k in range(3, 12) if greedy[k] not in greedy[:k])
+    # Masked while fewer than k tokens exist, the stop id is free at output k, where greedy picks it.
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=k, stop_token_ids=(greedy[k],))
+    (result,) = llm.generate(prompt, params)
+    assert result.token_ids == greedy[: k + 1] and result.finish_reason == "stop"

@@ -99,11 +99,10 @@ class SamplingParams:
     @functools.cached_property
     def schedules_ahead(self) -> bool:
         """Whether the request's next step may be scheduled before its last token reaches the
-        host: not when the sampler reads its output so far (penalties, min_tokens, the per-token
-        seeds), its grammar needs the token for the next mask, or its prompt logprobs are copied to
-        the host (which would wait for the step launched behind)."""
-        return not (self.needs_penalties or self.min_tokens or (self.seed is not None and not self.greedy)
-                    or self.grammar is not None or self.prompt_logprobs is not None)
+        host: not when penalties count its output tokens, its grammar needs the token for the next
+        mask, or its prompt logprobs are copied to the host (which would wait for the step launched
+        behind). min_tokens and seeds need only the count of its outputs, which the host knows."""
+        return not (self.needs_penalties or self.grammar is not None or self.prompt_logprobs is not None)
 
     @property
     def needs_penalties(self) -> bool:

@@ -33,6 +33,12 @@ class ScheduledRequest:
     last_token_in_flight: bool = False
 
     @property
+    def num_prior_outputs(self) -> int:
+        """Output tokens before the one this row samples (min_tokens and per-token seeds count
+        them), the one in flight included."""
+        return len(self.output_token_ids) + self.last_token_in_flight
+
+    @property
     def num_new_tokens(self) -> int:
         return len(self.new_token_ids)
 

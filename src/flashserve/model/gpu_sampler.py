@@ -52,7 +52,7 @@ class FlashInferSampler(Sampler):
                 continue
             # Alone in its call: the row index enters the Philox stream, so a batch would shift it.
             gen = torch.Generator(device=device)
-            gen.manual_seed(step_seed(r.params.seed, len(r.output_token_ids)))
+            gen.manual_seed(step_seed(r.params.seed, r.num_prior_outputs))
             ids[i : i + 1] = self._draw(probs[i : i + 1], [r.params], gen)
         return ids
 

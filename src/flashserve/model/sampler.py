@@ -143,7 +143,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest])
     cols: list[int] = []
     vocab = logits.shape[1]
     for i, r in enumerate(requests):
-        if len(r.output_token_ids) >= r.params.min_tokens:
+        if r.num_prior_outputs >= r.params.min_tokens:
             continue
         banned = set(r.params.stop_token_ids)
         if not r.params.ignore_eos:
@@ -250,7 +250,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} requests")
         if not requests:
             return torch.empty(0, dtype=torch.long, device=logits.device)
-        needs_min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
+        needs_min_tokens = any(r.num_prior_outputs < r.params.min_tokens for r in requests)
         needs_penalties = any(r.params.needs_penalties for r in requests)
         needs_bias = any(r.params.logit_bias for r in requests)
         all_greedy = all(r.params.greedy for r in requests)
@@ -307,7 +307,7 @@ class Sampler:
         for i, r in enumerate(requests):
             if r.params.seed is not None and not greedy[i]:
                 gen = torch.Generator(device=device)
-                gen.manual_seed(step_seed(r.params.seed, len(r.output_token_ids)))
+                gen.manual_seed(step_seed(r.params.seed, r.num_prior_outputs))
                 noise[i].exponential_(generator=gen)
         # A zero draw would make 0/0 = nan for a masked token, and argmax picks nan.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
