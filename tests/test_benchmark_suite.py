@@ -227,7 +227,8 @@ def test_batchllm_bench_reports_every_configuration(tiny_model: str, tmp_path: P
     ]) == 0
     doc = json.loads((tmp_path / "cpu" / "batchllm" / "batchllm.json").read_text())
     assert list(doc["offline"]) == ["no caching", "prefix caching, arrival order", "prefix-sharing groups",
-                                    "groups + cascade", "run-batch (groups)"]
+                                    "groups + cascade", "groups, steps in turn (no overlap scheduling)",
+                                    "run-batch (groups)"]
     assert doc["offline"]["no caching"]["computed_share"] == 1.0
     assert doc["offline"]["prefix-sharing groups"]["computed_share"] < 0.6  # each prefix computed once
     assert list(doc["decode"]) == ["cascade off", "cascade on"]
