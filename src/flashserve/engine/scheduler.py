@@ -141,16 +141,19 @@ class Scheduler:
         capacity_tokens = self.kv_cache.capacity * self.kv_cache.page_size
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            num_tokens = request.num_tokens  # known tokens, read once: this loop is per request per step
             # The capacity check of `_capacity_error`, inline: every running request, every step.
-            error = self._capacity_error(request) if request.num_tokens > capacity_tokens else None
+            error = self._capacity_error(request) if num_tokens > capacity_tokens else None
             if error is not None:
                 self._finish(request, FinishReason.ERROR, error)
                 self._finished_unreported.append(request)
                 continue  # running[i] is now the next request
-            if request.num_output_placeholders and self._ends_by_length(request):
-                i += 1  # its token in flight is its last: nothing more to compute
+            pending = request.num_output_placeholders
+            if pending and (request.num_output_tokens + pending >= request.params.max_tokens
+                            or num_tokens + pending >= self.max_model_len):
+                i += 1  # its token in flight is its last (check_stop's LENGTH): nothing more to compute
                 continue
-            n = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            n = min(num_tokens + pending - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + n):
                 victim = self.running[-1]  # never one already scheduled: those are older
                 self._preempt(victim)
@@ -196,21 +199,10 @@ class Scheduler:
             budget -= n
 
         released, self._released = self._released, []
-        requests = [self._scheduled_request(r, n) for r, n in scheduled]
-        bitmask = self._bitmask(scheduled, requests)
-        for (request, n), s in zip(scheduled, requests):
-            request.num_computed_tokens += n
-            if s.sample:
-                request.num_output_placeholders += 1
+        requests = [self._scheduled_request(r, n) for r, n in scheduled]  # advances each request
         if scheduled:
             self._in_flight.append({r.request_id: r for r, _ in scheduled})
-        return SchedulerOutput(requests, released, bitmask)
-
-    def _ends_by_length(self, request: Request) -> bool:
-        """Its tokens in flight reach max_tokens or the context length (check_stop's LENGTH)."""
-        pending = request.num_output_placeholders
-        return (request.num_output_tokens + pending >= request.params.max_tokens
-                or request.num_tokens + pending >= self.max_model_len)
+        return SchedulerOutput(requests, released, self._bitmask(scheduled, requests))
 
     def _bitmask(self, scheduled: list[tuple[Request, int]], requests: list[ScheduledRequest]) -> TokenBitmask | None:
         """The token bitmask of this step's sampling rows, if any follows a grammar."""
@@ -350,11 +342,18 @@ class Scheduler:
         request.finish(reason, error)
 
     def _scheduled_request(self, request: Request, n: int) -> ScheduledRequest:
+        """The request's share of the step; its computed tokens (and placeholders) advance by it."""
         start = request.num_computed_tokens
-        in_flight = start + n > request.num_tokens  # its last token is the one a launched step samples
-        tokens = _token_slice(request, start, start + n)
+        end = start + n
+        known = request.num_tokens
+        in_flight = end > known  # its last token is the one a launched step samples
+        tokens = _token_slice(request, start, end)
         if in_flight:
             tokens.append(0)  # the runner writes the sampled id here on the device
+        sample = end == known + request.num_output_placeholders
+        request.num_computed_tokens = end
+        if sample:
+            request.num_output_placeholders += 1
         return ScheduledRequest(
             request_id=request.request_id,
             new_token_ids=tokens,
@@ -362,7 +361,7 @@ class Scheduler:
             # The live table, like the token lists below: valid for this step, which is all a
             # runner reads (it grows only in a later schedule(); free() leaves it as it was).
             page_ids=self.kv_cache.pages(request.request_id),
-            sample=start + n == request.num_tokens + request.num_output_placeholders,
+            sample=sample,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
