@@ -139,17 +139,23 @@ class ModelRunner:
             return torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         if previous is None:
             raise ValueError("a step with tokens in flight needs the step that samples them")
-        row_of = {rid: j for j, rid in enumerate(previous.sampled_request_ids)}
-        src = [row_of[r.request_id] for r in out.requests if r.last_token_in_flight]
+        k = len(dst)
+        ids = [r.request_id for r in out.requests if r.last_token_in_flight]
+        # Steady decoding: the step opens with the requests that sampled last step, in their order.
+        steady = dst[-1] == k - 1 and ids == previous.sampled_request_ids[:k]
+        if steady:
+            src = dst
+        else:
+            row_of = {rid: j for j, rid in enumerate(previous.sampled_request_ids)}
+            src = [row_of[rid] for rid in ids]
         if previous.ids is None:  # sampled row by row: the ids are on the host already
             assert previous.results is not None
             for d, j in zip(dst, src):
                 token_ids[d] = previous.results[j].token_ids[0] if previous.results[j].token_ids else 0
             return torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        k = len(dst)
-        if dst[-1] == k - 1 and src[-1] == k - 1 and dst == src == list(range(k)):
-            input_ids[:k] = previous.ids[:k]  # steady decoding: the same requests in the same order
+        if steady:
+            input_ids[:k] = previous.ids[:k]
         else:
             index = torch.tensor([dst, src], dtype=torch.long).to(self.device, non_blocking=True)
             input_ids.index_copy_(0, index[0], previous.ids.index_select(0, index[1]).long())
