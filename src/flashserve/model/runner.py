@@ -93,6 +93,7 @@ class ModelRunner:
     """
 
     overlap_capable = True  # the engine may schedule a step behind one still running
+
     def __init__(
         self,
         loaded: LoadedModel,
@@ -134,28 +135,28 @@ class ModelRunner:
     def _input_ids(self, out: SchedulerOutput, layout: BatchLayout, token_ids: list[int],
                    previous: LaunchedStep | None) -> torch.Tensor:
         """The step's token ids on the device, the tokens in flight copied from `previous`'s ids."""
-        dst = [layout.qo_indptr[i + 1] - 1 for i, r in enumerate(out.requests) if r.last_token_in_flight]
-        if not dst:
-            return torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        if previous is None:
-            raise ValueError("a step with tokens in flight needs the step that samples them")
-        k = len(dst)
-        ids = [r.request_id for r in out.requests if r.last_token_in_flight]
-        # Steady decoding: the step opens with the requests that sampled last step, in their order.
-        steady = dst[-1] == k - 1 and ids == previous.sampled_request_ids[:k]
-        if steady:
-            src = dst
-        else:
-            row_of = {rid: j for j, rid in enumerate(previous.sampled_request_ids)}
-            src = [row_of[rid] for rid in ids]
-        if previous.ids is None:  # sampled row by row: the ids are on the host already
-            assert previous.results is not None
-            for d, j in zip(dst, src):
-                token_ids[d] = previous.results[j].token_ids[0] if previous.results[j].token_ids else 0
-            return torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        in_flight = [(layout.qo_indptr[i + 1] - 1, r.request_id)
+                     for i, r in enumerate(out.requests) if r.last_token_in_flight]
+        dst, src = [d for d, _ in in_flight], []
+        if in_flight:
+            if previous is None:
+                raise ValueError("a step with tokens in flight needs the step that samples them")
+            k, ids = len(dst), [rid for _, rid in in_flight]
+            # Steady decoding: the step opens with the requests that sampled last step, in their order.
+            if dst[-1] == k - 1 and ids == previous.sampled_request_ids[:k]:
+                src = dst
+            else:
+                row_of = {rid: j for j, rid in enumerate(previous.sampled_request_ids)}
+                src = [row_of[rid] for rid in ids]
+            if previous.ids is None:  # sampled row by row: the ids are on the host already
+                assert previous.results is not None
+                for d, j in zip(dst, src):
+                    token_ids[d] = previous.results[j].token_ids[0] if previous.results[j].token_ids else 0
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        if steady:
-            input_ids[:k] = previous.ids[:k]
+        if not in_flight or previous is None or previous.ids is None:
+            return input_ids
+        if src is dst:  # steady: one slice
+            input_ids[: len(dst)] = previous.ids[: len(dst)]
         else:
             index = torch.tensor([dst, src], dtype=torch.long).to(self.device, non_blocking=True)
             input_ids.index_copy_(0, index[0], previous.ids.index_select(0, index[1]).long())
@@ -218,7 +219,8 @@ class ModelRunner:
         elif step.ids is not None:
             if step.ready is not None:
                 step.ready.synchronize()
-            ids = (step.host_ids if step.host_ids is not None else step.ids).tolist()
+            assert step.host_ids is not None  # launch() enqueues the copy with the ids
+            ids = step.host_ids.tolist()
             logprobs: dict[int, object] = {}
             if step.logprobs is not None:
                 chosen = [ids[j] for j in step.logprob_rows]
