@@ -1,6 +1,7 @@
 """`flashserve run-batch`: batch lines parsed, ordered by shared prefixes, sent through the server's
-app in-process; result lines for every input line, shaped like the OpenAI Batch API's, with the
-server's own bodies. The end-to-end run uses the embedded SmolLM2 model once per module."""
+app in a process of its own beside the engine's; result lines for every input line, shaped like the
+OpenAI Batch API's, with the server's own bodies. The end-to-end run uses the embedded SmolLM2
+model once per module."""
 
 from __future__ import annotations
 
@@ -107,6 +108,9 @@ INPUT = [
     line("too-hot", "/v1/chat/completions",
          {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 5}),
     line("bad-url", "/v1/embeddings", {"input": "x"}),
+    line("choice-1", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "Red or blue?"}], "max_tokens": 8, "temperature": 0,
+          "structured_outputs": {"choice": ["red", "blue"]}}),
 ]
 
 
@@ -133,7 +137,7 @@ def test_the_run_exits_0_although_some_lines_failed(run: Any) -> None:
 
 @pytest.mark.slow
 def test_every_non_blank_line_gets_one_result_line(run: Any) -> None:
-    assert set(run[1]) == {"chat-1", "chat-2", "text-1", "ids-1", None, "too-hot", "bad-url"}
+    assert set(run[1]) == {"chat-1", "chat-2", "text-1", "ids-1", None, "too-hot", "bad-url", "choice-1"}
 
 
 @pytest.mark.slow
@@ -181,3 +185,26 @@ def test_the_400_body_equals_what_the_server_answers_over_http(run: Any) -> None
 def test_a_malformed_line_gets_an_error_line_without_a_response(run: Any, custom_id: Any, code: str) -> None:
     result = run[1][custom_id]
     assert result["response"] is None and result["error"]["code"] == code and result["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_line_with_a_grammar_gets_output_that_follows_it(run: Any) -> None:
+    body = run[1]["choice-1"]["response"]["body"]
+    assert body["choices"][0]["message"]["content"] in ("red", "blue")
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_fails_the_open_lines_and_the_run_exits_1(
+        run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stack = run[2]
+
+    def broken_step() -> list:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(stack.engine, "step", broken_step)
+    (tmp_path / "in.jsonl").write_text("\n".join(INPUT[:4]) + "\n")
+    code = main(batch_args("-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--no-progress"),
+                stack=stack)
+    results = [json.loads(text) for text in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert code == 1 and len(results) == 4
+    assert all(r["response"]["status_code"] >= 500 for r in results)

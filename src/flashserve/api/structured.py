@@ -21,11 +21,21 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
-
-import xgrammar as xgr
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from flashserve.sampling_params import InvalidParameter
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def _xgr() -> ModuleType:
+    """xgrammar, imported on first use: it imports torch (about 1.5 s), which an app process that
+    serves no grammar never needs (run-batch's)."""
+    import xgrammar
+
+    return xgrammar
 
 GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
@@ -275,16 +285,16 @@ class XGrammar:
                  batch: xgr.BatchGrammarMatcher | None = None) -> None:
         self.spec = spec
         self.compiled = compiled
-        self._batch = batch if batch is not None else xgr.BatchGrammarMatcher(max_threads=1)
+        self._batch = batch if batch is not None else _xgr().BatchGrammarMatcher(max_threads=1)
         # A matcher terminates when it accepts one of these (the model's EOS ids).
         self._stop_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
 
     def new_matcher(self) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(self.compiled)
+        return _xgr().GrammarMatcher(self.compiled)
 
     def advance(self, matchers: Sequence[xgr.GrammarMatcher], token_ids: Sequence[int]) -> list[tuple[bool, bool]]:
         """Every matcher takes its token in one call (any grammars of this compiler's tokenizer)."""
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(list(matchers), list(token_ids))
+        accepted = _xgr().BatchGrammarMatcher.batch_accept_token(list(matchers), list(token_ids))
         return [(ok, ok and token in self._stop_ids) for ok, token in zip(accepted, token_ids)]
 
     def fill_bitmasks(self, matchers: Sequence[xgr.GrammarMatcher], bitmask: Any) -> None:
@@ -306,12 +316,12 @@ class GrammarCompiler:
         """max_threads: for compiling and for filling a step's masks (default: up to 8 cores)."""
         max_threads = max_threads or max(1, min(8, os.cpu_count() or 1))
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+        self.tokenizer_info = _xgr().TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids) or None
         )
         # xgrammar's own cache is unbounded; ours is bounded and also shares in-flight compiles.
-        self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
-        self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+        self._xgr = _xgr().GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        self._batch = _xgr().BatchGrammarMatcher(max_threads=max_threads)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="grammar-compile")
         self._cache_size = cache_size
         self._cache: OrderedDict[GrammarSpec, XGrammar] = OrderedDict()
@@ -376,7 +386,7 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json":
-            ebnf = str(xgr.Grammar.from_json_schema(spec.value, any_whitespace=False))
+            ebnf = str(_xgr().Grammar.from_json_schema(spec.value, any_whitespace=False))
             return self._xgr.compile_grammar(unroll_bounded_strings(json_string_characters(ebnf)))
         if spec.kind == "json_object":
             # Any object (not any JSON value), on one line like the schema outputs.

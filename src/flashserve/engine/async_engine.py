@@ -16,37 +16,19 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Callable
 
-from flashserve.engine.client import EngineDead, EngineOverloaded
+from flashserve.engine.client import EngineOverloaded
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.streams import Abort, Add, OutputStreams, error_output
 from flashserve.metrics import Metrics, StepStats
-from flashserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    group: str | None = None
-    cache_salt: str | None = None
-    stream: bool = True
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-    error: str | None = None  # None: the client went away; else why the server gave up on it
-
-
-class AsyncEngine:
+class AsyncEngine(OutputStreams):
     """An `EngineClient` over an `LLMEngine` run by a background thread.
 
     `max_waiting` bounds the requests queued for the engine (new or preempted): past it,
@@ -69,17 +51,16 @@ class AsyncEngine:
             raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
         if queue_timeout is not None and queue_timeout <= 0:
             raise ValueError(f"queue_timeout must be positive, got {queue_timeout}")
+        super().__init__(max_model_len)
         self.engine = engine
-        self.max_model_len = max_model_len
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.queue_timeout = queue_timeout
         self.on_dead = on_dead
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[Add | Abort] = []
         self._wakeup = threading.Condition()
         # Guarded by _wakeup: waiting requests as of the last loop turn, plus adds sent since.
         self._num_waiting = 0
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -115,69 +96,22 @@ class AsyncEngine:
         """Why the engine loop died, or None while it lives (or stopped normally)."""
         return self._dead
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
-        cache_salt: str | None = None, stream: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
-        # From the health check to the registration nothing awaits, so a loop that dies meanwhile
-        # finds this stream in _streams when its _fail_all runs on this event loop.
-        if not self.is_healthy():
-            raise EngineDead(self._dead or "the engine is not running")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def _admit(self, add: Add) -> None:
         # Here, not only in the engine loop: a bad id is the client's error (InvalidParameter), and
         # it never enters the queue.
-        self.engine.check_request(prompt_token_ids, params)
+        self.engine.check_request(add.prompt_token_ids, add.params)
         with self._wakeup:
             if self.max_waiting is not None and self._num_waiting >= self.max_waiting:
                 raise EngineOverloaded(
                     f"the server is overloaded: {self._num_waiting} requests are already waiting; retry later")
             self._num_waiting += 1
-            self._inbox.append(_Add(request_id, list(prompt_token_ids), params, group, cache_salt, stream))
+            self._inbox.append(add)
             self._wakeup.notify()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = queue
-        finished = False
-        try:
-            while True:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:  # the consumer went away (client disconnect): free its pages
-                self._send(_Abort(request_id))
 
-    def abort(self, request_id: str, error: str | None = None) -> None:
-        self._send(_Abort(request_id, error))
-
-    def abort_all(self, error: str) -> None:
-        """End every open request with `error` (graceful shutdown past its deadline)."""
-        for request_id in list(self._streams):
-            self._send(_Abort(request_id, error))
-
-    def _send(self, item: _Add | _Abort) -> None:
+    def _send(self, item: Abort) -> None:
         with self._wakeup:
             self._inbox.append(item)
             self._wakeup.notify()
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        streams = self._streams
-        for out in outputs:
-            queue = streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
-
-    def _fail_all(self, message: str) -> None:
-        """Event-loop side: every open stream gets a final error output."""
-        for request_id, queue in list(self._streams.items()):
-            queue.put_nowait(_error_output(request_id, 0, message))
 
     def _died(self, message: str) -> None:
         self._fail_all(message)
@@ -217,10 +151,10 @@ class AsyncEngine:
                 except RuntimeError:  # the event loop is closed
                     pass
 
-    def _apply(self, inbox: list[_Add | _Abort]) -> list[RequestOutput]:
+    def _apply(self, inbox: list[Add | Abort]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for item in inbox:
-            if isinstance(item, _Abort):
+            if isinstance(item, Abort):
                 aborted = self.engine.abort(item.request_id, item.error)
                 if aborted is not None:
                     outputs.append(aborted)
@@ -229,7 +163,7 @@ class AsyncEngine:
                 self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.group,
                                         item.cache_salt, item.stream)
             except Exception as exc:
-                outputs.append(_error_output(item.request_id, len(item.prompt_token_ids), str(exc)))
+                outputs.append(error_output(item.request_id, len(item.prompt_token_ids), str(exc)))
         return outputs
 
     def _expire(self, now: float) -> list[RequestOutput]:
@@ -255,7 +189,7 @@ class AsyncEngine:
         (`generation_tokens`: the step's output tokens, those held for requests not streamed included)."""
         scheduler = self.engine.scheduler
         with self._wakeup:
-            self._num_waiting = scheduler.num_waiting + sum(isinstance(i, _Add) for i in self._inbox)
+            self._num_waiting = scheduler.num_waiting + sum(isinstance(i, Add) for i in self._inbox)
         if self.metrics is None:
             return
         queue_times: list[float] = []
@@ -291,15 +225,3 @@ class AsyncEngine:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-
-def _error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        new_token_ids=[],
-        new_text="",
-        finished=True,
-        finish_reason="error",
-        num_prompt_tokens=num_prompt_tokens,
-        num_output_tokens=0,
-        error=message,
-    )

@@ -66,6 +66,13 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
             f"{vocab_size} tokens (ids 0 to {vocab_size - 1})")
 
 
+def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int) -> None:
+    """Raises InvalidParameter for token ids the model cannot take (prompt, stop ids, logit_bias)."""
+    check_token_ids(prompt_token_ids, vocab_size, "prompt")
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids([token for token, _ in params.logit_bias], vocab_size, "logit_bias")
+
+
 class LLMEngine:
     def __init__(
         self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None, *, vocab_size: int,
@@ -95,9 +102,7 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises InvalidParameter for token ids the model cannot take (prompt, stop ids, logit_bias)."""
-        check_token_ids(prompt_token_ids, self.vocab_size, "prompt")
-        check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
-        check_token_ids([token for token, _ in params.logit_bias], self.vocab_size, "logit_bias")
+        check_request(prompt_token_ids, params, self.vocab_size)
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, group: str | None = None,

@@ -1,0 +1,233 @@
+"""run-batch's app process: every batch line goes through the server's own app here, in a process of
+its own, while the engine runs in the process that started this one (`flashserve.batch`).
+
+The app's work for a line (JSON, validation, tokenizing, the handler, the response body) holds
+Python's GIL; in the engine's process it would take turns with the engine loop, whose host work
+bounds a step on a fast GPU. Here the two run side by side. The engine process sends an `AppSetup`
+once the model is loaded; this process then sends each request the app submits (`Add`, its
+grammar as a spec, which the engine process compiles) and each abort, and gets back each step's
+outputs, through two multiprocessing queues. Everything that crosses is plain data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from multiprocessing.queues import Queue
+from typing import IO, Any
+
+# At module level: the spawned process imports the app (2 s) while the engine process loads the model.
+from flashserve.api.options import APIOptions
+from flashserve.api.server import build_app
+from flashserve.batch_lines import BatchRequest, LineError, error_line, parse_line, post, result_line
+from flashserve.engine.engine import check_request
+from flashserve.engine.streams import Abort, Add, OutputStreams
+
+logger = logging.getLogger("flashserve")
+
+
+@dataclass(frozen=True)
+class AppSetup:
+    """What the app process needs from the engine process, sent once the model is loaded."""
+
+    tokenizer: Any
+    served_model_names: list[str]
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    api: APIOptions
+    input_file: str
+    output_file: str
+    order: list[int]  # the line numbers of the valid requests, in submission order
+    max_concurrency: int
+    progress: bool
+    log_level: str
+
+
+class RemoteEngine(OutputStreams):
+    """An `EngineClient` whose engine runs in the process at the other end of two queues:
+    `to_engine` takes ("add", (Add, grammar spec or None)) and ("abort", Abort); `from_engine` brings
+    ("outputs", [RequestOutput]) per step and ("dead", reason) if the engine loop dies."""
+
+    def __init__(self, max_model_len: int, vocab_size: int, to_engine: Queue, from_engine: Queue) -> None:
+        super().__init__(max_model_len)
+        self.vocab_size = vocab_size
+        self._to_engine = to_engine
+        self._from_engine = from_engine
+        self._dead: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Starts reading the engine's messages; call from the event loop that consumes them."""
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._read, name="flashserve-engine-outputs", daemon=True).start()
+
+    def shutdown(self) -> None:
+        self._fail_all("the run is over")
+
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    def _admit(self, add: Add) -> None:
+        check_request(add.prompt_token_ids, add.params, self.vocab_size)  # a bad id is the client's 400
+        grammar = add.params.grammar
+        if grammar is not None:  # compiled objects stay here; the engine process compiles the spec
+            add = replace(add, params=replace(add.params, grammar=None))
+        self._to_engine.put(("add", (add, grammar.spec if grammar is not None else None)))
+
+    def _send(self, item: Abort) -> None:
+        self._to_engine.put(("abort", item))
+
+    def _read(self) -> None:
+        assert self._loop is not None
+        while True:
+            message = self._from_engine.get()
+            try:
+                self._loop.call_soon_threadsafe(self._receive, message)
+            except RuntimeError:  # the event loop is closed: the run is over
+                return
+
+    def _receive(self, message: tuple[str, Any]) -> None:
+        kind, value = message
+        if kind == "outputs":
+            self._dispatch(value)
+        elif kind == "dead":
+            self._dead = value
+            self._fail_all(value)
+
+
+@dataclass
+class Tally:
+    """What the result lines add up to, for the progress bar and the summary."""
+
+    num_ok: int = 0
+    num_failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, line: dict[str, Any]) -> None:
+        response = line["response"]
+        if response is None or response["status_code"] != 200:
+            self.num_failed += 1
+            return
+        self.num_ok += 1
+        body = response["body"]
+        usage = (body.get("usage") if isinstance(body, dict) else None) or {}
+        self.prompt_tokens += usage.get("prompt_tokens", 0)
+        self.completion_tokens += usage.get("completion_tokens", 0)
+        self.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    def summary(self) -> str:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        total = self.num_ok + self.num_failed
+        computed = self.prompt_tokens - self.cached_tokens
+        return "\n".join((
+            f"requests: {self.num_ok} ok, {self.num_failed} failed, {total} in {elapsed:.1f} s "
+            f"({total / elapsed:.2f} requests/s)",
+            f"tokens: {self.prompt_tokens} prompt ({computed} computed, {self.cached_tokens} from the prefix "
+            f"cache), {self.completion_tokens} completion",
+            f"throughput: {self.completion_tokens / elapsed:.1f} completion tokens/s, "
+            f"{(self.prompt_tokens + self.completion_tokens) / elapsed:.1f} total tokens/s",
+        ))
+
+
+def main(to_engine: Queue, from_engine: Queue) -> None:
+    """The app process: waits for the setup (None: the engine did not load), runs every line, and
+    sends ("done", the run's summary)."""
+    try:
+        setup = from_engine.get()
+        if setup is None:
+            return
+        logging.basicConfig(level=setup.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if setup.log_level != "DEBUG":  # one log line per request would bury the progress bar
+            logging.getLogger("flashserve.requests").setLevel(logging.WARNING)
+        engine = RemoteEngine(setup.max_model_len, setup.vocab_size, to_engine, from_engine)
+        app = build_app(engine, setup.tokenizer, setup.served_model_names, setup.max_model_len,
+                        eos_token_ids=setup.eos_token_ids, options=setup.api, vocab_size=setup.vocab_size)
+        with open(setup.input_file, encoding="utf-8") as f:
+            items = [parse_line(text, n) for n, text in enumerate(f, 1) if text.strip()]
+        errors = [item for item in items if isinstance(item, LineError)]
+        by_line = {item.line_no: item for item in items if isinstance(item, BatchRequest)}
+        requests = [by_line[n] for n in setup.order]
+        with open(setup.output_file, "w", encoding="utf-8") as out:
+            tally = asyncio.run(run_lines(app, engine, errors, requests, out, setup.max_concurrency, setup.progress))
+        to_engine.put(("done", tally.summary()))
+    except KeyboardInterrupt:  # the engine process, interrupted too, reports it
+        sys.exit(130)
+
+
+async def run_lines(app: Any, engine: RemoteEngine, errors: list[LineError], requests: list[BatchRequest],
+                    out: IO[str], max_concurrency: int, progress: bool) -> Tally:
+    """Every request through `app`, at most `max_concurrency` at once, in order; a result line is
+    written (and flushed) as each finishes, after an error line for each malformed line."""
+    tally = Tally()
+    bar = _progress_bar(len(errors) + len(requests), progress)
+    last_postfix = 0.0
+
+    def write(line: dict[str, Any]) -> None:
+        nonlocal last_postfix
+        out.write(json.dumps(line, ensure_ascii=False) + "\n")
+        out.flush()
+        tally.add(line)
+        if bar is None:
+            return
+        bar.update(1)
+        now = time.perf_counter()
+        if now - last_postfix > 0.5:
+            last_postfix = now
+            bar.set_postfix_str(f"{tally.completion_tokens / max(now - tally.start, 1e-9):.0f} tok/s", refresh=False)
+
+    for error in errors:
+        write(error_line(error))
+    slots = asyncio.Semaphore(max_concurrency)
+    pending: set[asyncio.Task[None]] = set()
+
+    async def one(request: BatchRequest) -> None:
+        try:
+            status, request_id, body = await post(app, request.url, request.payload)
+        except Exception as exc:  # the app gave no answer at all: this line fails alone
+            logger.exception("request %s failed", request.custom_id)
+            write(error_line(LineError(request.line_no, request.custom_id, "internal_error", str(exc))))
+        else:
+            write(result_line(request.custom_id, status, request_id, body))
+        finally:
+            slots.release()
+
+    engine.start()
+    try:
+        for request in requests:  # in submission order: a task starts only when a slot is free
+            await slots.acquire()
+            task = asyncio.create_task(one(request))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        await asyncio.gather(*pending)
+    finally:
+        for task in pending:
+            task.cancel()
+        engine.shutdown()
+        if bar is not None:
+            rate = tally.completion_tokens / max(time.perf_counter() - tally.start, 1e-9)
+            bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+            bar.close()
+    return tally
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a dependency of transformers, so normally present
+        return None
+    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True, desc="run-batch")

@@ -1,0 +1,123 @@
+"""The event-loop side of an engine client: one asyncio.Queue of outputs per open request.
+
+`generate()` registers a request's queue, hands the request to the engine (`_admit`), and yields
+what arrives in the queue until the output that finishes it; closing the iterator early aborts the
+request (`_send`). Where the engine runs is the subclass's business: `AsyncEngine` drives one in a
+thread of this process; run-batch's app process reaches one in another process
+(`flashserve.batch_app.RemoteEngine`). Either delivers each step's outputs with `_dispatch` on
+the event loop, and `_fail_all` when the engine is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from flashserve.engine.client import EngineDead
+from flashserve.engine.outputs import RequestOutput
+from flashserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    group: str | None = None
+    cache_salt: str | None = None
+    stream: bool = True
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    error: str | None = None  # None: the client went away; else why the server gave up on it
+
+
+class OutputStreams:
+    """An `EngineClient` short of its engine: subclasses implement `is_healthy`, `dead_reason`,
+    `_admit` and `_send`."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+
+    def is_healthy(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine died, or None while it lives (or stopped normally)."""
+        raise NotImplementedError
+
+    def _admit(self, add: Add) -> None:
+        """Hands a new request to the engine; raises InvalidParameter for ids the model cannot
+        take and EngineOverloaded when the engine's queue is full (nothing is queued then)."""
+        raise NotImplementedError
+
+    def _send(self, item: Abort) -> None:
+        raise NotImplementedError
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
+        cache_salt: str | None = None, stream: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        # From the health check to the registration nothing awaits, so an engine that dies meanwhile
+        # finds this stream in _streams when its _fail_all runs on this event loop.
+        if not self.is_healthy():
+            raise EngineDead(self.dead_reason or "the engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._admit(Add(request_id, list(prompt_token_ids), params, group, cache_salt, stream))
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the consumer went away (client disconnect): free its pages
+                self._send(Abort(request_id))
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        self._send(Abort(request_id, error))
+
+    def abort_all(self, error: str) -> None:
+        """End every open request with `error` (graceful shutdown past its deadline)."""
+        for request_id in list(self._streams):
+            self._send(Abort(request_id, error))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
+        for out in outputs:
+            queue = streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _fail_all(self, message: str) -> None:
+        """Every open stream gets a final error output."""
+        for request_id, queue in list(self._streams.items()):
+            queue.put_nowait(error_output(request_id, 0, message))
+
+
+def error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="error",
+        num_prompt_tokens=num_prompt_tokens,
+        num_output_tokens=0,
+        error=message,
+    )
