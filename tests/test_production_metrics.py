@@ -142,3 +142,22 @@ async def test_metrics_endpoint_needs_no_engine_state_to_render(smollm2_tokenize
         r = await client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert "flashserve_time_to_first_token_seconds_bucket" in r.text
+
+
+@pytest.mark.parametrize("value", [0.0004, 0.02, 1e9])  # in the first bucket, a middle one, past the last
+def test_repeated_observations_count_as_the_same_number_of_single_ones(value: float) -> None:
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from flashserve.metrics import ITL_BUCKETS, observe_repeated
+
+    one_by_one, repeated = CollectorRegistry(), CollectorRegistry()
+    single = Histogram("h", "h", buckets=ITL_BUCKETS, registry=one_by_one)
+    for _ in range(7):
+        single.observe(value)
+    observe_repeated(Histogram("h", "h", buckets=ITL_BUCKETS, registry=repeated), value, 7)
+    for bound in [*map(str, ITL_BUCKETS), "+Inf"]:
+        labels = {"le": bound}
+        expected = one_by_one.get_sample_value("h_bucket", labels)
+        assert expected is not None and repeated.get_sample_value("h_bucket", labels) == expected
+    assert repeated.get_sample_value("h_count") == one_by_one.get_sample_value("h_count") == 7
+    assert repeated.get_sample_value("h_sum") == pytest.approx(one_by_one.get_sample_value("h_sum"), rel=1e-12)

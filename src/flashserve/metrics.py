@@ -103,6 +103,23 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def observe_repeated(histogram: Histogram, value: float, count: int) -> None:
+    """`count` observations of `value`, as `count` calls of `observe` would make them, for the cost
+    of one: prometheus_client has no weighted observe, and the output that ends a request that is
+    not streamed brings all its tokens after the first at once (100 observe calls took 0.45 ms).
+    Falls back to the calls if the histogram's internals are not the ones this reads."""
+    sum_, buckets, bounds = (getattr(histogram, name, None) for name in ("_sum", "_buckets", "_upper_bounds"))
+    if count == 1 or sum_ is None or buckets is None or bounds is None:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    sum_.inc(value * count)
+    for bucket, bound in zip(buckets, bounds):
+        if value <= bound:
+            bucket.inc(count)
+            return
+
+
 class RequestRecord:
     """One API request (all its choices) as clients see it: feeds the histograms and writes the
     request's log line once, when it is `close`d. Event-loop only."""
@@ -132,9 +149,7 @@ class RequestRecord:
             self.metrics.ttft.observe(now - self.arrival)
         last = self._last_token[index]
         if last is not None:  # one observation per token, at the tokens' mean gap
-            gap = (now - last) / num_new_tokens
-            for _ in range(num_new_tokens):
-                self.metrics.itl.observe(gap)
+            observe_repeated(self.metrics.itl, (now - last) / num_new_tokens, num_new_tokens)
         self._last_token[index] = now
         self.output_tokens[index] = max(self.output_tokens[index], num_output_tokens)
 
