@@ -193,6 +193,23 @@ def test_a_line_with_a_grammar_gets_output_that_follows_it(run: Any) -> None:
     assert body["choices"][0]["message"]["content"] in ("red", "blue")
 
 
+def app_process_that_exits(to_engine: Any, from_engine: Any) -> None:
+    """Stands in for `batch_app.main` in a spawned app process: it dies before answering anything."""
+    raise SystemExit(3)
+
+
+@pytest.mark.slow
+def test_an_app_process_that_dies_ends_the_run_with_exit_code_1(
+        run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import flashserve.batch
+
+    monkeypatch.setattr(flashserve.batch.batch_app, "main", app_process_that_exits)
+    (tmp_path / "in.jsonl").write_text("\n".join(INPUT[:4]) + "\n")
+    code = main(batch_args("-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--no-progress"),
+                stack=run[2])
+    assert code == 1
+
+
 @pytest.mark.slow
 def test_an_engine_that_dies_fails_the_open_lines_and_the_run_exits_1(
         run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
