@@ -14,6 +14,7 @@ from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.outputs import RequestOutput, merge_outputs
 from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
+from flashserve.engine.prefix_pins import GroupPins
 from flashserve.engine.scheduler import Scheduler
 from flashserve.sampling_params import SamplingParams
 
@@ -182,10 +183,8 @@ class _Feeder:
     The engine holds at most `2 * max_num_seqs` unfinished requests: enough that every slot the
     scheduler frees is refilled at once, few enough that its waiting queue (which it scans every
     step for requests whose prefix another request is still computing) stays short and that pins
-    are taken only as their groups start. A group's prefix is pinned when its first request is
-    submitted and unpinned when its last one ends. Pinned pages are kept below capacity minus the
-    largest request's pages, so any request can still run whatever is pinned (the scheduler
-    would otherwise wait forever for pages a pin holds); a group past that budget runs unpinned.
+    are taken only as their groups start. Each group's prefix is pinned while the group runs
+    (`GroupPins`).
     """
 
     def __init__(self, engine: LLMEngine, plan: GroupPlan, ids: list[str], tokens: list[list[int]],
@@ -194,56 +193,40 @@ class _Feeder:
         self.plan = plan
         self.ids, self.tokens, self.params = ids, tokens, params
         scheduler = engine.scheduler
-        self.kv_cache = scheduler.kv_cache
-        self.hasher = scheduler.prefix_cache.hasher
         self.max_live = 2 * scheduler.config.max_num_seqs
         largest = max((min(len(t) + p.max_tokens, max_model_len) for t, p in zip(tokens, params)), default=0)
-        self.pin_budget = self.kv_cache.capacity - self.kv_cache.num_pages_needed(largest)
-        self.num_pinned_groups = 0
+        self.pins = GroupPins(scheduler.kv_cache, scheduler.prefix_cache.hasher, plan, tokens, largest)
+
+    @property
+    def num_pinned_groups(self) -> int:
+        return self.pins.num_pinned_groups
 
     def run(self) -> dict[str, list[RequestOutput]]:
         with existing_objects_frozen():
             return self._feed()
 
     def _feed(self) -> dict[str, list[RequestOutput]]:
-        engine, kv_cache = self.engine, self.kv_cache
+        engine, pins = self.engine, self.pins
         outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in self.ids}
         queue = [(g, i) for g, group in enumerate(self.plan.groups) for i in group.members]
-        left = [len(group.members) for group in self.plan.groups]  # unfinished requests per group
         group_of: dict[str, int] = {}
-        pins: dict[int, tuple[int, int]] = {}  # group -> (pin handle, pages)
-        pinned_pages = 0
         next_up = 0
         try:
             while next_up < len(queue) or engine.has_unfinished:
                 while next_up < len(queue) and engine.num_live < self.max_live:
                     g, i = queue[next_up]
                     next_up += 1
-                    prefix_len = self.plan.groups[g].prefix_len
-                    pages = prefix_len // kv_cache.page_size
-                    if pages and g not in pins and pinned_pages + pages <= self.pin_budget:
-                        hashes: list[bytes] = []
-                        self.hasher.extend(hashes, self.tokens[i][:prefix_len], None)  # requests' salt
-                        pins[g] = (kv_cache.pin(hashes), pages)
-                        pinned_pages += pages
-                        self.num_pinned_groups += 1
+                    pins.submitted(g, i)
                     group_of[self.ids[i]] = g
                     engine.add_request(self.ids[i], self.tokens[i], self.params[i], stream=False)
                 for out in engine.step():
                     outputs[out.request_id].append(out)
-                    if not out.finished:
-                        continue
-                    g = group_of[out.request_id]
-                    left[g] -= 1
-                    if not left[g] and g in pins:
-                        handle, pages = pins.pop(g)
-                        kv_cache.unpin(handle)
-                        pinned_pages -= pages
+                    if out.finished:
+                        pins.finished(group_of[out.request_id])
         finally:  # interrupted: leave the engine and the cache as they were
             for rid in group_of:
                 engine.abort(rid)
-            for handle, _ in pins.values():
-                kv_cache.unpin(handle)
+            pins.release_all()
         return outputs
 
 
