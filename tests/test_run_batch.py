@@ -225,3 +225,38 @@ def test_an_engine_that_dies_fails_the_open_lines_and_the_run_exits_1(
     results = [json.loads(text) for text in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert code == 1 and len(results) == 4
     assert all(r["response"]["status_code"] >= 500 for r in results)
+
+
+def _tiny_llama(tmp_path: Path) -> Path:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "vocab_size": 512,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    }))  # fmt: skip
+    return config
+
+
+def test_under_cache_pressure_a_grouped_run_computes_far_fewer_prompt_tokens_than_file_order(tmp_path: Path) -> None:
+    """BatchLLM through run-batch: 40 prefixes of 8 pages, 8 lines each, shuffled, in a cache of 160
+    pages (the prefixes alone need 320); groups run together with their prefix pinned."""
+    import random
+
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(1, 512) for _ in range(8 * 16)] for _ in range(40)]
+    prompts = [p + [rng.randrange(1, 512) for _ in range(16)] for p in prefixes for _ in range(8)]
+    rng.shuffle(prompts)
+    body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    (tmp_path / "in.jsonl").write_text("\n".join(line(f"r{i}", "/v1/completions", {**body, "prompt": p})
+                                                 for i, p in enumerate(prompts)) + "\n")
+    computed = {}
+    for grouping in ("--prefix-grouping", "--no-prefix-grouping"):
+        out = tmp_path / f"out{grouping}.jsonl"
+        code = main(batch_args("-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(_tiny_llama(tmp_path)),
+                               "--served-model-name", "tiny", "--load-format", "dummy", "--num-pages", "160",
+                               "--max-num-seqs", "16", "--cascade-attention", "off", "--no-progress", grouping))
+        usage = [json.loads(text)["response"]["body"]["usage"] for text in out.read_text().splitlines()]
+        assert code == 0 and len(usage) == len(prompts)
+        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+        computed[grouping] = 1 - cached / sum(u["prompt_tokens"] for u in usage)
+    assert computed["--prefix-grouping"] < 0.3 < 0.6 < computed["--no-prefix-grouping"]

@@ -29,11 +29,12 @@ from multiprocessing.queues import Queue
 from typing import Any, Callable
 
 from flashserve import batch_app
-from flashserve.batch_lines import BatchRequest, LineError, order_requests, parse_line
+from flashserve.batch_lines import BatchRequest, parse_line, plan_requests
 from flashserve.cli import BatchArgs
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.prefix_pins import GroupPins
 from flashserve.engine.streams import error_output
 from flashserve.server_stack import load_engine, served_names
 
@@ -76,9 +77,15 @@ def main(args: BatchArgs, stack: Any = None) -> int:
     try:
         if stack is None:
             stack = load_engine(args.serve)
-        if args.prefix_grouping and stack.engine.scheduler.kv_cache.enable_caching and requests:
+        pins: GroupPins | None = None
+        member_of_line: dict[int, tuple[int, int]] = {}
+        scheduler = stack.engine.scheduler
+        if args.prefix_grouping and scheduler.kv_cache.enable_caching and requests:
             t0 = time.perf_counter()
-            requests = order_requests(requests, stack.tokenizer, stack.page_size, stack.max_model_len)
+            batch = plan_requests(requests, stack.tokenizer, stack.page_size, stack.max_model_len)
+            requests, member_of_line = batch.requests, batch.member_of_line()
+            pins = GroupPins(scheduler.kv_cache, scheduler.prefix_cache.hasher, batch.plan, batch.prompts,
+                             batch.largest_request_tokens, batch.salts)
             logger.info("ordered %d requests by shared prefixes in %.1f s", len(requests), time.perf_counter() - t0)
         loaded = stack.loaded
         from_engine.put(batch_app.AppSetup(
@@ -90,7 +97,8 @@ def main(args: BatchArgs, stack: Any = None) -> int:
             progress=args.progress, log_level=level,
         ))
         setup_sent = True
-        summary, dead = serve_app(stack.engine, app, to_engine, from_engine, _grammar_compiler(stack))
+        summary, dead = serve_app(stack.engine, app, to_engine, from_engine, _grammar_compiler(stack), pins,
+                                  member_of_line)
     except KeyboardInterrupt:
         print(f"flashserve run-batch: interrupted; finished results are in {args.output_file}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -110,39 +118,57 @@ def main(args: BatchArgs, stack: Any = None) -> int:
 
 
 def serve_app(engine: LLMEngine, app: BaseProcess, inbox: Queue, outbox: Queue,
-              compile_grammar: Callable[[Any], Any]) -> tuple[str, str | None]:
+              compile_grammar: Callable[[Any], Any], pins: GroupPins | None = None,
+              member_of_line: dict[int, tuple[int, int]] | None = None) -> tuple[str, str | None]:
     """The engine loop for the app process: its adds and aborts go to the engine between steps,
-    each step's outputs go back in one message. Returns (the app's summary, why the engine died
-    or None) when the app is done; raises AppProcessDied if it ends first."""
+    each step's outputs go back in one message. With `pins`, each prefix-sharing group's prefix is
+    pinned while the group runs (`member_of_line`: a line's group and member). Returns (the app's
+    summary, why the engine died or None) when the app is done; raises AppProcessDied if it ends
+    first."""
     dead: str | None = None
-    with existing_objects_frozen():
-        while True:
-            outputs: list[RequestOutput] = []
-            for kind, value in _receive(inbox, app, wait=dead is not None or not engine.has_unfinished):
-                if kind == "add":
-                    add, spec = value
+    member_of_line = member_of_line or {}
+    group_of: dict[str, int] = {}  # request id -> its group, for requests under a pin
+    try:
+        with existing_objects_frozen():
+            while True:
+                outputs: list[RequestOutput] = []
+                for kind, value in _receive(inbox, app, wait=dead is not None or not engine.has_unfinished):
+                    if kind == "add":
+                        add, spec, line = value
+                        member = member_of_line.get(line) if pins is not None else None
+                        if member is not None:  # pinned before the request can be scheduled
+                            pins.submitted(*member)  # type: ignore[union-attr]
+                            group_of[add.request_id] = member[0]
+                        try:
+                            if dead is not None:
+                                raise RuntimeError(dead)
+                            params = add.params if spec is None else replace(add.params,
+                                                                             grammar=compile_grammar(spec))
+                            engine.add_request(add.request_id, add.prompt_token_ids, params, add.group,
+                                               add.cache_salt, add.stream)
+                        except Exception as exc:  # this request fails alone
+                            outputs.append(error_output(add.request_id, len(add.prompt_token_ids), str(exc)))
+                    elif kind == "abort":
+                        if (aborted := engine.abort(value.request_id, value.error)) is not None:
+                            outputs.append(aborted)
+                    elif kind == "done":
+                        return value, dead
+                if dead is None and engine.has_unfinished:
                     try:
-                        if dead is not None:
-                            raise RuntimeError(dead)
-                        params = add.params if spec is None else replace(add.params, grammar=compile_grammar(spec))
-                        engine.add_request(add.request_id, add.prompt_token_ids, params, add.group, add.cache_salt,
-                                           add.stream)
-                    except Exception as exc:  # this request fails alone
-                        outputs.append(error_output(add.request_id, len(add.prompt_token_ids), str(exc)))
-                elif kind == "abort":
-                    if (aborted := engine.abort(value.request_id, value.error)) is not None:
-                        outputs.append(aborted)
-                elif kind == "done":
-                    return value, dead
-            if dead is None and engine.has_unfinished:
-                try:
-                    outputs.extend(engine.step())
-                except Exception as exc:  # the engine loop died: every open request ends with it
-                    logger.exception("engine loop died")
-                    dead = f"engine loop died: {exc!r}"
-                    outbox.put(("dead", dead))
-            if outputs:
-                outbox.put(("outputs", outputs))
+                        outputs.extend(engine.step())
+                    except Exception as exc:  # the engine loop died: every open request ends with it
+                        logger.exception("engine loop died")
+                        dead = f"engine loop died: {exc!r}"
+                        outbox.put(("dead", dead))
+                if outputs:
+                    if group_of:
+                        for out in outputs:
+                            if out.finished and (group := group_of.pop(out.request_id, None)) is not None:
+                                pins.finished(group)  # type: ignore[union-attr]
+                    outbox.put(("outputs", outputs))
+    finally:
+        if pins is not None:
+            pins.release_all()
 
 
 def _receive(inbox: Queue, app: BaseProcess, wait: bool) -> list[Any]:

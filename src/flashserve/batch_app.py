@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from multiprocessing.queues import Queue
 from typing import IO, Any
@@ -51,8 +52,10 @@ class AppSetup:
 
 class RemoteEngine(OutputStreams):
     """An `EngineClient` whose engine runs in the process at the other end of two queues:
-    `to_engine` takes ("add", (Add, grammar spec or None)) and ("abort", Abort); `from_engine` brings
-    ("outputs", [RequestOutput]) per step and ("dead", reason) if the engine loop dies."""
+    `to_engine` takes ("add", (Add, grammar spec or None, batch line number or None)) and ("abort",
+    Abort); `from_engine` brings ("outputs", [RequestOutput]) per step and ("dead", reason) if the
+    engine loop dies. `line` is set, in each line's task, to the line the app is answering, so the
+    engine process knows which prefix-sharing group a request belongs to (it pins the prefix)."""
 
     def __init__(self, max_model_len: int, vocab_size: int, to_engine: Queue, from_engine: Queue) -> None:
         super().__init__(max_model_len)
@@ -61,6 +64,7 @@ class RemoteEngine(OutputStreams):
         self._from_engine = from_engine
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.line: ContextVar[int | None] = ContextVar("flashserve_batch_line", default=None)
 
     def start(self) -> None:
         """Starts reading the engine's messages; call from the event loop that consumes them."""
@@ -82,7 +86,7 @@ class RemoteEngine(OutputStreams):
         grammar = add.params.grammar
         if grammar is not None:  # compiled objects stay here; the engine process compiles the spec
             add = replace(add, params=replace(add.params, grammar=None))
-        self._to_engine.put(("add", (add, grammar.spec if grammar is not None else None)))
+        self._to_engine.put(("add", (add, grammar.spec if grammar is not None else None, self.line.get())))
 
     def _send(self, item: Abort) -> None:
         self._to_engine.put(("abort", item))
@@ -194,6 +198,7 @@ async def run_lines(app: Any, engine: RemoteEngine, errors: list[LineError], req
     pending: set[asyncio.Task[None]] = set()
 
     async def one(request: BatchRequest) -> None:
+        engine.line.set(request.line_no)  # this task's context: the requests the app submits for it
         try:
             status, request_id, body = await post(app, request.url, request.payload)
         except Exception as exc:  # the app gave no answer at all: this line fails alone

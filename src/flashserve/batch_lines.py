@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, MutableMapping
 
 from flashserve.api.json_body import dumps, loads, loads_strict
-from flashserve.engine.prefix_groups import plan_prefix_groups
+from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -141,16 +141,40 @@ async def post(app: ASGIApp, path: str, body: bytes) -> tuple[int, str, bytes]:
     return status, request_id, b"".join(chunks)
 
 
-def order_requests(requests: Sequence[BatchRequest], tokenizer: Any, page_size: int,
-                   max_model_len: int) -> list[BatchRequest]:
+@dataclass(frozen=True)
+class BatchPlan:
+    """The valid requests in submission order, and the prefix-sharing groups behind that order."""
+
+    requests: list[BatchRequest]  # in submission order
+    plan: GroupPlan  # its members index `prompts`
+    prompts: list[list[int]]  # per request in input order: its prompt's token ids ([] when unread)
+    salts: list[str | None]  # per request in input order: its cache_salt
+    line_numbers: list[int]  # per request in input order
+    largest_request_tokens: int  # the most tokens one request may hold (prompt and outputs)
+
+    def member_of_line(self) -> dict[int, tuple[int, int]]:
+        """line number -> (group, member): which group's prefix a line's requests share."""
+        return {self.line_numbers[i]: (g, i) for g, group in enumerate(self.plan.groups) for i in group.members}
+
+
+def plan_requests(requests: Sequence[BatchRequest], tokenizer: Any, page_size: int,
+                  max_model_len: int) -> BatchPlan:
     """The requests in prefix-sharing order (`plan_prefix_groups`): prompts tokenized up front, as
     the server will (chat template, or the first prompt of a completion); a line whose prompt
     cannot be read here is left alone and the server answers it."""
     prompts = _prompt_ids(requests, tokenizer)
     expected = [_expected_output(r.body, len(p), max_model_len) for r, p in zip(requests, prompts)]
-    keys: list[Hashable] = [_salt(r.body) for r in requests]
+    salts = [_salt(r.body) for r in requests]
+    keys: list[Hashable] = list(salts)
     plan = plan_prefix_groups(prompts, page_size, expected, keys)
-    return [requests[i] for i in plan.order]
+    largest = max((min(len(p) + e, max_model_len) for p, e in zip(prompts, expected)), default=0)
+    return BatchPlan([requests[i] for i in plan.order], plan, prompts, salts, [r.line_no for r in requests], largest)
+
+
+def order_requests(requests: Sequence[BatchRequest], tokenizer: Any, page_size: int,
+                   max_model_len: int) -> list[BatchRequest]:
+    """The requests in prefix-sharing order (`plan_requests`)."""
+    return plan_requests(requests, tokenizer, page_size, max_model_len).requests
 
 
 def _prompt_ids(requests: Sequence[BatchRequest], tokenizer: Any) -> list[list[int]]:
@@ -199,6 +223,6 @@ def _expected_output(body: Any, prompt_len: int, max_model_len: int) -> int:
     return limit * (n if isinstance(n, int) and n > 0 else 1)
 
 
-def _salt(body: Any) -> Hashable:
+def _salt(body: Any) -> str | None:
     salt = body.get("cache_salt") if isinstance(body, dict) else None
     return salt if isinstance(salt, str) else None
