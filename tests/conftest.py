@@ -30,3 +30,18 @@ def anyio_backend() -> str:
 def tokenizer(smollm2_tokenizer: Any) -> Any:
     """The tokenizer the API tests serve with: the embedded model's."""
     return smollm2_tokenizer
+
+
+@pytest.fixture
+def tiny_llama_config(tmp_path: Any) -> Any:
+    """A config.json of a one-layer Llama (vocabulary 512) for `--load-format dummy`: an engine that
+    loads in a moment, for tests of what happens around the model."""
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "vocab_size": 512,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    }))  # fmt: skip
+    return config

@@ -223,20 +223,14 @@ def test_cascade_attention_on_gives_the_same_greedy_tokens_as_off(llm: Any) -> N
     assert [c.token_ids for c in with_cascade] == [c.token_ids for c in flat]
 
 
-def test_under_cache_pressure_groups_compute_far_fewer_prompt_tokens_than_arrival_order(tmp_path: Any) -> None:
+def test_under_cache_pressure_groups_compute_far_fewer_prompt_tokens_than_arrival_order(
+        tiny_llama_config: Any) -> None:
     """BatchLLM's point: when the cache cannot hold every shared prefix at once, arrival order
     evicts a prefix before most of its group arrives; groups compute each prefix about once."""
-    import json
-
     from flashserve.llm import LLM
     from flashserve.sampling_params import SamplingParams
 
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "vocab_size": 512,
-        "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    }))  # fmt: skip
+    config = tiny_llama_config
     rng = random.Random(0)
     prefixes = [[rng.randrange(1, 512) for _ in range(8 * PAGE)] for _ in range(40)]
     prompts = [p + [rng.randrange(1, 512) for _ in range(PAGE)] for p in prefixes for _ in range(8)]

@@ -227,17 +227,8 @@ def test_an_engine_that_dies_fails_the_open_lines_and_the_run_exits_1(
     assert all(r["response"]["status_code"] >= 500 for r in results)
 
 
-def _tiny_llama(tmp_path: Path) -> Path:
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "vocab_size": 512,
-        "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    }))  # fmt: skip
-    return config
-
-
-def test_under_cache_pressure_a_grouped_run_computes_far_fewer_prompt_tokens_than_file_order(tmp_path: Path) -> None:
+def test_under_cache_pressure_a_grouped_run_computes_far_fewer_prompt_tokens_than_file_order(
+        tmp_path: Path, tiny_llama_config: Path) -> None:
     """BatchLLM through run-batch: 40 prefixes of 8 pages, 8 lines each, shuffled, in a cache of 160
     pages (the prefixes alone need 320); groups run together with their prefix pinned."""
     import random
@@ -252,7 +243,7 @@ def test_under_cache_pressure_a_grouped_run_computes_far_fewer_prompt_tokens_tha
     computed = {}
     for grouping in ("--prefix-grouping", "--no-prefix-grouping"):
         out = tmp_path / f"out{grouping}.jsonl"
-        code = main(batch_args("-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(_tiny_llama(tmp_path)),
+        code = main(batch_args("-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--model", str(tiny_llama_config),
                                "--served-model-name", "tiny", "--load-format", "dummy", "--num-pages", "160",
                                "--max-num-seqs", "16", "--cascade-attention", "off", "--no-progress", grouping))
         usage = [json.loads(text)["response"]["body"]["usage"] for text in out.read_text().splitlines()]
