@@ -39,7 +39,7 @@ class GroupPins:
         self._live[group] += 1
         prefix_len = self.plan.groups[group].prefix_len
         pages = prefix_len // self.kv_cache.page_size
-        if pages and group not in self._pins and self._live[group] == 1 and self.pinned_pages + pages <= self.budget:
+        if pages and group not in self._pins and self.pinned_pages + pages <= self.budget:
             hashes: list[bytes] = []
             salt = self.salts[member] if self.salts is not None else None
             self.hasher.extend(hashes, self.prompts[member][:prefix_len], salt)
