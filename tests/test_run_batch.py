@@ -193,6 +193,53 @@ def test_a_line_with_a_grammar_gets_output_that_follows_it(run: Any) -> None:
     assert body["choices"][0]["message"]["content"] in ("red", "blue")
 
 
+class InstantEngine:
+    """Stands in for the engine process at the far end of `RemoteEngine`'s queues: each request
+    gets its whole output at once; `events` records when the app starts a line and when each
+    line's request reaches the engine."""
+
+    def __init__(self) -> None:
+        import queue
+
+        from flashserve.batch_app import RemoteEngine
+
+        self.events: list[tuple[str, int]] = []
+        self.remote = RemoteEngine(2048, 49152, queue.Queue(), queue.Queue())
+        self.remote._to_engine = self  # type: ignore[assignment]  # `put` below answers at once
+
+    def put(self, message: tuple[str, Any]) -> None:
+        from flashserve.engine.outputs import RequestOutput
+
+        kind, value = message
+        if kind == "add":
+            add, _, line_no = value
+            self.events.append(("admit", line_no))
+            out = RequestOutput(add.request_id, [28], "a", True, "length", len(add.prompt_token_ids), 1)
+            self.remote._from_engine.put(("outputs", [out]))
+
+    def app(self, app: Any) -> Any:
+        async def recording(scope: Any, receive: Any, send: Any) -> None:
+            self.events.append(("start", self.remote.line.get().line_no))
+            await app(scope, receive, send)
+
+        return recording
+
+
+def test_a_line_starts_only_once_the_line_before_it_reached_the_engine(smollm2_tokenizer: Any) -> None:
+    import asyncio
+    import io
+
+    from flashserve.api.server import build_app
+    from flashserve.batch_app import run_lines
+
+    fake = InstantEngine()
+    app = build_app(fake.remote, smollm2_tokenizer, ["m"], 2048, vocab_size=49152)
+    requests = [parse_line(line(f"r{i}", "/v1/completions", {"prompt": [504, 3575, 282], "max_tokens": 1}), i)
+                for i in range(1, 9)]
+    asyncio.run(run_lines(fake.app(app), fake.remote, [], requests, io.StringIO(), 64, False))
+    assert fake.events == [(kind, i) for i in range(1, 9) for kind in ("start", "admit")]
+
+
 def app_process_that_exits(to_engine: Any, from_engine: Any) -> None:
     """Stands in for `batch_app.main` in a spawned app process: it dies before answering anything."""
     raise SystemExit(3)
