@@ -194,20 +194,20 @@ def test_a_line_with_a_grammar_gets_output_that_follows_it(run: Any) -> None:
 
 
 class InstantEngine:
-    """Stands in for the engine process at the far end of `RemoteEngine`'s queues: each request
-    gets its whole output at once; `events` records when the app starts a line and when each
-    line's request reaches the engine."""
+    """Stands in for the engine process at the far end of `RemoteEngine`'s pipes: each request gets
+    its whole output at once; `events` records when the app starts a line and when each line's
+    request reaches the engine."""
 
     def __init__(self) -> None:
-        import queue
+        import multiprocessing
 
         from flashserve.batch_app import RemoteEngine
 
         self.events: list[tuple[str, int]] = []
-        self.remote = RemoteEngine(2048, 49152, queue.Queue(), queue.Queue())
-        self.remote._to_engine = self  # type: ignore[assignment]  # `put` below answers at once
+        from_engine, self.outbox = multiprocessing.Pipe(duplex=False)
+        self.remote = RemoteEngine(2048, 49152, self, from_engine)  # type: ignore[arg-type]
 
-    def put(self, message: tuple[str, Any]) -> None:
+    def send(self, message: tuple[str, Any]) -> None:
         from flashserve.engine.outputs import RequestOutput
 
         kind, value = message
@@ -215,7 +215,7 @@ class InstantEngine:
             add, _, line_no = value
             self.events.append(("admit", line_no))
             out = RequestOutput(add.request_id, [28], "a", True, "length", len(add.prompt_token_ids), 1)
-            self.remote._from_engine.put(("outputs", [out]))
+            self.outbox.send(("outputs", [out]))
 
     def app(self, app: Any) -> Any:
         async def recording(scope: Any, receive: Any, send: Any) -> None:

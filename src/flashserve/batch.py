@@ -5,7 +5,10 @@ the status code and body that `flashserve serve` would answer, errors included; 
 request at all (bad JSON, no custom_id, a method or url the batch API does not take) gets an error
 line instead, and the run goes on. The app runs in a process of its own (`batch_app`), started
 while this one loads the model, so that its work for each line does not take turns with the engine
-loop for the GIL; this process runs the engine and serves the app's requests (`serve_app`). Up to
+loop for the GIL; this process runs the engine and serves the app's requests (`serve_app`). The two
+talk through a pipe each way, each message sent by the thread that makes it: a multiprocessing
+queue's feeder thread would wait its turn for the GIL behind the busy thread of its process (5 ms
+a turn), and requests reached the engine in bursts, long after the app made them. Up to
 `--max-concurrency` requests are in flight at once, so the engine batches continuously; they are
 submitted in prefix-sharing order (`engine/prefix_groups.py`) unless `--no-prefix-grouping`.
 Result lines are written and flushed as requests finish, so an interrupted run keeps every
@@ -20,12 +23,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import queue
 import sys
 import time
 from dataclasses import replace
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from multiprocessing.queues import Queue
 from typing import Any, Callable
 
 from flashserve import batch_app
@@ -68,11 +70,13 @@ def main(args: BatchArgs, stack: Any = None) -> int:
     items = [parse_line(text, n) for n, text in enumerate(texts, 1) if text.strip()]
     requests = [item for item in items if isinstance(item, BatchRequest)]
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold a GPU
-    to_engine: Queue = context.Queue()
-    from_engine: Queue = context.Queue()
-    app = context.Process(target=batch_app.main, args=(to_engine, from_engine), name="flashserve-run-batch-app",
+    inbox, app_tx = context.Pipe(duplex=False)  # app -> engine
+    app_rx, outbox = context.Pipe(duplex=False)  # engine -> app
+    app = context.Process(target=batch_app.main, args=(app_tx, app_rx), name="flashserve-run-batch-app",
                           daemon=True)
     app.start()  # it imports the app while the model loads
+    app_tx.close()  # the app's ends are the app's: a pipe whose far end is gone reads EOF, writes fail
+    app_rx.close()
     setup_sent = False
     try:
         if stack is None:
@@ -88,7 +92,7 @@ def main(args: BatchArgs, stack: Any = None) -> int:
                              batch.largest_request_tokens, batch.salts)
             logger.info("ordered %d requests by shared prefixes in %.1f s", len(requests), time.perf_counter() - t0)
         loaded = stack.loaded
-        from_engine.put(batch_app.AppSetup(
+        _send(outbox, app, batch_app.AppSetup(
             tokenizer=loaded.tokenizer, served_model_names=served_names(args.serve, loaded.name),
             max_model_len=stack.max_model_len, eos_token_ids=tuple(loaded.eos_token_ids),
             vocab_size=loaded.vocab_size, api=args.serve.api, input_file=args.input_file,
@@ -97,8 +101,7 @@ def main(args: BatchArgs, stack: Any = None) -> int:
             progress=args.progress, log_level=level,
         ))
         setup_sent = True
-        summary, dead = serve_app(stack.engine, app, to_engine, from_engine, _grammar_compiler(stack), pins,
-                                  member_of_line)
+        summary, dead = serve_app(stack.engine, app, inbox, outbox, _grammar_compiler(stack), pins, member_of_line)
     except KeyboardInterrupt:
         print(f"flashserve run-batch: interrupted; finished results are in {args.output_file}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -106,18 +109,21 @@ def main(args: BatchArgs, stack: Any = None) -> int:
         print(f"flashserve run-batch: {exc}; finished results are in {args.output_file}", file=sys.stderr)
         return EXIT_ENGINE_DIED
     finally:
-        if not setup_sent:
-            from_engine.put(None)  # the model did not load: the app process ends
+        if not setup_sent:  # the model did not load: the app process ends
+            try:
+                outbox.send(None)
+            except OSError:  # it is gone already
+                pass
         app.join(10)
         if app.is_alive():
             app.terminate()
-        for q in (to_engine, from_engine):  # nothing left in them is waited for
-            q.cancel_join_thread()
+        inbox.close()
+        outbox.close()
     print(summary)
     return EXIT_ENGINE_DIED if dead is not None else 0
 
 
-def serve_app(engine: LLMEngine, app: BaseProcess, inbox: Queue, outbox: Queue,
+def serve_app(engine: LLMEngine, app: BaseProcess, inbox: Connection, outbox: Connection,
               compile_grammar: Callable[[Any], Any], pins: GroupPins | None = None,
               member_of_line: dict[int, tuple[int, int]] | None = None) -> tuple[str, str | None]:
     """The engine loop for the app process: its adds and aborts go to the engine between steps,
@@ -159,33 +165,42 @@ def serve_app(engine: LLMEngine, app: BaseProcess, inbox: Queue, outbox: Queue,
                     except Exception as exc:  # the engine loop died: every open request ends with it
                         logger.exception("engine loop died")
                         dead = f"engine loop died: {exc!r}"
-                        outbox.put(("dead", dead))
+                        _send(outbox, app, ("dead", dead))
                 if outputs:
                     if group_of:
                         for out in outputs:
                             if out.finished and (group := group_of.pop(out.request_id, None)) is not None:
                                 pins.finished(group)  # type: ignore[union-attr]
-                    outbox.put(("outputs", outputs))
+                    _send(outbox, app, ("outputs", outputs))
     finally:
         if pins is not None:
             pins.release_all()
 
 
-def _receive(inbox: Queue, app: BaseProcess, wait: bool) -> list[Any]:
+def _receive(inbox: Connection, app: BaseProcess, wait: bool) -> list[Any]:
     """The messages waiting now; with `wait`, blocks until there is one."""
+    while wait and not inbox.poll(0.5):
+        if not app.is_alive():
+            raise _died(app)
     messages = []
-    while wait:
-        try:
-            messages.append(inbox.get(timeout=0.5))
-            break
-        except queue.Empty:
-            if not app.is_alive():
-                raise AppProcessDied(f"the app process exited with code {app.exitcode}") from None
-    while True:
-        try:
-            messages.append(inbox.get_nowait())
-        except queue.Empty:
-            return messages
+    try:
+        while inbox.poll():
+            messages.append(inbox.recv())
+    except (EOFError, OSError):  # the app's end is closed: it exited
+        raise _died(app) from None
+    return messages
+
+
+def _send(outbox: Connection, app: BaseProcess, message: Any) -> None:
+    try:
+        outbox.send(message)
+    except OSError:  # a broken pipe: the app process exited
+        raise _died(app) from None
+
+
+def _died(app: BaseProcess) -> AppProcessDied:
+    app.join(1)
+    return AppProcessDied(f"the app process exited with code {app.exitcode}")
 
 
 def _grammar_compiler(stack: Any) -> Callable[[Any], Any]:

@@ -6,7 +6,7 @@ Python's GIL; in the engine's process it would take turns with the engine loop, 
 bounds a step on a fast GPU. Here the two run side by side. The engine process sends an `AppSetup`
 once the model is loaded; this process then sends each request the app submits (`Add`, its
 grammar as a spec, which the engine process compiles) and each abort, and gets back each step's
-outputs, through two multiprocessing queues. Everything that crosses is plain data.
+outputs, through a pipe each way. Everything that crosses is plain data.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import asyncio
 import json
 import logging
 import sys
-import threading
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from multiprocessing.queues import Queue
+from multiprocessing.connection import Connection
 from typing import IO, Any
 
 # At module level: the spawned process imports the app (0.8 s, xgrammar and torch only on a first
@@ -27,6 +26,7 @@ from typing import IO, Any
 from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
 from flashserve.batch_lines import BatchRequest, LineError, error_line, parse_line, post, result_line
+from flashserve.engine.client import EngineDead
 from flashserve.engine.engine import check_request
 from flashserve.engine.streams import Abort, Add, OutputStreams
 
@@ -66,12 +66,12 @@ class LineTag:
 
 
 class RemoteEngine(OutputStreams):
-    """An `EngineClient` whose engine runs in the process at the other end of two queues:
+    """An `EngineClient` whose engine runs in the process at the other end of two pipes:
     `to_engine` takes ("add", (Add, grammar spec or None, batch line number or None)) and ("abort",
     Abort); `from_engine` brings ("outputs", [RequestOutput]) per step and ("dead", reason) if the
     engine loop dies. `line` is set, in each line's task, to the line the app is answering."""
 
-    def __init__(self, max_model_len: int, vocab_size: int, to_engine: Queue, from_engine: Queue) -> None:
+    def __init__(self, max_model_len: int, vocab_size: int, to_engine: Connection, from_engine: Connection) -> None:
         super().__init__(max_model_len)
         self.vocab_size = vocab_size
         self._to_engine = to_engine
@@ -81,11 +81,14 @@ class RemoteEngine(OutputStreams):
         self.line: ContextVar[LineTag | None] = ContextVar("flashserve_batch_line", default=None)
 
     def start(self) -> None:
-        """Starts reading the engine's messages; call from the event loop that consumes them."""
+        """Starts reading the engine's messages on the running event loop, as they arrive (a thread
+        of their own would wait up to 5 ms for the GIL at each, behind this loop's work)."""
         self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._read, name="flashserve-engine-outputs", daemon=True).start()
+        self._loop.add_reader(self._from_engine.fileno(), self._read)
 
     def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._from_engine.fileno())
         self._fail_all("the run is over")
 
     def is_healthy(self) -> bool:
@@ -101,28 +104,39 @@ class RemoteEngine(OutputStreams):
         if grammar is not None:  # compiled objects stay here; the engine process compiles the spec
             add = replace(add, params=replace(add.params, grammar=None))
         tag = self.line.get()
-        self._to_engine.put(("add", (add, grammar.spec if grammar is not None else None,
-                                     tag.line_no if tag is not None else None)))
+        self._put(("add", (add, grammar.spec if grammar is not None else None, tag.line_no if tag is not None else None)))
         if tag is not None:
             tag.submitted.set()
 
     def _send(self, item: Abort) -> None:
-        self._to_engine.put(("abort", item))
+        if self._dead is None:  # else the engine is gone with every request
+            try:
+                self._put(("abort", item))
+            except EngineDead:  # it went just now; the reader reports it
+                pass
+
+    def _put(self, message: tuple[str, Any]) -> None:
+        try:
+            self._to_engine.send(message)
+        except OSError:  # a broken pipe: the engine process is gone
+            raise EngineDead("the engine process exited") from None
 
     def _read(self) -> None:
-        assert self._loop is not None
-        while True:
-            message = self._from_engine.get()
-            try:
-                self._loop.call_soon_threadsafe(self._receive, message)
-            except RuntimeError:  # the event loop is closed: the run is over
-                return
+        """Every message waiting in the pipe (a message is written whole, so a read that starts
+        finishes at once)."""
+        try:
+            while self._from_engine.poll():
+                self._receive(self._from_engine.recv())
+        except (EOFError, OSError):  # the engine process is gone
+            assert self._loop is not None
+            self._loop.remove_reader(self._from_engine.fileno())
+            self._receive(("dead", "the engine process exited"))
 
     def _receive(self, message: tuple[str, Any]) -> None:
         kind, value = message
         if kind == "outputs":
             self._dispatch(value)
-        elif kind == "dead":
+        elif kind == "dead" and self._dead is None:
             self._dead = value
             self._fail_all(value)
 
@@ -164,11 +178,14 @@ class Tally:
         ))
 
 
-def main(to_engine: Queue, from_engine: Queue) -> None:
+def main(to_engine: Connection, from_engine: Connection) -> None:
     """The app process: waits for the setup (None: the engine did not load), runs every line, and
     sends ("done", the run's summary)."""
     try:
-        setup = from_engine.get()
+        try:
+            setup = from_engine.recv()
+        except EOFError:  # the engine process ended before the model loaded
+            return
         if setup is None:
             return
         logging.basicConfig(level=setup.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -184,7 +201,7 @@ def main(to_engine: Queue, from_engine: Queue) -> None:
         requests = [by_line[n] for n in setup.order]
         with open(setup.output_file, "w", encoding="utf-8") as out:
             tally = asyncio.run(run_lines(app, engine, errors, requests, out, setup.max_concurrency, setup.progress))
-        to_engine.put(("done", tally.summary()))
+        to_engine.send(("done", tally.summary()))
     except KeyboardInterrupt:  # the engine process, interrupted too, reports it
         sys.exit(130)
 
