@@ -240,6 +240,20 @@ def test_a_line_starts_only_once_the_line_before_it_reached_the_engine(smollm2_t
     assert fake.events == [(kind, i) for i in range(1, 9) for kind in ("start", "admit")]
 
 
+def test_the_app_process_imports_the_tokenizer_classes_without_torch_and_torch_still_imports_after() -> None:
+    script = ("import sys\n"
+              "from flashserve.batch_app import import_tokenizer_classes\n"
+              "import_tokenizer_classes()\n"
+              "from transformers import PreTrainedTokenizerFast\n"
+              "print('torch' in sys.modules)\n"
+              "import torch\n"
+              "print(torch.ones(2).sum().item())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "2.0"]
+    assert "PyTorch was not found" not in done.stderr
+
+
 def app_process_that_exits(to_engine: Any, from_engine: Any) -> None:
     """Stands in for `batch_app.main` in a spawned app process: it dies before answering anything."""
     raise SystemExit(3)
