@@ -96,7 +96,7 @@ def run_batch(llm: Any, prompts: list[list[int]], out: int, model: str, workdir:
     prompt_tokens = sum(u["prompt_tokens"] for u in usage)
     cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usage)
     return {"requests": len(prompts), "wall_s": wall, "requests_per_s": len(prompts) / wall,
-            "run_s": run_s, "run_requests_per_s": len(prompts) / run_s,
+            "run_s": run_s, "run_requests_per_s": len(prompts) / run_s if run_s > 0 else float("nan"),
             "output_tokens_per_s": len(prompts) * out / wall, "total_tokens_per_s": (prompt_tokens + len(prompts) * out) / wall,
             "prompt_tokens": prompt_tokens, "computed_prompt_tokens": prompt_tokens - cached,
             "computed_share": (prompt_tokens - cached) / prompt_tokens}

@@ -166,7 +166,7 @@ class Tally:
         total = self.num_ok + self.num_failed
         computed = self.prompt_tokens - self.cached_tokens
         return "\n".join((
-            f"requests: {self.num_ok} ok, {self.num_failed} failed, {total} in {elapsed:.1f} s "
+            f"requests: {self.num_ok} ok, {self.num_failed} failed, {total} in {elapsed:.2f} s "
             f"({total / elapsed:.2f} requests/s)",
             f"tokens: {self.prompt_tokens} prompt ({computed} computed, {self.cached_tokens} from the prefix "
             f"cache), {self.completion_tokens} completion",
