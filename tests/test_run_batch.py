@@ -254,6 +254,25 @@ def test_the_app_process_imports_the_tokenizer_classes_without_torch_and_torch_s
     assert "PyTorch was not found" not in done.stderr
 
 
+def test_the_pipe_to_the_engine_takes_64_long_requests_before_the_engine_reads() -> None:
+    import multiprocessing
+    import threading
+
+    from flashserve.batch import pipe
+    from flashserve.engine.streams import Add
+    from flashserve.sampling_params import SamplingParams
+
+    reader, writer = pipe(multiprocessing.get_context("spawn"))
+    add = Add("r", list(range(100_000, 102_200)), SamplingParams(max_tokens=100))
+    sender = threading.Thread(target=lambda: [writer.send(("add", (add, None, n))) for n in range(64)], daemon=True)
+    sender.start()
+    sender.join(5)
+    sent_without_a_read = not sender.is_alive()
+    while reader.poll():  # let a blocked sender finish
+        reader.recv()
+    assert sent_without_a_read
+
+
 def app_process_that_exits(to_engine: Any, from_engine: Any) -> None:
     """Stands in for `batch_app.main` in a spawned app process: it dies before answering anything."""
     raise SystemExit(3)
