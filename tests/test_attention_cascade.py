@@ -124,7 +124,7 @@ def test_n_choices_of_one_prompt_decoding_match_flat(prompt_len: int) -> None:
     prompt = p.take(prompt_len // PAGE)
     requests = [req(i, prompt + p.take(1), prompt_len + 3, 1) for i in range(4)]
     layout = assert_cascade_matches_flat(requests, num_groups=1)
-    assert layout.prefix is not None and layout.prefix.kv_indices == prompt
+    assert layout.prefix is not None and list(layout.prefix.kv_indices) == prompt
 
 
 def test_prefill_chunks_behind_a_shared_system_prompt_match_flat() -> None:
@@ -220,7 +220,7 @@ def test_groups_of_consecutive_requests_sharing_pages_are_found_in_csr_form() ->
     assert prefix is not None
     assert (prefix.request_start, prefix.request_end) == ([1, 3], [3, 6])
     assert prefix.token_start == [4, 7] and prefix.qo_indptr == [0, 3, 10]
-    assert prefix.kv_indptr == [0, 3, 4] and prefix.kv_indices == a + b
+    assert prefix.kv_indptr == [0, 3, 4] and list(prefix.kv_indices) == a + b
     assert prefix.kv_last_page_len == [PAGE, PAGE]  # prefixes are whole pages
     assert prefix.prefix_pages == [0, 3, 3, 1, 1, 1]
 
@@ -242,7 +242,7 @@ def test_row_segments_cover_every_row_in_step_order_groups_over_their_prefix_oth
     segments = layout.prefix.row_segments(layout.num_tokens, scratch_page=0)
     assert segments is not None
     assert segments.qo_indptr == [0, 4, 7, 14, 16]
-    assert segments.kv_indices == [0, *a, *b, 0] and segments.kv_indptr == [0, 1, 4, 5, 6]
+    assert list(segments.kv_indices) == [0, *a, *b, 0] and segments.kv_indptr == [0, 1, 4, 5, 6]
     assert segments.kv_last_page_len == [1, PAGE, PAGE, 1]
     assert list(segments.merge) == [0] * 4 + [1] * 10 + [0] * 2
 
@@ -253,7 +253,7 @@ def test_row_segments_of_a_graph_step_pad_its_rows_and_segments_to_fixed_counts(
     segments = layout.prefix.row_segments(layout.num_tokens, scratch_page=0, rows=20, slots=7)
     assert segments is not None and segments.num_segments == 7
     assert segments.qo_indptr == [0, 4, 7, 14, 20, 20, 20, 20]  # padding rows, then empty segments
-    assert segments.kv_indices == [0, *a, *b, 0, 0, 0, 0] and segments.kv_last_page_len[3:] == [1] * 4
+    assert list(segments.kv_indices) == [0, *a, *b, 0, 0, 0, 0] and segments.kv_last_page_len[3:] == [1] * 4
     assert list(segments.merge) == [0] * 4 + [1] * 10 + [0] * 6
 
 
@@ -284,7 +284,7 @@ def test_suffix_level_is_each_requests_pages_after_its_prefix() -> None:
     layout = BatchLayout.build(requests, PAGE, cascade=CascadePolicy())
     assert layout.prefix is not None
     own = [requests[0].page_ids, requests[1].page_ids[2:], requests[2].page_ids[2:]]
-    assert layout.prefix.suffix_kv_indices == [page for pages in own for page in pages]
+    assert list(layout.prefix.suffix_kv_indices) == [page for pages in own for page in pages]
     assert layout.prefix.suffix_kv_indptr == [0, 1, 3, 4]
 
 

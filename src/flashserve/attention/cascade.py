@@ -13,6 +13,7 @@ Pure Python (no torch): the layout is built on the host once per step.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -36,11 +37,11 @@ class PrefixLevel:
     token_start: list[int]  # [G] step token of each group's first query token
     qo_indptr: list[int]  # [G+1] the groups' query tokens, concatenated in group order
     kv_indptr: list[int]  # [G+1] shared pages per group
-    kv_indices: list[int]  # the groups' shared page ids, concatenated
+    kv_indices: Sequence[int]  # the groups' shared page ids, concatenated (an int32 array)
     kv_last_page_len: list[int]  # [G] always page_size
     prefix_pages: list[int]  # [B] pages each request reads at level 0 (0: in no group)
     suffix_kv_indptr: list[int]  # [B+1] pages per request at level 1
-    suffix_kv_indices: list[int]  # each request's own pages after its prefix, concatenated
+    suffix_kv_indices: Sequence[int]  # each request's own pages after its prefix, concatenated (int32)
 
     @property
     def num_groups(self) -> int:
@@ -65,7 +66,7 @@ class PrefixLevel:
         rows = num_tokens if rows is None else rows
         if slots is not None and self.num_row_segments(num_tokens, rows) > slots:
             return None
-        qo, kv, last, pages = [0], [0], [], []
+        qo, kv, last, pages = [0], [0], [], array("i")
         mask = bytearray(rows)
 
         def segment(end: int, group: int | None) -> None:
@@ -109,7 +110,7 @@ class RowSegments:
 
     qo_indptr: list[int]  # [S+1]
     kv_indptr: list[int]  # [S+1]
-    kv_indices: list[int]
+    kv_indices: Sequence[int]  # an int32 array
     kv_last_page_len: list[int]  # [S]
     merge: bytearray  # [rows]
 
@@ -176,10 +177,10 @@ def _common_pages(a: Sequence[int], b: Sequence[int], limit: int, hint: int) -> 
     """
     if limit == 0 or a[0] != b[0]:
         return 0
-    if a[:limit] == b[:limit]:
-        return limit
     if 0 < hint < limit and a[hint] != b[hint] and a[:hint] == b[:hint]:
         return hint
+    if a[:limit] == b[:limit]:
+        return limit
     lo, hi = 0, limit - 1  # a[:limit] != b[:limit], so the length is below limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -222,13 +223,17 @@ def find_groups(
     # adjacent[k]: pages requests k and k+1 may share. Neighbours whose first pages differ (most,
     # in most batches) cost one comparison.
     adjacent: list[int] = []
+    shareable_b = -1  # shareable_pages of request k + 1, once known: the next pair's first
     for k in range(len(requests) - 1):
         a, b = requests[k].page_ids, requests[k + 1].page_ids
+        shareable_a, shareable_b = shareable_b, -1
         if not a or not b or a[0] != b[0]:
             adjacent.append(0)
             continue
-        limit = min(shareable_pages(requests[k], page_size), shareable_pages(requests[k + 1], page_size))
-        adjacent.append(_common_pages(a, b, limit, adjacent[-1] if adjacent else 0))
+        if shareable_a < 0:
+            shareable_a = shareable_pages(requests[k], page_size)
+        shareable_b = shareable_pages(requests[k + 1], page_size)
+        adjacent.append(_common_pages(a, b, min(shareable_a, shareable_b), adjacent[-1] if adjacent else 0))
     if max(adjacent) < min_pages:
         return []
     stack = [_Run(level=-1, first=0)]  # the whole batch, below every sharing level
@@ -267,7 +272,7 @@ def build_prefix_level(
     if not groups or saved_page_reads(groups) * page_size < min_saved_tokens:
         return None
     token_start: list[int] = []
-    qo, kv_ptr, pages_of_groups = [0], [0], []
+    qo, kv_ptr, pages_of_groups = [0], [0], array("i")  # int32 arrays: extended by memcpy
     prefix_pages = [0] * len(requests)
     for first, end, pages in groups:
         token_start.append(qo_indptr[first])
@@ -275,7 +280,7 @@ def build_prefix_level(
         pages_of_groups.extend(requests[first].page_ids[:pages])
         kv_ptr.append(len(pages_of_groups))
         prefix_pages[first:end] = [pages] * (end - first)
-    suffix_ptr, suffix_pages = [0], []  # level 1: the flat pages after each prefix
+    suffix_ptr, suffix_pages = [0], array("i")  # level 1: the flat pages after each prefix
     for i, skip in enumerate(prefix_pages):
         suffix_pages.extend(kv_indices[kv_indptr[i] + skip : kv_indptr[i + 1]])
         suffix_ptr.append(len(suffix_pages))
