@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from flashserve.batch import main
-from flashserve.batch_lines import BatchRequest, LineError, order_requests, parse_line
+from flashserve.batch_lines import BatchRequest, LineError, parse_line, plan_requests
 from flashserve.cli import RUN_BATCH_OPTIONS, SERVER_ONLY_FLAGS, build_parser, to_batch_args
 
 
@@ -70,7 +70,7 @@ def test_requests_sharing_a_prompt_prefix_are_submitted_together(smollm2_tokeniz
     other = [BatchRequest(10 + n, f"p{n}", "/v1/completions", {"prompt": f"Unrelated text number {n}"})
              for n in range(2)]
     requests = [chat[0], other[0], chat[1], other[1], chat[2]]
-    ids = [r.custom_id for r in order_requests(requests, smollm2_tokenizer, 16, 2048)]
+    ids = [r.custom_id for r in plan_requests(requests, smollm2_tokenizer, 16, 2048).requests]
     start = ids.index("c0")
     assert sorted(ids[start:start + 3]) == ["c0", "c1", "c2"]
 

@@ -171,12 +171,6 @@ def plan_requests(requests: Sequence[BatchRequest], tokenizer: Any, page_size: i
     return BatchPlan([requests[i] for i in plan.order], plan, prompts, salts, [r.line_no for r in requests], largest)
 
 
-def order_requests(requests: Sequence[BatchRequest], tokenizer: Any, page_size: int,
-                   max_model_len: int) -> list[BatchRequest]:
-    """The requests in prefix-sharing order (`plan_requests`)."""
-    return plan_requests(requests, tokenizer, page_size, max_model_len).requests
-
-
 def _prompt_ids(requests: Sequence[BatchRequest], tokenizer: Any) -> list[list[int]]:
     ids: list[list[int]] = [[] for _ in requests]
     chat: list[tuple[int, str]] = []
