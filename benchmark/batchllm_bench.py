@@ -261,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sweep-group-sizes", type=ints, default=[2, 4, 8, 16, 64],
                    help="comma-separated requests per group")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per LLM (two are alive at times)")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages per LLM instead of a share of memory: fewer than the prefixes need makes the "
+                        "cache evict, the case prefix-sharing groups are for")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, profile, run-batch, decode, sweep")
     p.add_argument("--out", default="benchmark/results")
     args = p.parse_args(argv)
@@ -278,7 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc: dict[str, Any] = {"gpu": gpu, "model": args.model, "args": vars(args)}
     skip = set(args.skip.split(","))
     out_dir = Path(args.out) / gpu.replace(" ", "_") / "batchllm"
-    common = {"load_format": "dummy", "max_num_seqs": 1024, "gpu_memory_utilization": args.gpu_memory_utilization}
+    common = {"load_format": "dummy", "max_num_seqs": 1024, "gpu_memory_utilization": args.gpu_memory_utilization,
+              "num_pages": args.num_pages}
     if "offline" not in skip:
         shape = (vocab, args.groups, args.per_group, args.shared, args.unique)
         runs = Printed(f"{gpu}, {args.model} (dummy weights): {args.groups} groups x {args.per_group}, "
