@@ -1,5 +1,6 @@
 """Decode attention alone: FlashInfer's tensor-core decode (the prefill kernel, what flashserve
-uses) against its CUDA-core decode kernel, per layer call, with the KV-read floor beside them.
+uses), the same with its KV split off, and its CUDA-core decode kernel, per layer call, with the
+KV-read floor beside them.
 
 At small batches a decode step's attention is a few microseconds per layer, and the tensor-core
 path pads each KV head's query group (4 rows in Llama-3's shapes) to a 16-row tile and splits the
@@ -48,7 +49,9 @@ def kernel_us_per_call(run: Any, calls: int, rounds: int) -> float:
     return statistics.median(per_round)
 
 
-def measure(shape: tuple[int, int, int], batch: int, kv_len: int, tensor_cores: bool) -> float:
+def measure(shape: tuple[int, int, int], batch: int, kv_len: int, tensor_cores: bool, split: bool = True) -> float:
+    """Kernel time per call; `split=False` plans the tensor-core kernel with FlashInfer's KV split
+    off (one CTA per request and KV head over all its pages, no merge kernel after it)."""
     import flashinfer
     import torch
 
@@ -63,7 +66,7 @@ def measure(shape: tuple[int, int, int], batch: int, kv_len: int, tensor_cores: 
     indices = torch.arange(batch * pages, dtype=torch.int32, device="cuda")
     last = torch.full((batch,), (kv_len - 1) % PAGE + 1, dtype=torch.int32)
     wrapper.plan(indptr, indices, last, qo_heads, kv_heads, dim, PAGE, q_data_type=torch.bfloat16,
-                 kv_data_type=torch.bfloat16)
+                 kv_data_type=torch.bfloat16, **({} if split else {"disable_split_kv": True}))
     return kernel_us_per_call(lambda: wrapper.run(q, cache), 50, 5)
 
 
@@ -80,15 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{gpu}: decode attention per layer call, us (kernels only); floor = KV bytes / "
           f"{rates.copy_bytes_per_s / 1e12:.2f} TB/s")
-    print(f"{'shape':>13} {'batch':>6} {'kv':>6} {'tensor cores':>13} {'cuda cores':>11} {'floor':>7}")
+    print(f"{'shape':>13} {'batch':>6} {'kv':>6} {'tensor cores':>13} {'no KV split':>12} {'cuda cores':>11} "
+          f"{'floor':>7}")
     for name, shape in SHAPES.items():
         for batch in map(int, args.batches.split(",")):
             for kv_len in map(int, args.kv_lens.split(",")):
                 tc, cc = (measure(shape, batch, kv_len, t) for t in (True, False))
+                unsplit = measure(shape, batch, kv_len, True, split=False)
                 floor = 2 * batch * kv_len * shape[1] * shape[2] * 2 / rates.copy_bytes_per_s * 1e6
                 rows.append({"shape": name, "batch": batch, "kv_len": kv_len, "tensor_cores_us": tc,
-                             "cuda_cores_us": cc, "floor_us": floor})
-                print(f"{name:>13} {batch:6d} {kv_len:6d} {tc:13.2f} {cc:11.2f} {floor:7.2f}", flush=True)
+                             "tensor_cores_no_split_us": unsplit, "cuda_cores_us": cc, "floor_us": floor})
+                print(f"{name:>13} {batch:6d} {kv_len:6d} {tc:13.2f} {unsplit:12.2f} {cc:11.2f} {floor:7.2f}",
+                      flush=True)
     save_rows(args.out, gpu, "decode_attention.json", rates, rows)
     return 0
 
