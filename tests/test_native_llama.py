@@ -216,3 +216,17 @@ def test_float32_projections_on_a_cpu_are_packed_for_onednn_and_a_tied_head_keep
                for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))  # fmt: skip
     assert untied.lm_head_weight.is_mkldnn
     assert model.lm_head_weight.is_mkldnn and not model.embed_tokens["weight"].is_mkldnn
+
+
+def test_a_float32_model_on_a_gpu_runs_the_pytorch_ops() -> None:
+    # FlashInfer's norm, RoPE and activation kernels take float16 and bfloat16 only.
+    from flashserve.model.layers import select_ops
+
+    assert select_ops("cuda", "auto", torch.float32).name == "torch"
+
+
+def test_the_flashinfer_ops_refuse_a_float32_model() -> None:
+    from flashserve.model.layers import select_ops
+
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        select_ops("cuda", "flashinfer", torch.float32)

@@ -1,7 +1,10 @@
-"""Two tensor-parallel ranks over NCCL on two GPUs generate what one GPU generates, and leave no
-process behind. A small float32 Llama (8 query heads, 2 KV heads, a vocabulary of 1,001 that does
-not divide by 2), dummy weights seeded alike on every rank. Steps run eagerly: tensor parallelism
-captures no CUDA graphs yet. Skipped on a machine with fewer than two GPUs."""
+"""Two tensor-parallel ranks over NCCL on two GPUs compute what one GPU computes, and leave no
+process behind. A small float32 Llama (8 query heads and 2 KV heads of 128 dimensions, a head
+size FlashInfer's attention takes; a vocabulary of 1,001 that does not divide by 2), dummy
+weights seeded alike on every rank. Its projections and norms run in float32 (PyTorch's ops) and
+FlashInfer attends in bfloat16, so logits are compared within the suite's bfloat16 tolerance;
+greedy tokens are compared with PyTorch's float32 attention. Tensor-parallel steps run eagerly.
+Skipped on a machine with fewer than two GPUs."""
 
 from __future__ import annotations
 
@@ -13,15 +16,17 @@ from typing import Any
 import pytest
 import torch
 
+from test_flashinfer_backend import TOL, rel_err
 from test_tp_engine import gone, worker_pids
 
+from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.llm import LLM
 from flashserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
-              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=1001,
+              head_dim=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=1001,
               max_position_embeddings=1024, tie_word_embeddings=False, rms_norm_eps=1e-5,
               rope_theta=10000.0)  # fmt: skip
 ENGINE = dict(load_format="dummy", dtype="float32", num_pages=256, max_num_batched_tokens=64)
@@ -38,12 +43,39 @@ def model(tmp_path_factory: Any) -> str:
 
 @pytest.fixture(scope="module")
 def one_gpu_tokens(model: str) -> list[list[int]]:
-    with LLM(model, cuda_graph=False, **ENGINE) as llm:
+    with LLM(model, cuda_graph=False, attention_backend="torch", **ENGINE) as llm:
         return [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
 
 
-def test_two_gpus_generate_the_greedy_tokens_of_one(model: str, one_gpu_tokens: list[list[int]]) -> None:
+def step_logits(llm: LLM) -> list[torch.Tensor]:
+    """The logits of a prefill step of PROMPTS, then of 4 decode steps of all three (teacher-forced
+    tokens), straight through the engine's runner on pages no request holds."""
+    runner: Any = llm.engine.executor
+    pages = [list(range(1 + 16 * i, 17 + 16 * i)) for i in range(len(PROMPTS))]
+    step = [ScheduledRequest(f"r{i}", p, 0, pages[i], True, GREEDY, p, []) for i, p in enumerate(PROMPTS)]
+    logits = [runner.forward(SchedulerOutput(step)).clone()]
+    for k in range(4):
+        step = [ScheduledRequest(f"r{i}", [11 + k], len(p) + k, pages[i], True, GREEDY, p, [11] * (k + 1))
+                for i, p in enumerate(PROMPTS)]
+        logits.append(runner.forward(SchedulerOutput(step)).clone())
+    return logits
+
+
+@pytest.fixture(scope="module")
+def one_gpu_logits(model: str) -> list[torch.Tensor]:
+    with LLM(model, cuda_graph=False, **ENGINE) as llm:
+        return step_logits(llm)
+
+
+def test_two_gpus_compute_the_logits_of_one(model: str, one_gpu_logits: list[torch.Tensor]) -> None:
     with LLM(model, tensor_parallel_size=2, **ENGINE) as llm:
+        logits = step_logits(llm)
+    errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_logits)]
+    assert max(errs) < TOL[torch.bfloat16], errs
+
+
+def test_two_gpus_generate_the_greedy_tokens_of_one(model: str, one_gpu_tokens: list[list[int]]) -> None:
+    with LLM(model, tensor_parallel_size=2, attention_backend="torch", **ENGINE) as llm:
         tokens = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
     assert tokens == one_gpu_tokens
 

@@ -1,7 +1,7 @@
 """The fused operations of a Llama-family forward: RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul.
 
-Each has a FlashInfer implementation (CUDA) and a PyTorch one with the same semantics (CPU, or a
-GPU without flashinfer). A model picks one set once, at construction, with `select_ops`, so the
+Each has a FlashInfer implementation (CUDA, float16 and bfloat16) and a PyTorch one with the same
+semantics (CPU, a float32 model, or a GPU without flashinfer). A model picks one set once, at construction, with `select_ops`, so the
 forward pass never asks again and `flashinfer` is imported only here and only when chosen.
 
 Semantics, shared by both sets:
@@ -86,6 +86,9 @@ def torch_ops() -> Ops:
 # --- FlashInfer ------------------------------------------------------------------------------
 
 
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def flashinfer_ops() -> Ops:
     """The FlashInfer kernels; raises ImportError when flashinfer is not installed."""
     fi: Any = importlib.import_module("flashinfer")
@@ -110,18 +113,23 @@ def flashinfer_ops() -> Ops:
     return Ops("flashinfer", rmsnorm, fused_add_rmsnorm, apply_rope, silu_and_mul)
 
 
-def select_ops(device: torch.device | str, impl: str = "auto") -> Ops:
-    """`impl`: "auto" (FlashInfer on CUDA when importable, else PyTorch), "flashinfer" or "torch"."""
+def select_ops(device: torch.device | str, impl: str = "auto", dtype: torch.dtype | None = None) -> Ops:
+    """`impl`: "auto" (FlashInfer on CUDA when importable and the model is float16 or bfloat16,
+    else PyTorch), "flashinfer" or "torch". `dtype`: the model's (None: not known, taken as half
+    precision). FlashInfer's norm, RoPE and activation kernels take float16 and bfloat16 only."""
     device = torch.device(device)
+    half = dtype is None or dtype in FLASHINFER_DTYPES
     if impl == "torch":
         return torch_ops()
     if impl == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"the FlashInfer ops need a CUDA device, got {device}")
+        if not half:
+            raise ValueError(f"the FlashInfer ops take float16 or bfloat16 models, not {dtype}")
         return flashinfer_ops()
     if impl != "auto":
         raise ValueError(f"unknown ops implementation {impl!r}; choose auto, flashinfer or torch")
-    if device.type == "cuda":
+    if device.type == "cuda" and half:
         try:
             return flashinfer_ops()
         except ImportError:

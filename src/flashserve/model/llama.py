@@ -228,7 +228,7 @@ class LlamaModel(nn.Module):
             state = dict(source)
         weights = convert_hf_state_dict(state, spec, dtype, device, shard)
         del state
-        return cls._assemble(spec, weights, device, max_positions, ops, compile, group)
+        return cls._assemble(spec, weights, dtype, device, max_positions, ops, compile, group)
 
     @classmethod
     def from_checkpoint(
@@ -259,23 +259,23 @@ class LlamaModel(nn.Module):
             weights = path.read_llama_shard(spec, dtype, device, shard)
         else:
             weights = read_llama_shard(path, spec, dtype, device, shard)
-        return cls._assemble(spec, weights, device, max_positions, ops, compile, group)
+        return cls._assemble(spec, weights, dtype, device, max_positions, ops, compile, group)
 
     @classmethod
     def _assemble(
-        cls, spec: LlamaSpec, weights: dict[str, torch.Tensor], device: torch.device, max_positions: int | None,
-        ops: Ops | str, compile: bool, group: TPGroup,
+        cls, spec: LlamaSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+        max_positions: int | None, ops: Ops | str, compile: bool, group: TPGroup,
     ) -> LlamaModel:  # fmt: skip
         if compile:
             if ops not in ("auto", "torch") and not (isinstance(ops, Ops) and ops.name == "torch"):
                 raise ValueError("torch.compile traces the PyTorch ops; the FlashInfer ones are opaque to it")
             ops = torch_ops()
-        ops = ops if isinstance(ops, Ops) else select_ops(device, ops)
+        ops = ops if isinstance(ops, Ops) else select_ops(device, ops, dtype)
         with torch.device("meta"):
             model = cls(spec, ops, compile=compile, group=group)
         model.load_state_dict(weights, strict=True, assign=True)
         model.eval()
-        if packs_for_onednn(device, model.embed_tokens["weight"].dtype, compile):
+        if packs_for_onednn(device, dtype, compile):
             for layer in model.layers:
                 for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                     proj["weight"] = nn.Parameter(pack_for_onednn(proj["weight"]), requires_grad=False)
