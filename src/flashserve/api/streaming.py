@@ -8,11 +8,11 @@ order the engine produces them and closing never races an iterator that another 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
+import orjson
 from starlette.requests import Request
 
 from flashserve.api.choices import ChoiceResult
@@ -223,7 +223,10 @@ def usage(num_prompt_tokens: int, num_output_tokens: Sequence[int], num_cached_t
 
 
 def encode(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One server-sent event. orjson: a chunk is encoded for every token of every stream, and the
+    standard library's encoder was a tenth of the server's CPU time at 100 streams. A chunk holds
+    no NaN or infinity (logprobs are floored at -9999.0), which orjson would write as null."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 def chat_opening(index: int) -> dict[str, Any]:
