@@ -179,3 +179,15 @@ def test_a_client_leaving_a_non_streaming_request_aborts_it(serve: Callable[[Fak
             client.post("/v1/chat/completions", json={"model": MODEL, **HI})
     assert wait_for(lambda: len(engine.request_ids) == 1 and engine.request_ids[0] in engine.closed)
     assert engine.request_ids[0] in engine.aborted
+
+
+async def test_stream_events_are_sent_without_a_timeout_scope_each(tokenizer: Any, monkeypatch: Any) -> None:
+    # At 100 streams anyio's per-send timeout scope was a fifth of the event loop's time.
+    import anyio
+
+    def no_scope(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a timeout scope around a send")
+
+    monkeypatch.setattr(anyio, "move_on_after", no_scope)
+    chunks = events(await stream(FakeEngine(), tokenizer, "/v1/chat/completions", HI))
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hello, world!"

@@ -13,7 +13,6 @@ from typing import Any, Callable, Coroutine, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.middleware.cors import CORSMiddleware
 
@@ -37,6 +36,7 @@ from flashserve.api.streaming import (
     CLIENT_CLOSED,
     ClientGone,
     EngineStreams,
+    SSEResponse,
     chat_opening,
     sse_chunks,
     unless_disconnected,
@@ -260,7 +260,7 @@ class _OpenAIServing:
                 on_error=lambda err: self.metrics.record_error(err.type, err.code),
             )
             # The background close covers a client that leaves before the body iterator starts.
-            return EventSourceResponse(chunks, ping=0, sep="\n", background=BackgroundTask(streams.aclose))
+            return SSEResponse(chunks, ping=0, sep="\n", background=BackgroundTask(streams.aclose))
 
         try:
             results = await unless_disconnected(raw, streams.collect())
