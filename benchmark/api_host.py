@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmark.server_process import wait_healthy
+
 TEXT = (
     "The server streams each token to its client as soon as the engine has it. A step of the engine "
     "schedules the running requests, runs the model once for all of them, samples one token each, "
@@ -121,22 +123,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not become healthy")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="5,25,100")
@@ -159,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                "--step-ms", str(args.step_ms), "--stats", str(stats)] + (["--tokenizer", args.tokenizer] if args.tokenizer else [])  # fmt: skip
         server = subprocess.Popen(cmd)
         try:
-            wait_healthy(url, server)
+            failure = wait_healthy(server, url, time.monotonic() + 120)
+            if failure is not None:
+                raise RuntimeError(failure)
             print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; step {args.step_ms} ms of "
                   f"sleep standing for the device")
             print(f"{'streams':>8} {'tokens':>8} {'server CPU us/token':>20} {'steps/s':>8} {'TPOT p50 ms':>12} "

@@ -16,10 +16,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(proc: subprocess.Popen, base: str, deadline: float, vocab_size: int) -> str | None:
-    """Wait for /health, then send warm-up requests (short, one long prefill, 8 at once) so that the
-    FlashInfer kernels a workload needs are built here, not in its timed run. None once ready, else
-    why not. `deadline` is a time.monotonic() value."""
+def wait_healthy(proc: subprocess.Popen, base: str, deadline: float) -> str | None:
+    """Wait for /health to answer 200: None then, else why not. `deadline`: time.monotonic()."""
     import httpx
 
     while True:
@@ -29,10 +27,21 @@ def wait_ready(proc: subprocess.Popen, base: str, deadline: float, vocab_size: i
             return "not healthy before the cap"
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
+                return None
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
+
+
+def wait_ready(proc: subprocess.Popen, base: str, deadline: float, vocab_size: int) -> str | None:
+    """Wait for /health, then send warm-up requests (short, one long prefill, 8 at once) so that the
+    FlashInfer kernels a workload needs are built here, not in its timed run. None once ready, else
+    why not. `deadline` is a time.monotonic() value."""
+    import httpx
+
+    failure = wait_healthy(proc, base, deadline)
+    if failure is not None:
+        return failure
     try:
         model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         high = min(vocab_size, 10_000)

@@ -1,8 +1,9 @@
 """The fused operations of a Llama-family forward: RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul.
 
 Each has a FlashInfer implementation (CUDA, float16 and bfloat16) and a PyTorch one with the same
-semantics (CPU, a float32 model, or a GPU without flashinfer). A model picks one set once, at construction, with `select_ops`, so the
-forward pass never asks again and `flashinfer` is imported only here and only when chosen.
+semantics (CPU, a float32 model, or a GPU without flashinfer). A model picks one set once, at
+construction, with `select_ops`, so the forward pass never asks again and `flashinfer` is imported
+only here and only when chosen.
 
 Semantics, shared by both sets:
 - `rmsnorm(x, w, eps) -> y`: x [T, H] or [T, heads, D], normalised over the last dimension.
