@@ -1,7 +1,7 @@
 """The server's host path under many streams, without a device: what each streamed token costs the
 server process's CPU, and how fast steps can go when the device takes no time.
 
-    python -m benchmark.api_host [--concurrency 5,25,100] [--step-ms 0] [--tokenizer PATH]
+    python -m benchmark.api_host [--concurrency 5,25,100] [--step-ms 2] [--tokenizer PATH]
 
 The server is the real one short of the model: uvicorn, the app, `AsyncEngine`, `LLMEngine`, the
 scheduler, the KV cache manager and the detokenizer, in a process of its own, over an executor
@@ -89,7 +89,7 @@ def serve(port: int, step_ms: float, tokenizer_path: str | None, stats_path: str
     from flashserve.metrics import Metrics
 
     tokenizer = load_tokenizer(tokenizer_path)
-    ids = [i for i in tokenizer(TEXT * 4, add_special_tokens=False)["input_ids"]]
+    ids = tokenizer(TEXT * 4, add_special_tokens=False)["input_ids"]
     vocab = len(tokenizer)
     max_len = 4096
     kv = KVCacheManager(16384, 16)
@@ -126,7 +126,8 @@ def cpu_seconds(pid: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="5,25,100")
-    p.add_argument("--step-ms", type=float, default=0.0, help="sleep per step standing for the device")
+    p.add_argument("--step-ms", type=float, default=2.0,
+                   help="sleep per step standing for the device (0: the engine outruns the event loop)")
     p.add_argument("--tokenizer", help="a Hugging Face tokenizer directory (default: the embedded SmolLM2's)")
     p.add_argument("--client-workers", type=int, default=1)
     p.add_argument("--port", type=int, default=8765)
