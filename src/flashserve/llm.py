@@ -55,7 +55,8 @@ def build_engine(
     if model.tensor_parallel_size > 1:  # this process is rank 0; the workers start here
         from flashserve.parallel.executor import start_tensor_parallel
 
-        runner, loaded, num_pages = start_tensor_parallel(model, cache)
+        runner, loaded, num_pages = start_tensor_parallel(model, cache, cuda_graph=cuda_graph,
+                                                          max_batch_size=scheduler.max_num_seqs)
     else:
         runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph,
                                                  max_batch_size=scheduler.max_num_seqs)

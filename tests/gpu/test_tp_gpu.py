@@ -3,8 +3,9 @@ process behind. A small float32 Llama (8 query heads and 2 KV heads of 128 dimen
 size FlashInfer's attention takes; a vocabulary of 1,001 that does not divide by 2), dummy
 weights seeded alike on every rank. Its projections and norms run in float32 (PyTorch's ops) and
 FlashInfer attends in bfloat16, so logits are compared within the suite's bfloat16 tolerance;
-greedy tokens are compared with PyTorch's float32 attention. Tensor-parallel steps run eagerly.
-Skipped on a machine with fewer than two GPUs."""
+greedy tokens are compared with PyTorch's float32 attention. Decode steps of two ranks replay
+CUDA graphs with the collectives inside, or run eagerly. Skipped on a machine with fewer than two
+GPUs."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def one_gpu_tokens(model: str) -> list[list[int]]:
 
 def step_logits(llm: LLM) -> list[torch.Tensor]:
     """The logits of a prefill step of PROMPTS, then of 4 decode steps of all three (teacher-forced
-    tokens), straight through the engine's runner on pages no request holds."""
+    tokens; a decode step of 3 replays the graph of 4 where graphs were captured), straight
+    through the engine's runner on pages no request holds."""
     runner: Any = llm.engine.executor
     pages = [list(range(1 + 16 * i, 17 + 16 * i)) for i in range(len(PROMPTS))]
     step = [ScheduledRequest(f"r{i}", p, 0, pages[i], True, GREEDY, p, []) for i, p in enumerate(PROMPTS)]
@@ -67,8 +69,10 @@ def one_gpu_logits(model: str) -> list[torch.Tensor]:
         return step_logits(llm)
 
 
-def test_two_gpus_compute_the_logits_of_one(model: str, one_gpu_logits: list[torch.Tensor]) -> None:
-    with LLM(model, tensor_parallel_size=2, **ENGINE) as llm:
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
+def test_two_gpus_compute_the_logits_of_one(model: str, one_gpu_logits: list[torch.Tensor], cuda_graph: bool) -> None:
+    with LLM(model, tensor_parallel_size=2, cuda_graph=cuda_graph, **ENGINE) as llm:
+        assert (llm.engine.executor.graphs is not None) == cuda_graph  # type: ignore[attr-defined]
         logits = step_logits(llm)
     errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_logits)]
     assert max(errs) < TOL[torch.bfloat16], errs

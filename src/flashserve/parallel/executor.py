@@ -6,7 +6,9 @@ builds its own shard's runner. Under a launcher that started every rank itself (
 WORLD_SIZE set), rank 0 joins the launcher's group and serves, and every other rank runs
 `run_worker`. The engine drives the returned `TensorParallelRunner` exactly as it drives a
 `ModelRunner` (launch/collect): its `forward` first broadcasts the step to the workers, then runs
-rank 0's shard; the model's collectives pair up with the workers'. Only rank 0 samples. The step budget probe and the warm-up go through `forward` too, so the workers
+rank 0's shard; the model's collectives pair up with the workers'. Only rank 0 samples. On CUDA
+every rank captures the same decode graphs, collectives inside, and a decode step replays the
+same graph on every rank. The step budget probe and the warm-up go through `forward` too, so the workers
 follow them as well.
 
 Lifetime: `close()` (also registered with atexit) sends the end and reaps the workers; a worker
@@ -29,10 +31,12 @@ import torch.distributed as dist
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.model.loader import LoadedModel
-from flashserve.model.runner import LaunchedStep, ModelRunner, warm_up
+from flashserve.model.runner import LaunchedStep, ModelRunner, capture_decode_graphs, pick_backend, warm_up
 from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group
 from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
-from flashserve.parallel.worker import WireStep, build_rank_runner, control_group, encode_step, rank_device, run_worker
+from flashserve.parallel.worker import (
+    WireCapture, WireStep, build_rank_runner, capture_message, control_group, encode_step, rank_device, run_worker,
+)  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,12 @@ class TensorParallelRunner(ModelRunner):
             self.workers.check()  # a dead worker is the better explanation of a failed collective
             raise
 
-    def _send(self, step: WireStep) -> None:
+    def capture_graphs(self, max_batch_size: int) -> None:
+        """Captures decode CUDA graphs here and, at the same time, on every worker."""
+        self._send(capture_message(max_batch_size))
+        capture_decode_graphs(self, self.model, max_batch_size)
+
+    def _send(self, step: WireStep | WireCapture) -> None:
         if self.closed:
             raise RuntimeError("the tensor-parallel workers were closed")
         self.workers.check()  # raises RankFailed when a worker has died since the last step
@@ -130,12 +139,14 @@ def launched_rank(world_size: int) -> int | None:
 
 
 def start_tensor_parallel(
-    model_config: ModelConfig, cache_config: CacheConfig
+    model_config: ModelConfig, cache_config: CacheConfig, *, cuda_graph: bool = True, max_batch_size: int = 256,
 ) -> tuple[TensorParallelRunner, LoadedModel, int]:
     """Builds rank 0's runner in this process, as `build_runner` returns, with ranks 1..N-1 beside
     it: started here (child processes on this node), or already started by a launcher such as
-    torchrun, on this node or others (`launched_rank`). In a launched rank other than 0 this
-    never returns: the process runs its shard's steps until rank 0 ends them, then exits 0."""
+    torchrun, on this node or others (`launched_rank`). On CUDA with FlashInfer every rank
+    captures the same decode graphs after the warm-up (`cuda_graph`). In a launched rank other
+    than 0 this never returns: the process runs its shard's steps until rank 0 ends them, then
+    exits 0."""
     world_size = model_config.tensor_parallel_size
     if model_config.model_impl == "hf":  # refused before any process starts
         raise ValueError("tensor parallelism needs the native model path (model_impl auto or native, not hf)")
@@ -179,6 +190,9 @@ def start_tensor_parallel(
         compiled = base.model.model.compiled  # type: ignore[attr-defined]
         if loaded.device.type == "cuda" or compiled:
             warm_up(runner, num_pages)
+        if loaded.device.type == "cuda" and cuda_graph and pick_backend(model_config.attention_backend,
+                                                                        loaded.device) == "flashinfer":
+            runner.capture_graphs(max_batch_size)
     except BaseException:
         runner.close()
         raise

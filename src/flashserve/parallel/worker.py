@@ -34,8 +34,8 @@ from flashserve.model.hf import attention_scale
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
 from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.model.runner import (
-    ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, kv_page_bytes, num_kv_pages, pick_backend,
-    pick_device, pick_sampler,
+    ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, capture_decode_graphs, kv_page_bytes, num_kv_pages,
+    pick_backend, pick_device, pick_sampler,
 )  # fmt: skip
 from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group, local_rank
 from flashserve.sampling_params import SamplingParams
@@ -49,6 +49,9 @@ CONTROL_TIMEOUT = timedelta(days=365)
 WireRequest = tuple[list[int], int, list[int], bool]
 # A step: its requests and the prompt-logprob token rows; None ends the workers' loop.
 WireStep = tuple[list[WireRequest], list[int]] | None
+# Capture decode CUDA graphs for batch sizes up to this one, as rank 0 does at the same time.
+WireCapture = tuple[str, int]
+CAPTURE = "capture"
 
 _WIRE_PARAMS = SamplingParams()  # workers never sample: any params do
 
@@ -128,7 +131,7 @@ def build_rank_runner(
         )
         logger.info(
             "model %s on %d ranks (%s, %s, native path), rank 0: %d query / %d KV heads, %s attention, "
-            "KV cache %d pages x %d tokens (%s, %.2f GB per rank); CUDA graphs are off with tensor parallelism",
+            "KV cache %d pages x %d tokens (%s, %.2f GB per rank)",
             loaded.name, group.world_size, device, loaded.dtype, shard.num_heads, shard.num_kv_heads, backend_name,
             num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9,
         )  # fmt: skip
@@ -136,9 +139,15 @@ def build_rank_runner(
     return ModelRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native)), loaded, num_pages
 
 
+def capture_message(max_batch_size: int) -> WireCapture:
+    return (CAPTURE, max_batch_size)
+
+
 def run_worker(model_config: ModelConfig, cache_config: CacheConfig) -> None:
     """A worker rank (1..N-1): joins the group, builds its shard, then runs steps until rank 0
-    sends the end (or dies: the launcher's parent watch ends this process)."""
+    sends the end (or dies: the launcher's parent watch ends this process). A capture message
+    makes it capture decode CUDA graphs beside rank 0: every rank holds the same graphs, with the
+    model's collectives inside, and replays the one rank 0 replays, since it runs the same steps."""
     group = init_tp_group(rank_device(model_config.device))
     control = control_group()
     runner, _, _ = build_rank_runner(model_config, cache_config, group)
@@ -149,6 +158,9 @@ def run_worker(model_config: ModelConfig, cache_config: CacheConfig) -> None:
             if box[0] is None:
                 dist.barrier(group=control)  # rank 0's last collective: see TensorParallelRunner.close
                 break
+            if box[0][0] == CAPTURE:
+                capture_decode_graphs(runner, runner.model, box[0][1])
+                continue
             out, prompt_rows = decode_step(box[0])
             runner.forward(out, prompt_rows)
     finally:

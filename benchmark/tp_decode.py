@@ -1,0 +1,113 @@
+"""Decode steps at tensor-parallel sizes 1 and 2 (dummy weights in a real shape), from CUDA graphs,
+beside the per-GPU weight + KV read floor, with the all-reduce's share of the step.
+
+    python -m benchmark.tp_decode [--model llama-3.1-8b] [--tp 1,2] [--batches 1,64] [--kv-len 512]
+
+A step is rank 0's `runner.forward` of `batch` one-token decode rows over `kv-len` cached tokens
+each (the step sent to the workers, the graph replayed on every rank, the logits gathered), timed
+on the host's clock with the device synchronised after each; median over `--steps`. The floor at
+TP = N is the one-GPU floor (`benchmark.floor.decode_step_floor_s`) over N: each rank reads its
+share of the weights and of the KV heads. The NCCL kernels' share of rank 0's kernel time comes
+from torch.profiler over 10 steps. Prints a table; writes `tp_decode.json` under
+`benchmark/results/<GPU>/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from benchmark.decode_attention import save_rows
+from benchmark.floor import ModelShape, decode_step_floor_s, measure_rates
+
+PAGE = 16
+
+
+def decode_step(batch: int, kv_len: int) -> Any:
+    from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+    from flashserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0)
+    per = kv_len // PAGE + 1
+    return SchedulerOutput([ScheduledRequest(f"r{i}", [1], kv_len, list(range(1 + i * per, 1 + (i + 1) * per)), True,
+                                             params, [1] * kv_len, [1]) for i in range(batch)])  # fmt: skip
+
+
+def time_steps(runner: Any, step: Any, steps: int) -> float:
+    import torch
+
+    for _ in range(5):
+        runner.forward(step)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        runner.forward(step)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def nccl_share(runner: Any, step: Any) -> float:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            runner.forward(step)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.key.startswith(("Memcpy", "Memset"))]
+    total = sum(e.device_time_total for e in events)
+    return sum(e.device_time_total for e in events if "nccl" in e.key.lower()) / total if total else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--tp", default="1,2")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--kv-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--out", default="benchmark/results")
+    args = p.parse_args(argv)
+    import torch
+
+    from benchmark.batchllm_bench import free_device
+    from benchmark.suite import model_config
+    from flashserve.llm import LLM
+
+    gpu = torch.cuda.get_device_name()
+    rates = measure_rates("cuda")
+    shape = ModelShape.from_config(model_config(args.model))
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    print(f"{gpu} x {torch.cuda.device_count()}: {args.model} (dummy weights) decode step, KV of {args.kv_len} tokens "
+          f"a request; floor = weights + KV over the ranks / {rates.copy_bytes_per_s / 1e12:.2f} TB/s")
+    print(f"{'tp':>3} {'batch':>6} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'nccl share':>11}")
+    for tp in map(int, args.tp.split(",")):
+        llm = LLM(args.model, load_format="dummy", tensor_parallel_size=tp, max_num_seqs=max(batches),
+                  gpu_memory_utilization=0.5)
+        runner: Any = llm.engine.executor
+        for batch in batches:
+            step = decode_step(batch, args.kv_len)
+            ms = time_steps(runner, step, args.steps)
+            floor = decode_step_floor_s(shape, rates, [args.kv_len] * batch) * 1e3 / tp
+            share = nccl_share(runner, step) if tp > 1 else 0.0
+            rows.append({"tp": tp, "batch": batch, "kv_len": args.kv_len, "step_ms": ms, "floor_ms": floor,
+                         "nccl_kernel_share": share, "graphs": runner.graphs is not None})
+            print(f"{tp:3d} {batch:6d} {ms:8.3f} {floor:9.3f} {ms / floor:8.2f} {share:11.1%}", flush=True)
+        llm.close()
+        del llm, runner
+        free_device()
+    by = {(r["tp"], r["batch"]): r["step_ms"] for r in rows}
+    for batch in batches:
+        if (1, batch) in by and (2, batch) in by:
+            print(f"batch {batch}: TP=2 takes {by[2, batch] / by[1, batch]:.2f}x the TP=1 step")
+    save_rows(args.out, gpu, "tp_decode.json", rates, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
