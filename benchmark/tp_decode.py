@@ -2,6 +2,7 @@
 beside the per-GPU weight + KV read floor, with the all-reduce's share of the step.
 
     python -m benchmark.tp_decode [--model llama-3.1-8b] [--tp 1,2] [--batches 1,64] [--kv-len 512]
+        [--gpu-memory-utilization 0.5]
 
 A step is rank 0's `runner.forward` of `batch` one-token decode rows over `kv-len` cached tokens
 each (the step sent to the workers, the graph replayed on every rank, the logits gathered), timed
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--kv-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="raise for a model near a GPU's size")
     p.add_argument("--out", default="benchmark/results")
     args = p.parse_args(argv)
     import torch
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'tp':>3} {'batch':>6} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'nccl share':>11}")
     for tp in map(int, args.tp.split(",")):
         llm = LLM(args.model, load_format="dummy", tensor_parallel_size=tp, max_num_seqs=max(batches),
-                  gpu_memory_utilization=0.5)
+                  gpu_memory_utilization=args.gpu_memory_utilization)
         runner: Any = llm.engine.executor
         for batch in batches:
             step = decode_step(batch, args.kv_len)
