@@ -8,7 +8,8 @@ A step is rank 0's `runner.forward` of `batch` one-token decode rows over `kv-le
 each (the step sent to the workers, the graph replayed on every rank, the logits gathered), timed
 on the host's clock with the device synchronised after each; median over `--steps`. The floor at
 TP = N is the one-GPU floor (`benchmark.floor.decode_step_floor_s`) over N: each rank reads its
-share of the weights and of the KV heads. The NCCL kernels' share of rank 0's kernel time comes
+share of the weights and of the KV heads. Rank 0's kernel time per step (the sum over its
+kernels: what the step costs with no host or launch gaps) and the NCCL kernels' share of it come
 from torch.profiler over 10 steps. Prints a table; writes `tp_decode.json` under
 `benchmark/results/<GPU>/`.
 """
@@ -51,7 +52,9 @@ def time_steps(runner: Any, step: Any, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def nccl_share(runner: Any, step: Any) -> float:
+def kernel_time(runner: Any, step: Any) -> tuple[float, float]:
+    """Rank 0's kernel time per step (ms; the sum over its kernels, from torch.profiler over 10
+    steps) and the NCCL kernels' share of it."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -61,7 +64,8 @@ def nccl_share(runner: Any, step: Any) -> float:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.key.startswith(("Memcpy", "Memset"))]
     total = sum(e.device_time_total for e in events)
-    return sum(e.device_time_total for e in events if "nccl" in e.key.lower()) / total if total else 0.0
+    nccl = sum(e.device_time_total for e in events if "nccl" in e.key.lower())
+    return total / 10 / 1e3, nccl / total if total else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{gpu} x {torch.cuda.device_count()}: {args.model} (dummy weights) decode step, KV of {args.kv_len} tokens "
           f"a request; floor = weights + KV over the ranks / {rates.copy_bytes_per_s / 1e12:.2f} TB/s")
-    print(f"{'tp':>3} {'batch':>6} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'nccl share':>11}")
+    print(f"{'tp':>3} {'batch':>6} {'step ms':>8} {'kernel ms':>10} {'floor ms':>9} {'x floor':>8} {'nccl share':>11}")
     for tp in map(int, args.tp.split(",")):
         llm = LLM(args.model, load_format="dummy", tensor_parallel_size=tp, max_num_seqs=max(batches),
                   gpu_memory_utilization=args.gpu_memory_utilization)
@@ -96,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             step = decode_step(batch, args.kv_len)
             ms = time_steps(runner, step, args.steps)
             floor = decode_step_floor_s(shape, rates, [args.kv_len] * batch) * 1e3 / tp
-            share = nccl_share(runner, step) if tp > 1 else 0.0
-            rows.append({"tp": tp, "batch": batch, "kv_len": args.kv_len, "step_ms": ms, "floor_ms": floor,
-                         "nccl_kernel_share": share, "graphs": runner.graphs is not None})
-            print(f"{tp:3d} {batch:6d} {ms:8.3f} {floor:9.3f} {ms / floor:8.2f} {share:11.1%}", flush=True)
+            kernels_ms, share = kernel_time(runner, step)
+            rows.append({"tp": tp, "batch": batch, "kv_len": args.kv_len, "step_ms": ms, "kernel_ms": kernels_ms,
+                         "floor_ms": floor, "nccl_kernel_share": share, "graphs": runner.graphs is not None})
+            print(f"{tp:3d} {batch:6d} {ms:8.3f} {kernels_ms:10.3f} {floor:9.3f} {ms / floor:8.2f} {share:11.1%}",
+                  flush=True)
         llm.close()
         del llm, runner
         free_device()

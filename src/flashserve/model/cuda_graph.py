@@ -67,6 +67,15 @@ class CudaGraphRunner:
     def captured(self) -> bool:
         return bool(self._graphs)
 
+    def release(self) -> None:
+        """Frees the captured graphs (later steps run eagerly). A graph with NCCL collectives
+        inside holds its communicator: destroying the process group before the graph waits
+        forever in ncclCommDestroy, so tensor-parallel ranks release their graphs first."""
+        torch.cuda.synchronize()
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+
     def capture(self) -> None:
         """Captures one graph per batch size (two with cascade), largest first, all in one memory pool.
 

@@ -35,7 +35,8 @@ from flashserve.model.runner import LaunchedStep, ModelRunner, capture_decode_gr
 from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group
 from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
 from flashserve.parallel.worker import (
-    WireCapture, WireStep, build_rank_runner, capture_message, control_group, encode_step, rank_device, run_worker,
+    WireCapture, WireStep, build_rank_runner, capture_message, control_group, encode_step, rank_device, release_graphs,
+    run_worker,
 )  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class TensorParallelRunner(ModelRunner):
             # shuts down (a thread that wants the GIL then is killed, aborting the process).
             dist.barrier(group=self.control)
             self.closed = True
+            release_graphs(self)  # before the group: a graph holding NCCL's communicator stalls its end
             # Every rank leaves the group before rank 0 waits for the workers to exit: a worker's
             # NCCL teardown waits for its peers (on two H200s it did not exit in 30 s otherwise).
             close_tp_group(self.group)

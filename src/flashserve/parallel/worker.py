@@ -139,6 +139,13 @@ def build_rank_runner(
     return ModelRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native)), loaded, num_pages
 
 
+def release_graphs(runner: ModelRunner) -> None:
+    """Drops `runner`'s decode graphs before its rank leaves the group (`CudaGraphRunner.release`)."""
+    if runner.graphs is not None:
+        runner.graphs.release()
+        runner.graphs = None
+
+
 def capture_message(max_batch_size: int) -> WireCapture:
     return (CAPTURE, max_batch_size)
 
@@ -157,6 +164,7 @@ def run_worker(model_config: ModelConfig, cache_config: CacheConfig) -> None:
             dist.broadcast_object_list(box, src=0, group=control)
             if box[0] is None:
                 dist.barrier(group=control)  # rank 0's last collective: see TensorParallelRunner.close
+                release_graphs(runner)  # before the group, as rank 0 does
                 break
             if box[0][0] == CAPTURE:
                 capture_decode_graphs(runner, runner.model, box[0][1])
