@@ -70,6 +70,12 @@ class TestTwoRanksMatchOneRank:
         assert [c.token_ids for c in pair.generate(PROMPTS, GREEDY)] == expected
         assert all(len(t) == GREEDY.max_tokens for t in expected)
 
+    def test_two_ranks_launch_each_step_behind_the_one_running(self, engines: tuple[LLM, LLM]) -> None:
+        """Overlap scheduling stays on: the tokens in flight reach the worker by a broadcast (the
+        greedy test above checks that they are the right ones)."""
+        single, pair = engines
+        assert pair.engine.overlap and single.engine.overlap
+
     def test_prompt_logprob_rows_reach_every_rank(self, engines: tuple[LLM, LLM]) -> None:
         """Steps whose logits include prompt rows keep the ranks' vocabulary gathers the same shape."""
         single, pair = engines

@@ -54,6 +54,10 @@ class TPGroup(Protocol):
         """Concatenates every rank's `t` (same shape on all) along `dim`, in rank order."""
         ...
 
+    def broadcast(self, t: Tensor) -> Tensor:
+        """Overwrites `t` on every rank with rank 0's `t` (same shape and dtype on all), in place."""
+        ...
+
 
 class SingleRankGroup:
     """One rank holds the whole model: the collectives return their input."""
@@ -65,6 +69,9 @@ class SingleRankGroup:
         return t
 
     def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
+        return t
+
+    def broadcast(self, t: Tensor) -> Tensor:
         return t
 
     def __repr__(self) -> str:
@@ -97,6 +104,10 @@ class TorchDistGroup:
         out = t.new_empty((self._world_size * t.shape[0], *t.shape[1:]) if t.dim() else (self._world_size,))
         _all_gather_single(out, t, group=self._group)
         return torch.cat(out.view(self._world_size, *t.shape).unbind(0), dim=dim)
+
+    def broadcast(self, t: Tensor) -> Tensor:
+        dist.broadcast(t, group_src=0, group=self._group)
+        return t
 
     def barrier(self) -> None:
         dist.barrier(group=self._group)

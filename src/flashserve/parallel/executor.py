@@ -6,10 +6,12 @@ builds its own shard's runner. Under a launcher that started every rank itself (
 WORLD_SIZE set), rank 0 joins the launcher's group and serves, and every other rank runs
 `run_worker`. The engine drives the returned `TensorParallelRunner` exactly as it drives a
 `ModelRunner` (launch/collect): its `forward` first broadcasts the step to the workers, then runs
-rank 0's shard; the model's collectives pair up with the workers'. Only rank 0 samples. On CUDA
-every rank captures the same decode graphs, collectives inside, and a decode step replays the
-same graph on every rank. The step budget probe and the warm-up go through `forward` too, so the workers
-follow them as well.
+rank 0's shard; the model's collectives pair up with the workers'. Only rank 0 samples. The
+engine may launch step N+1 while step N runs (overlap scheduling): the tokens step N samples stay
+on rank 0's device, and the step's token ids reach the workers by a broadcast in the model's group
+(`RankRunner`). On CUDA every rank captures the same decode graphs, collectives inside, and a
+decode step replays the same graph on every rank. The step budget probe and the warm-up go
+through `forward` too, so the workers follow them as well.
 
 Lifetime: `close()` (also registered with atexit) sends the end and reaps the workers; a worker
 that died makes the next step raise `RankFailed` (the engine loop dies with it, and a server
@@ -31,12 +33,12 @@ import torch.distributed as dist
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.model.loader import LoadedModel
-from flashserve.model.runner import LaunchedStep, ModelRunner, capture_decode_graphs, pick_backend, warm_up
+from flashserve.model.runner import LaunchedStep, capture_decode_graphs, pick_backend, warm_up
 from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group
 from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
 from flashserve.parallel.worker import (
-    WireCapture, WireStep, build_rank_runner, capture_message, control_group, encode_step, rank_device, release_graphs,
-    run_worker,
+    RankRunner, WireCapture, WireStep, build_rank_runner, capture_message, control_group, encode_step, rank_device,
+    release_graphs, run_worker,
 )  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -46,27 +48,21 @@ _MASTER_ADDR = "127.0.0.1"
 _CLOSE_TIMEOUT = 30.0
 
 
-class TensorParallelRunner(ModelRunner):
+class TensorParallelRunner(RankRunner):
     """Rank 0's runner: every forward is first sent to the worker ranks."""
 
-    def __init__(self, base: ModelRunner, group: TPGroup, control: Any, workers: RankProcesses) -> None:
-        super().__init__(base.loaded, base.backend, base.sampler, base.page_size, base.model)
-        self.group = group
+    def __init__(self, base: RankRunner, control: Any, workers: RankProcesses) -> None:
+        super().__init__(base, base.group)
         self.control = control
         self.workers = workers
         self.closed = False
         self.num_threads = torch.get_num_threads()  # this process's CPU threads to restore at close
 
-    # The workers get a step's token ids from rank 0's message, so every token must be on the host.
-    overlap_capable = False
-
     def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
                 previous: LaunchedStep | None = None) -> torch.Tensor:
-        if any(r.last_token_in_flight for r in out.requests):
-            raise ValueError("tensor-parallel steps take no tokens in flight")
         self._send(encode_step(out, list(prompt_rows)))
         try:
-            return super().forward(out, prompt_rows)
+            return super().forward(out, prompt_rows, previous)
         except Exception:
             self.workers.check()  # a dead worker is the better explanation of a failed collective
             raise
@@ -185,7 +181,7 @@ def start_tensor_parallel(
                 with contextlib.suppress(Exception):
                     close_tp_group(group)
         raise
-    runner = TensorParallelRunner(base, group, control, workers)
+    runner = TensorParallelRunner(base, control, workers)
     runner.num_threads = threads
     atexit.register(runner.close)
     try:

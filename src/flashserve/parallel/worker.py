@@ -7,7 +7,8 @@ everywhere. Rank 0 schedules and samples; ranks 1..N-1 run `run_worker`: receive
 the same forward (the collectives inside it pair up with rank 0's), drop the logits.
 
 A step crosses as plain data (`encode_step`), not as a `SchedulerOutput`: the forward depends
-only on each request's new tokens, its first position, its pages and whether it samples, plus
+only on each request's new tokens, its first position, its pages, whether it samples and whether
+its last token is still in flight on rank 0's device (`RankRunner` then broadcasts the ids), plus
 the token rows rank 0 wants prompt logprobs for (they set the logits' rows, and the vocabulary
 all-gather needs the same shape on every rank). Sampling parameters, grammars and bitmasks
 stay on rank 0, which alone samples, so structured output works unchanged over N ranks.
@@ -28,14 +29,15 @@ import torch
 import torch.distributed as dist
 
 from flashserve.attention import get_backend_cls
+from flashserve.attention.base import BatchLayout
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.model.hf import attention_scale
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
 from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.model.runner import (
-    ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, capture_decode_graphs, kv_page_bytes, num_kv_pages,
-    pick_backend, pick_device, pick_sampler,
+    LaunchedStep, ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, capture_decode_graphs, kv_page_bytes,
+    num_kv_pages, pick_backend, pick_device, pick_sampler,
 )  # fmt: skip
 from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group, local_rank
 from flashserve.sampling_params import SamplingParams
@@ -45,8 +47,9 @@ logger = logging.getLogger(__name__)
 # How long a worker may wait for the next step: as long as the server may stay idle.
 CONTROL_TIMEOUT = timedelta(days=365)
 
-# One request of a step: (new token ids, tokens already computed, page ids, samples).
-WireRequest = tuple[list[int], int, list[int], bool]
+# One request of a step: (new token ids, tokens already computed, page ids, samples, last token
+# in flight).
+WireRequest = tuple[list[int], int, list[int], bool, bool]
 # A step: its requests and the prompt-logprob token rows; None ends the workers' loop.
 WireStep = tuple[list[WireRequest], list[int]] | None
 # Capture decode CUDA graphs for batch sizes up to this one, as rank 0 does at the same time.
@@ -58,15 +61,15 @@ _WIRE_PARAMS = SamplingParams()  # workers never sample: any params do
 
 def encode_step(out: SchedulerOutput, prompt_rows: list[int]) -> WireStep:
     """What a worker needs of a step, copied: `ScheduledRequest`s hold views of live lists."""
-    return [(list(r.new_token_ids), r.num_computed_tokens, list(r.page_ids), r.sample) for r in out.requests], list(
-        prompt_rows
-    )
+    requests = [(list(r.new_token_ids), r.num_computed_tokens, list(r.page_ids), r.sample, r.last_token_in_flight)
+                for r in out.requests]  # fmt: skip
+    return requests, list(prompt_rows)
 
 
 def decode_step(step: tuple[list[WireRequest], list[int]]) -> tuple[SchedulerOutput, list[int]]:
     requests, prompt_rows = step
-    scheduled = [ScheduledRequest(str(i), new, computed, pages, sample, _WIRE_PARAMS)
-                 for i, (new, computed, pages, sample) in enumerate(requests)]  # fmt: skip
+    scheduled = [ScheduledRequest(str(i), new, computed, pages, sample, _WIRE_PARAMS, last_token_in_flight=in_flight)
+                 for i, (new, computed, pages, sample, in_flight) in enumerate(requests)]  # fmt: skip
     return SchedulerOutput(scheduled), prompt_rows
 
 
@@ -82,9 +85,31 @@ def rank_device(name: str) -> torch.device:
     return device
 
 
+class RankRunner(ModelRunner):
+    """A rank's runner over its shard. A step may be launched behind the one still running on
+    the device: a request's last token, sampled there on rank 0's device and never on the
+    host, reaches the other ranks by a broadcast of the step's token ids in the model's group
+    (rank 0 fills them from the step before, the others receive them), so that every rank
+    embeds the same tokens."""
+
+    def __init__(self, base: ModelRunner, group: TPGroup) -> None:
+        super().__init__(base.loaded, base.backend, base.sampler, base.page_size, base.model)
+        self.group = group
+
+    def _input_ids(self, out: SchedulerOutput, layout: BatchLayout, token_ids: list[int],
+                   previous: LaunchedStep | None) -> torch.Tensor:
+        if not any(r.last_token_in_flight for r in out.requests):
+            return super()._input_ids(out, layout, token_ids, previous)
+        if self.group.rank == 0:
+            input_ids = super()._input_ids(out, layout, token_ids, previous)
+        else:  # rank 0's tokens overwrite it
+            input_ids = torch.empty(len(token_ids), dtype=torch.long, device=self.device)
+        return self.group.broadcast(input_ids)
+
+
 def build_rank_runner(
     model_config: ModelConfig, cache_config: CacheConfig, group: TPGroup, sampler: TokenSampler | None = None
-) -> tuple[ModelRunner, LoadedModel, int]:
+) -> tuple[RankRunner, LoadedModel, int]:
     """This rank's runner over its shard; (runner, loaded model with max_model_len capped by the
     cache, number of pages, the same on every rank). Collective: every rank calls it."""
     if model_config.model_impl == "hf":
@@ -136,7 +161,8 @@ def build_rank_runner(
             num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9,
         )  # fmt: skip
     runner_sampler = sampler if sampler is not None else pick_sampler(device, model_config.seed)
-    return ModelRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native)), loaded, num_pages
+    runner = ModelRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native))
+    return RankRunner(runner, group), loaded, num_pages
 
 
 def release_graphs(runner: ModelRunner) -> None:
