@@ -10,7 +10,8 @@ on the host's clock with the device synchronised after each; median over `--step
 TP = N is the one-GPU floor (`benchmark.floor.decode_step_floor_s`) over N: each rank reads its
 share of the weights and of the KV heads. Rank 0's kernel time per step (the sum over its
 kernels: what the step costs with no host or launch gaps) and the NCCL kernels' share of it come
-from torch.profiler over 10 steps. Prints a table; writes `tp_decode.json` under
+from torch.profiler over 10 steps. The engine's step (`engine_step_ms`) is the same decode inside
+`LLM.generate`, where overlap scheduling launches a step while the one before runs. Prints a table; writes `tp_decode.json` under
 `benchmark/results/<GPU>/`.
 """
 
@@ -52,6 +53,26 @@ def time_steps(runner: Any, step: Any, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def engine_step_ms(llm: Any, batch: int, kv_len: int, tokens: int) -> float:
+    """A decode step inside the engine loop (`LLM.generate`: scheduling, the step sent to the
+    workers, overlap scheduling, sampling, outputs): the time of `tokens` + 1 output tokens less
+    that of 1, over `tokens`. Each call gets fresh random prompts, so no prefill hits the prefix cache."""
+    import random
+
+    from flashserve.sampling_params import SamplingParams
+
+    rng = random.Random(batch * 7919 + kv_len)
+
+    def run(n: int) -> float:
+        prompts = [[rng.randrange(1000, 100000) for _ in range(kv_len)] for _ in range(batch)]
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    run(4)
+    return (run(tokens + 1) - run(1)) / tokens * 1e3
+
+
 def kernel_time(runner: Any, step: Any) -> tuple[float, float]:
     """Rank 0's kernel time per step (ms; the sum over its kernels, from torch.profiler over 10
     steps) and the NCCL kernels' share of it."""
@@ -75,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--kv-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--engine-tokens", type=int, default=64, help="decode steps per engine measurement (0: skip it)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="raise for a model near a GPU's size")
     p.add_argument("--out", default="benchmark/results")
     args = p.parse_args(argv)
@@ -91,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{gpu} x {torch.cuda.device_count()}: {args.model} (dummy weights) decode step, KV of {args.kv_len} tokens "
           f"a request; floor = weights + KV over the ranks / {rates.copy_bytes_per_s / 1e12:.2f} TB/s")
-    print(f"{'tp':>3} {'batch':>6} {'step ms':>8} {'kernel ms':>10} {'floor ms':>9} {'x floor':>8} {'nccl share':>11}")
+    print(f"{'tp':>3} {'batch':>6} {'step ms':>8} {'kernel ms':>10} {'engine ms':>10} {'floor ms':>9} {'x floor':>8} "
+          f"{'nccl share':>11}")
     for tp in map(int, args.tp.split(",")):
         llm = LLM(args.model, load_format="dummy", tensor_parallel_size=tp, max_num_seqs=max(batches),
                   gpu_memory_utilization=args.gpu_memory_utilization)
@@ -101,17 +124,23 @@ def main(argv: list[str] | None = None) -> int:
             ms = time_steps(runner, step, args.steps)
             floor = decode_step_floor_s(shape, rates, [args.kv_len] * batch) * 1e3 / tp
             kernels_ms, share = kernel_time(runner, step)
+            engine_ms = engine_step_ms(llm, batch, args.kv_len, args.engine_tokens) if args.engine_tokens else None
             rows.append({"tp": tp, "batch": batch, "kv_len": args.kv_len, "step_ms": ms, "kernel_ms": kernels_ms,
-                         "floor_ms": floor, "nccl_kernel_share": share, "graphs": runner.graphs is not None})
-            print(f"{tp:3d} {batch:6d} {ms:8.3f} {kernels_ms:10.3f} {floor:9.3f} {ms / floor:8.2f} {share:11.1%}",
-                  flush=True)
+                         "engine_step_ms": engine_ms, "floor_ms": floor, "nccl_kernel_share": share,
+                         "graphs": runner.graphs is not None, "overlap": llm.engine.overlap})
+            engine = f"{engine_ms:10.3f}" if engine_ms is not None else f"{'-':>10}"
+            print(f"{tp:3d} {batch:6d} {ms:8.3f} {kernels_ms:10.3f} {engine} {floor:9.3f} {ms / floor:8.2f} "
+                  f"{share:11.1%}", flush=True)
         llm.close()
         del llm, runner
         free_device()
-    by = {(r["tp"], r["batch"]): r["step_ms"] for r in rows}
+    by = {(r["tp"], r["batch"]): r for r in rows}
     for batch in batches:
         if (1, batch) in by and (2, batch) in by:
-            print(f"batch {batch}: TP=2 takes {by[2, batch] / by[1, batch]:.2f}x the TP=1 step")
+            one, two = by[1, batch], by[2, batch]
+            ratios = [f"{key.replace('_', ' ')} {two[key] / one[key]:.2f}x" for key in ("step_ms", "kernel_ms", "engine_step_ms")
+                      if one[key] and two[key]]  # fmt: skip
+            print(f"batch {batch}, TP=2 against TP=1: " + ", ".join(ratios))
     save_rows(args.out, gpu, "tp_decode.json", rates, rows)
     return 0
 
