@@ -94,6 +94,17 @@ def test_close_leaves_no_worker_alive(tmp_path: Path) -> None:
         llm.generate(PROMPTS[:1], GREEDY)
 
 
+def test_steps_go_through_shared_memory_whose_file_is_gone_once_the_ranks_run(tmp_path: Path) -> None:
+    from flashserve.parallel.channel import SHM_DIR, StepChannel
+
+    with LLM(write_config(tmp_path), tensor_parallel_size=2, **ENGINE) as llm:
+        steps = llm.engine.executor.steps  # type: ignore[attr-defined]
+        assert isinstance(steps, StepChannel)
+        assert not steps.path.exists()
+        assert len(llm.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    assert not list(SHM_DIR.glob(f"flashserve-steps-{os.getpid()}-*"))
+
+
 def test_interpreter_exit_without_close_stops_the_workers(tmp_path: Path) -> None:
     script = (
         "from flashserve.llm import LLM\n"

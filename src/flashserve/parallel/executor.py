@@ -34,6 +34,8 @@ from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.model.loader import LoadedModel
 from flashserve.model.runner import LaunchedStep, capture_decode_graphs, pick_backend, warm_up
+from flashserve.parallel.channel import GlooSteps, StepChannel
+from flashserve.parallel.channel import available as channel_available
 from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group
 from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
 from flashserve.parallel.worker import (
@@ -51,9 +53,11 @@ _CLOSE_TIMEOUT = 30.0
 class TensorParallelRunner(RankRunner):
     """Rank 0's runner: every forward is first sent to the worker ranks."""
 
-    def __init__(self, base: RankRunner, control: Any, workers: RankProcesses) -> None:
+    def __init__(self, base: RankRunner, control: Any, workers: RankProcesses,
+                 steps: StepChannel | GlooSteps | None = None) -> None:
         super().__init__(base, base.group)
         self.control = control
+        self.steps = steps if steps is not None else GlooSteps(control)
         self.workers = workers
         self.closed = False
         self.num_threads = torch.get_num_threads()  # this process's CPU threads to restore at close
@@ -77,7 +81,7 @@ class TensorParallelRunner(RankRunner):
             raise RuntimeError("the tensor-parallel workers were closed")
         self.workers.check()  # raises RankFailed when a worker has died since the last step
         try:
-            dist.broadcast_object_list([step], src=0, group=self.control)
+            self.steps.send(step, self.workers.check)
         except Exception:
             self.workers.check()
             raise
@@ -104,6 +108,7 @@ class TensorParallelRunner(RankRunner):
         finally:
             self.closed = True
             self.workers.kill()
+            self.steps.close()
             torch.set_num_threads(self.num_threads)
             with contextlib.suppress(Exception):
                 close_tp_group(self.group)
@@ -156,17 +161,30 @@ def start_tensor_parallel(
         run_worker(model_config, cache_config)
         raise SystemExit(0)
     threads = torch.get_num_threads()  # build_rank_runner shares the cores out on a CPU; close restores it
+    channel = None
     if rank is None:
+        # Workers on this node: steps go through shared memory (mapped by the workers before the
+        # group forms, unlinked here once it has).
+        channel = StepChannel.create(world_size) if channel_available(world_size) else None
         port = free_port(_MASTER_ADDR)
         env = rank_env(0, world_size, _MASTER_ADDR, port)
-        workers = RankProcesses.start(run_worker, (model_config, cache_config), world_size=world_size,
-                                      ranks=range(1, world_size), master_addr=_MASTER_ADDR, master_port=port)  # fmt: skip
+        args = (model_config, cache_config, str(channel.path) if channel is not None else None)
+        try:
+            workers = RankProcesses.start(run_worker, args, world_size=world_size, ranks=range(1, world_size),
+                                          master_addr=_MASTER_ADDR, master_port=port)  # fmt: skip
+        except BaseException:
+            if channel is not None:
+                channel.unlink()
+                channel.close()
+            raise
     else:  # the launcher's ranks: none of them is this process's child; a dead one fails a collective
         env, workers = {}, RankProcesses({})
     group: TPGroup | None = None
     try:
         with _environ(env):
             group = init_tp_group(rank_device(model_config.device))
+        if channel is not None:
+            channel.unlink()
         control = control_group()
         base, loaded, num_pages = build_rank_runner(model_config, cache_config, group)
     except BaseException as exc:
@@ -177,11 +195,16 @@ def start_tensor_parallel(
         finally:
             workers.kill()
             torch.set_num_threads(threads)
+            if channel is not None:
+                channel.unlink()
+                channel.close()
             if group is not None:
                 with contextlib.suppress(Exception):
                     close_tp_group(group)
         raise
-    runner = TensorParallelRunner(base, control, workers)
+    if channel is not None:
+        channel.control = control
+    runner = TensorParallelRunner(base, control, workers, channel)
     runner.num_threads = threads
     atexit.register(runner.close)
     try:

@@ -13,8 +13,10 @@ the token rows rank 0 wants prompt logprobs for (they set the logits' rows, and 
 all-gather needs the same shape on every rank). Sampling parameters, grammars and bitmasks
 stay on rank 0, which alone samples, so structured output works unchanged over N ranks.
 
-Steps travel over a gloo group of their own whose timeout is long: a worker waits there for
-as long as the server sits idle, while the model's collectives keep the default timeout.
+Steps travel through rank 0's shared-memory channel when rank 0 started the workers on its node
+(`channel.StepChannel`), else over a gloo group of their own whose timeout is long: a worker
+waits there for as long as the server sits idle, while the model's collectives keep the default
+timeout. The gloo group also carries a step too large for the channel.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +42,7 @@ from flashserve.model.runner import (
     LaunchedStep, ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, capture_decode_graphs, kv_page_bytes,
     num_kv_pages, pick_backend, pick_device, pick_sampler,
 )  # fmt: skip
+from flashserve.parallel.channel import GlooSteps, StepChannel
 from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group, local_rank
 from flashserve.sampling_params import SamplingParams
 
@@ -176,26 +180,36 @@ def capture_message(max_batch_size: int) -> WireCapture:
     return (CAPTURE, max_batch_size)
 
 
-def run_worker(model_config: ModelConfig, cache_config: CacheConfig) -> None:
+def run_worker(model_config: ModelConfig, cache_config: CacheConfig, channel_path: str | None = None) -> None:
     """A worker rank (1..N-1): joins the group, builds its shard, then runs steps until rank 0
-    sends the end (or dies: the launcher's parent watch ends this process). A capture message
-    makes it capture decode CUDA graphs beside rank 0: every rank holds the same graphs, with the
-    model's collectives inside, and replays the one rank 0 replays, since it runs the same steps."""
+    sends the end (or dies: the launcher's parent watch ends this process). Steps come through
+    rank 0's shared-memory channel at `channel_path` (mapped before the group forms, so that rank
+    0 may unlink it once the group has), else over the gloo group. A capture message makes it
+    capture decode CUDA graphs beside rank 0: every rank holds the same graphs, with the model's
+    collectives inside, and replays the one rank 0 replays, since it runs the same steps."""
+    channel = None
+    if channel_path is not None:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        channel = StepChannel(Path(channel_path), rank, world_size, None, create=False)
     group = init_tp_group(rank_device(model_config.device))
     control = control_group()
-    runner, _, _ = build_rank_runner(model_config, cache_config, group)
-    box: list[Any] = [None]
+    steps: StepChannel | GlooSteps = GlooSteps(control)
+    if channel is not None:
+        channel.control = control
+        steps = channel
     try:
+        runner, _, _ = build_rank_runner(model_config, cache_config, group)
         while True:
-            dist.broadcast_object_list(box, src=0, group=control)
-            if box[0] is None:
+            step = steps.receive()
+            if step is None:
                 dist.barrier(group=control)  # rank 0's last collective: see TensorParallelRunner.close
                 release_graphs(runner)  # before the group, as rank 0 does
                 break
-            if box[0][0] == CAPTURE:
-                capture_decode_graphs(runner, runner.model, box[0][1])
+            if step[0] == CAPTURE:
+                capture_decode_graphs(runner, runner.model, step[1])
                 continue
-            out, prompt_rows = decode_step(box[0])
+            out, prompt_rows = decode_step(step)
             runner.forward(out, prompt_rows)
     finally:
+        steps.close()
         close_tp_group(group)
