@@ -129,6 +129,11 @@ class StepChannel:
         del self._seq, self._length, self._acks
         self._map.close()
 
+    def discard(self) -> None:
+        """Rank 0, when the ranks failed to start: the file and the mapping go."""
+        self.unlink()
+        self.close()
+
 
 class GlooSteps:
     """Steps over the gloo group alone (`broadcast_object_list`): ranks a launcher started,

@@ -5,7 +5,7 @@
 builds its own shard's runner. Under a launcher that started every rank itself (torchrun;
 WORLD_SIZE set), rank 0 joins the launcher's group and serves, and every other rank runs
 `run_worker`. The engine drives the returned `TensorParallelRunner` exactly as it drives a
-`ModelRunner` (launch/collect): its `forward` first broadcasts the step to the workers, then runs
+`ModelRunner` (launch/collect): its `forward` first sends the step to the workers, then runs
 rank 0's shard; the model's collectives pair up with the workers'. Only rank 0 samples. The
 engine may launch step N+1 while step N runs (overlap scheduling): the tokens step N samples stay
 on rank 0's device, and the step's token ids reach the workers by a broadcast in the model's group
@@ -174,8 +174,7 @@ def start_tensor_parallel(
                                           master_addr=_MASTER_ADDR, master_port=port)  # fmt: skip
         except BaseException:
             if channel is not None:
-                channel.unlink()
-                channel.close()
+                channel.discard()
             raise
     else:  # the launcher's ranks: none of them is this process's child; a dead one fails a collective
         env, workers = {}, RankProcesses({})
@@ -196,8 +195,7 @@ def start_tensor_parallel(
             workers.kill()
             torch.set_num_threads(threads)
             if channel is not None:
-                channel.unlink()
-                channel.close()
+                channel.discard()
             if group is not None:
                 with contextlib.suppress(Exception):
                     close_tp_group(group)
