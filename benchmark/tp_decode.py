@@ -11,15 +11,18 @@ TP = N is the one-GPU floor (`benchmark.floor.decode_step_floor_s`) over N: each
 share of the weights and of the KV heads. Rank 0's kernel time per step (the sum over its
 kernels: what the step costs with no host or launch gaps) and the NCCL kernels' share of it come
 from torch.profiler over 10 steps. The engine's step (`engine_step_ms`) is the same decode inside
-`LLM.generate`, where overlap scheduling launches a step while the one before runs. Prints a table; writes `tp_decode.json` under
+`LLM.generate`, where overlap scheduling launches a step while the one before runs. Prints a table
+and draws it (`tp_decode.png`; `--plot earlier.json` redraws a committed run); writes `tp_decode.json` under
 `benchmark/results/<GPU>/`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmark.decode_attention import save_rows
@@ -89,6 +92,30 @@ def kernel_time(runner: Any, step: Any) -> tuple[float, float]:
     return total / 10 / 1e3, nccl / total if total else 0.0
 
 
+def plot(doc: dict[str, Any], path: Path, model: str) -> None:
+    """Bars of each (TP, batch): the step in turn, its kernel time, the engine's step and the floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    series = [("step_ms", "step in turn"), ("kernel_ms", "kernel time"), ("engine_step_ms", "engine step (overlap)"),
+              ("floor_ms", "floor")]  # fmt: skip
+    series = [(key, label) for key, label in series if any(r.get(key) for r in rows)]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.8 * len(rows), 3.8))
+    for k, (key, label) in enumerate(series):
+        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))], [r.get(key) or 0 for r in rows],
+               width, label=label)  # fmt: skip
+    ax.set_xticks(range(len(rows)), [f"TP={r['tp']}, batch {r['batch']}" for r in rows], fontsize=8)
+    ax.set_ylabel("ms per decode step")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{doc['gpu']}: {model} (dummy weights), KV of {rows[0]['kv_len']} tokens a request", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
@@ -99,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-tokens", type=int, default=64, help="decode steps per engine measurement (0: skip it)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="raise for a model near a GPU's size")
     p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--plot", type=Path, help="only draw the PNG of an earlier run's JSON (no GPU needed)")
     args = p.parse_args(argv)
+    if args.plot is not None:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"), args.model)
+        return 0
     import torch
 
     from benchmark.batchllm_bench import free_device
@@ -141,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios = [f"{key.replace('_', ' ')} {two[key] / one[key]:.2f}x" for key in ("step_ms", "kernel_ms", "engine_step_ms")
                       if one[key] and two[key]]  # fmt: skip
             print(f"batch {batch}, TP=2 against TP=1: " + ", ".join(ratios))
-    save_rows(args.out, gpu, "tp_decode.json", rates, rows)
+    path = save_rows(args.out, gpu, "tp_decode.json", rates, rows)
+    plot(json.loads(path.read_text()), path.with_suffix(".png"), args.model)
     return 0
 
 

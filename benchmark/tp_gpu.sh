@@ -47,7 +47,8 @@ decode() {  # name, then tp_decode's arguments
   local name=$1; shift
   timeout 420 $PYTHON -m benchmark.tp_decode --out "$OUT/.raw" "$@" 2>&1 | quiet | tee "$OUT/tp_decode_$name.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || RC=1
-  mv "$OUT"/.raw/*/tp_decode.json "$OUT/tp_decode_$name.json" 2>/dev/null; rm -rf "$OUT/.raw"
+  mv "$OUT"/.raw/*/tp_decode.json "$OUT/tp_decode_$name.json" 2>/dev/null
+  mv "$OUT"/.raw/*/tp_decode.png "$OUT/tp_decode_$name.png" 2>/dev/null; rm -rf "$OUT/.raw"
 }
 want decode8b && decode 8b --batches 1,64
 want decode70b && decode 70b --model llama-3.1-70b --tp 2 --batches 1,16 --steps 20 --gpu-memory-utilization 0.95
