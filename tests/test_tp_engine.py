@@ -140,6 +140,19 @@ def test_hf_model_path_is_refused_before_any_rank_starts(tmp_path: Path) -> None
     assert not multiprocessing.active_children()
 
 
+def test_more_ranks_than_visible_gpus_are_refused_before_any_rank_starts(tmp_path: Path, monkeypatch: Any) -> None:
+    import torch
+
+    from flashserve.parallel import executor
+
+    monkeypatch.setattr(executor, "pick_device", lambda name: torch.device("cuda"))  # a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ValueError, match=r"needs 2 GPUs on this node; 1 visible \(CUDA_VISIBLE_DEVICES=3\)"):
+        LLM(write_config(tmp_path), tensor_parallel_size=2, **{**ENGINE, "device": "cuda"})
+    assert not multiprocessing.active_children()
+
+
 def test_tp_flag_is_an_alias_of_tensor_parallel_size() -> None:
     parser = build_parser({})
     assert to_configs(parser.parse_args(["serve"])).model.tensor_parallel_size == 1

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.model.loader import LoadedModel
-from flashserve.model.runner import LaunchedStep, capture_decode_graphs, pick_backend, warm_up
+from flashserve.model.runner import LaunchedStep, capture_decode_graphs, pick_backend, pick_device, warm_up
 from flashserve.parallel.channel import GlooSteps, StepChannel
 from flashserve.parallel.channel import available as channel_available
 from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group
@@ -141,6 +141,19 @@ def launched_rank(world_size: int) -> int | None:
     return int(os.environ.get("RANK", "0"))
 
 
+def check_visible_gpus(device: str, world_size: int) -> None:
+    """Ranks this process starts on its node need a GPU each: refused before any process starts
+    (a worker without its GPU would die before the group forms, while rank 0 waits for it)."""
+    if pick_device(device).type != "cuda":
+        return
+    visible = torch.cuda.device_count()
+    if visible < world_size:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+        raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} GPUs on this node; "
+                         f"{visible} visible{where}")
+
+
 def start_tensor_parallel(
     model_config: ModelConfig, cache_config: CacheConfig, *, cuda_graph: bool = True, max_batch_size: int = 256,
 ) -> tuple[TensorParallelRunner, LoadedModel, int]:
@@ -163,6 +176,7 @@ def start_tensor_parallel(
     threads = torch.get_num_threads()  # build_rank_runner shares the cores out on a CPU; close restores it
     channel = None
     if rank is None:
+        check_visible_gpus(model_config.device, world_size)
         # Workers on this node: steps go through shared memory (mapped by the workers before the
         # group forms, unlinked here once it has).
         channel = StepChannel.create(world_size) if channel_available(world_size) else None
