@@ -193,7 +193,12 @@ def test_a_rank_holds_only_its_heads_mlp_columns_and_vocabulary_rows(runs: dict[
     assert shapes["layers.0.gate_up_proj.weight"] == (2 * 48, 64)
     assert shapes["layers.0.down_proj.weight"] == (64, 48)
     assert shapes["lm_head.weight"] == (128, 64)
-    assert shapes["embed_tokens.weight"] == (256, 64)  # replicated
+    assert shapes["embed_tokens.weight"] == (128, 64)  # the same rows of the vocabulary as the head
+
+
+def test_a_tied_model_s_rank_holds_only_its_vocabulary_rows_of_the_embedding(runs: dict[str, Any]) -> None:
+    shapes = runs["ranks"][1]["models"]["llama_one_kv_head_tied_vocab_211"]["shapes"]
+    assert shapes["embed_tokens.weight"][0] == shapes["lm_head.weight"][0] == 106  # 211 rows, padded halves
 
 
 def test_a_single_kv_head_is_replicated_on_every_rank(runs: dict[str, Any]) -> None:

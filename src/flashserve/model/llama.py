@@ -174,7 +174,9 @@ class LlamaModel(nn.Module):
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
             pieces = [torch.compile(p, fullgraph=True) for p in pieces]
         self._attention_input, self._attention_output, self._final_norm, self._mlp = pieces
-        self.embed_tokens = nn.ParameterDict({"weight": _param(spec.vocab_size, spec.hidden_size)})
+        # A rank of several holds its (padded) rows of the vocabulary, as of the LM head.
+        embed_rows = self.shard.vocab_size if self.sharded else spec.vocab_size
+        self.embed_tokens = nn.ParameterDict({"weight": _param(embed_rows, spec.hidden_size)})
         self.layers = nn.ModuleList(LlamaDecoderLayer(self.rank_spec) for _ in range(spec.num_layers))
         self.norm = nn.ParameterDict({"weight": _param(spec.hidden_size)})
         if not spec.tie_word_embeddings or self.sharded:
@@ -321,11 +323,19 @@ class LlamaModel(nn.Module):
             )  # fmt: skip
         return self._final_norm(spec, ops, hidden, residual, self.norm["weight"])
 
+    def _embed_sharded(self, input_ids: Tensor) -> Tensor:
+        """The embedding rows of `input_ids` from the ranks' vocabulary shards: each rank looks up
+        the ids in its rows and zeros the others, and the all-reduce adds one row to zeros (exact)."""
+        local = input_ids - self.shard.vocab_start
+        mine = (local >= 0) & (local < self.shard.vocab_stop - self.shard.vocab_start)
+        rows = F.embedding(torch.where(mine, local, 0), self.embed_tokens["weight"])
+        return self.group.all_reduce(rows.masked_fill_(~mine.unsqueeze(-1), 0))
+
     def _forward_sharded(self, input_ids: Tensor, positions: Tensor, backend: Any, cos_sin: Tensor) -> Tensor:
         """`forward` on one rank of several: the rank's heads and MLP columns, and an all-reduce
         after each row-parallel projection, so that every rank holds the full hidden state."""
         spec, ops, group = self.rank_spec, self.ops, self.group
-        residual = F.embedding(input_ids, self.embed_tokens["weight"])
+        residual = self._embed_sharded(input_ids)
         hidden: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             q, k, v, residual = self._attention_input(

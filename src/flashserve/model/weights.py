@@ -237,7 +237,7 @@ def fuse_weights(
     layer order (`kind`: the key of `_layer_names`, or "embed_tokens", "norm", "lm_head").
 
     `read` returns the rank's slice when `shard` splits the model; a tied LM head is then the
-    rank's rows of the (replicated) embedding.
+    rank's rows of the embedding, the same tensor.
     """
 
     def put(*tensors: torch.Tensor) -> torch.Tensor:
@@ -270,7 +270,5 @@ def fuse_weights(
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = put(read("lm_head.weight", "lm_head"))
     elif shard is not None and not shard.is_whole:
-        rows = shard.slice_for("lm_head")
-        assert rows is not None
-        out["lm_head.weight"] = rows.take(out["embed_tokens.weight"])
+        out["lm_head.weight"] = out["embed_tokens.weight"]  # the rank's rows of both: one tensor
     return out

@@ -3,8 +3,10 @@
 Megatron's split of a Llama layer: q/k/v and gate/up are column-parallel (a rank computes its
 own heads and its own MLP columns from the replicated hidden state); o_proj and down_proj are
 row-parallel (a rank multiplies its heads' or columns' share, and an all-reduce sums the
-partial outputs). The LM head is vocabulary-parallel (a rank computes logits for its rows of
-the vocabulary, then they are gathered). Norms and the embedding are replicated.
+partial outputs). The LM head and the embedding are vocabulary-parallel: a rank holds the same
+rows of the vocabulary of both, computes logits for its rows (then they are gathered), and looks
+up the tokens that fall in its rows (zeros for the others, then an all-reduce, which is exact).
+A tied model's rank holds those rows once, for both. Norms are replicated.
 
 Everything here is a pure function of the shapes and (rank, world_size), and a slice is a plain
 value (`TensorSlice`: a range of one dimension, zero-padded to a size), so that the same answer
@@ -29,7 +31,7 @@ import torch
 T = TypeVar("T")
 
 # The kinds of checkpoint tensor, as `weights.py` names them, that are split; any other kind
-# (norms, q/k norms, the embedding) is replicated whole.
+# (norms, q/k norms) is replicated whole.
 _Q_ROWS = ("q", "q_bias")
 _KV_ROWS = ("k", "v", "k_bias", "v_bias")
 _MLP_ROWS = ("gate", "up", "gate_bias", "up_bias")
@@ -172,7 +174,7 @@ class ShardLayout:
             return TensorSlice(0, self.mlp_start, self.mlp_stop, self.intermediate_size)
         if kind == "down":
             return TensorSlice(1, self.mlp_start, self.mlp_stop, self.intermediate_size)
-        if kind == "lm_head":
+        if kind in ("lm_head", "embed_tokens"):
             return TensorSlice(0, self.vocab_start, self.vocab_stop, self.vocab_size)
         if kind in _FIRST_RANK_ONLY:
             # Rank 0 keeps the bias; the others hold zeros of its shape (an exact no-op add).
