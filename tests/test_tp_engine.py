@@ -134,6 +134,25 @@ def test_killed_worker_fails_the_next_generate_and_leaves_no_process(tmp_path: P
         llm.close()
 
 
+def test_a_worker_that_dies_while_it_starts_fails_the_start_at_once(tmp_path: Path, monkeypatch: Any) -> None:
+    from flashserve.parallel import executor
+    from flashserve.parallel.channel import StepChannel
+
+    create = StepChannel.create
+
+    def unreachable_channel(world_size: int) -> StepChannel:
+        channel = create(world_size)
+        channel.unlink()  # the worker cannot open it, and exits 1 before it joins the group
+        return channel
+
+    monkeypatch.setattr(executor.StepChannel, "create", unreachable_channel)
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 exited with status 1"):
+        LLM(write_config(tmp_path), tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - start < 60  # not the 300 s rendezvous timeout
+    assert not multiprocessing.active_children()
+
+
 def test_hf_model_path_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="native model path"):
         LLM(write_config(tmp_path), tensor_parallel_size=2, model_impl="hf", **ENGINE)

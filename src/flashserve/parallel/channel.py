@@ -8,8 +8,10 @@ worker polls the number, copies the step out and acknowledges it. Rank 0 writes 
 once every worker has acknowledged the last (with overlap scheduling a worker is at most a step
 behind). A step larger than the slot travels over the gloo group instead: the slot then says so.
 
-The file lives in /dev/shm only while the ranks start: rank 0 unlinks it once every rank has
-joined the group, after which only the mappings hold it, so nothing is left behind however the
+The channel also tells rank 0 when each worker is about to join the group (`arrive`), so that
+a worker that dies while it starts (an import, its GPU) fails the start at once rather than after
+the rendezvous timeout. The file lives in /dev/shm only while the ranks start: rank 0 unlinks it
+once every rank has joined the group, after which only the mappings hold it, so nothing is left behind however the
 processes end. Ranks that a launcher started (torchrun, possibly on several nodes) keep the gloo
 broadcast.
 
@@ -34,8 +36,9 @@ import torch.distributed as dist
 
 SHM_DIR = Path("/dev/shm")
 SLOT_BYTES = 4 << 20  # a step of 256 requests with long page lists fits; larger ones go over gloo
-_HEADER = 64  # seq (u64), length (i64), then one u64 acknowledgement per reader
-_MAX_READERS = (_HEADER - 16) // 8
+_MAX_READERS = 15
+_HEADER = 16 + 16 * _MAX_READERS  # seq (u64), length (i64), then per reader an acknowledgement and an arrival
+_ARRIVALS = 16 + 8 * _MAX_READERS
 _OVER_GLOO = -1  # the length field of a step that travels over the gloo group
 SPIN_S = 0.002
 _IDLE_S = 1.0
@@ -72,6 +75,7 @@ class StepChannel:
         self._seq = ctypes.c_uint64.from_buffer(self._map, 0)
         self._length = ctypes.c_int64.from_buffer(self._map, 8)
         self._acks = [ctypes.c_uint64.from_buffer(self._map, 16 + 8 * i) for i in range(world_size - 1)]
+        self._arrivals = [ctypes.c_uint64.from_buffer(self._map, _ARRIVALS + 8 * i) for i in range(world_size - 1)]
         self._last = 0  # the last sequence number this side sent or received
 
     @classmethod
@@ -79,6 +83,22 @@ class StepChannel:
         """Rank 0's end, on a new file (`path` goes to the workers)."""
         path = SHM_DIR / f"flashserve-steps-{os.getpid()}-{secrets.token_hex(4)}"
         return cls(path, 0, world_size, control, create=True)
+
+    def arrive(self) -> None:
+        """A worker: about to join the group (its imports and its device are in order)."""
+        self._arrivals[self.rank - 1].value = 1
+
+    def wait_arrivals(self, alive: Callable[[], None], timeout: float) -> None:
+        """Rank 0, before it joins the group: waits until every worker has arrived, calling
+        `alive` (which raises when a worker has died) meanwhile, so that a worker that dies while
+        it starts fails the start at once instead of after the rendezvous timeout."""
+        deadline = time.monotonic() + timeout
+        while not all(arrival.value for arrival in self._arrivals):
+            alive()
+            if time.monotonic() > deadline:
+                missing = [i + 1 for i, arrival in enumerate(self._arrivals) if not arrival.value]
+                raise TimeoutError(f"ranks {missing} did not start within {timeout:.0f} s")
+            time.sleep(0.01)
 
     def unlink(self) -> None:
         """Removes the file once every rank has it mapped (rank 0, after the group has formed)."""
@@ -126,7 +146,7 @@ class StepChannel:
         return step
 
     def close(self) -> None:
-        del self._seq, self._length, self._acks
+        del self._seq, self._length, self._acks, self._arrivals
         self._map.close()
 
     def discard(self) -> None:
@@ -149,6 +169,22 @@ class GlooSteps:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
+
+    def arrive(self) -> None:
+        """A worker: about to join the group (its imports and its device are in order)."""
+        self._arrivals[self.rank - 1].value = 1
+
+    def wait_arrivals(self, alive: Callable[[], None], timeout: float) -> None:
+        """Rank 0, before it joins the group: waits until every worker has arrived, calling
+        `alive` (which raises when a worker has died) meanwhile, so that a worker that dies while
+        it starts fails the start at once instead of after the rendezvous timeout."""
+        deadline = time.monotonic() + timeout
+        while not all(arrival.value for arrival in self._arrivals):
+            alive()
+            if time.monotonic() > deadline:
+                missing = [i + 1 for i, arrival in enumerate(self._arrivals) if not arrival.value]
+                raise TimeoutError(f"ranks {missing} did not start within {timeout:.0f} s")
+            time.sleep(0.01)
 
     def unlink(self) -> None:
         pass

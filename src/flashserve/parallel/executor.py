@@ -36,7 +36,7 @@ from flashserve.model.loader import LoadedModel
 from flashserve.model.runner import LaunchedStep, capture_decode_graphs, pick_backend, pick_device, warm_up
 from flashserve.parallel.channel import GlooSteps, StepChannel
 from flashserve.parallel.channel import available as channel_available
-from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group
+from flashserve.parallel.comm import DEFAULT_TIMEOUT, TPGroup, close_tp_group, init_tp_group
 from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
 from flashserve.parallel.worker import (
     RankRunner, WireCapture, WireStep, build_rank_runner, capture_message, control_group, encode_step, rank_device,
@@ -194,6 +194,8 @@ def start_tensor_parallel(
         env, workers = {}, RankProcesses({})
     group: TPGroup | None = None
     try:
+        if channel is not None:
+            channel.wait_arrivals(workers.check, DEFAULT_TIMEOUT.total_seconds())
         with _environ(env):
             group = init_tp_group(rank_device(model_config.device))
         if channel is not None:

@@ -187,11 +187,15 @@ def run_worker(model_config: ModelConfig, cache_config: CacheConfig, channel_pat
     0 may unlink it once the group has), else over the gloo group. A capture message makes it
     capture decode CUDA graphs beside rank 0: every rank holds the same graphs, with the model's
     collectives inside, and replays the one rank 0 replays, since it runs the same steps."""
+    device = rank_device(model_config.device)
     channel = None
     if channel_path is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         channel = StepChannel(Path(channel_path), rank, world_size, None, create=False)
-    group = init_tp_group(rank_device(model_config.device))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a GPU that cannot be had fails here, before the arrival
+        channel.arrive()
+    group = init_tp_group(device)
     control = control_group()
     steps: StepChannel | GlooSteps = GlooSteps(control)
     if channel is not None:
