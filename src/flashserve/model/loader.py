@@ -42,6 +42,15 @@ _LLAMA3_COMMON: dict[str, Any] = {
     "eos_token_id": [128001, 128008, 128009],
 }
 
+# Llama 3.1's RoPE scaling (8B and 70B alike).
+_LLAMA31_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
 # config.json contents of the built-in dummy shapes (legacy rope keys: every transformers version
 # reads them).
 DUMMY_SHAPES: dict[str, dict[str, Any]] = {
@@ -52,13 +61,7 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "intermediate_size": 14336,
         "tie_word_embeddings": False,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_scaling": dict(_LLAMA31_ROPE),
     },
     "llama-3.1-70b": {
         **_LLAMA3_COMMON,
@@ -68,13 +71,7 @@ DUMMY_SHAPES: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "intermediate_size": 28672,
         "tie_word_embeddings": False,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        "rope_scaling": dict(_LLAMA31_ROPE),
     },
     "llama-3.2-1b": {
         **_LLAMA3_COMMON,

@@ -157,7 +157,8 @@ class StepChannel:
 
 class GlooSteps:
     """Steps over the gloo group alone (`broadcast_object_list`): ranks a launcher started,
-    possibly on several nodes, or a machine without /dev/shm. Same interface as `StepChannel`."""
+    possibly on several nodes, or a machine without /dev/shm. `StepChannel`'s send, receive and
+    close."""
 
     def __init__(self, control: Any) -> None:
         self.control = control
@@ -169,22 +170,6 @@ class GlooSteps:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
-
-    def arrive(self) -> None:
-        """A worker: about to join the group (its imports and its device are in order)."""
-        self._arrivals[self.rank - 1].value = 1
-
-    def wait_arrivals(self, alive: Callable[[], None], timeout: float) -> None:
-        """Rank 0, before it joins the group: waits until every worker has arrived, calling
-        `alive` (which raises when a worker has died) meanwhile, so that a worker that dies while
-        it starts fails the start at once instead of after the rendezvous timeout."""
-        deadline = time.monotonic() + timeout
-        while not all(arrival.value for arrival in self._arrivals):
-            alive()
-            if time.monotonic() > deadline:
-                missing = [i + 1 for i, arrival in enumerate(self._arrivals) if not arrival.value]
-                raise TimeoutError(f"ranks {missing} did not start within {timeout:.0f} s")
-            time.sleep(0.01)
 
     def unlink(self) -> None:
         pass
