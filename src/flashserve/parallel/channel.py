@@ -11,9 +11,9 @@ behind). A step larger than the slot travels over the gloo group instead: the sl
 The channel also tells rank 0 when each worker is about to join the group (`arrive`), so that
 a worker that dies while it starts (an import, its GPU) fails the start at once rather than after
 the rendezvous timeout. The file lives in /dev/shm only while the ranks start: rank 0 unlinks it
-once every rank has joined the group, after which only the mappings hold it, so nothing is left behind however the
-processes end. Ranks that a launcher started (torchrun, possibly on several nodes) keep the gloo
-broadcast.
+once every rank has joined the group, after which only the mappings hold it, so nothing is left
+behind however the processes end. Ranks that a launcher started (torchrun, possibly on several
+nodes) keep the gloo broadcast.
 
 Waiting: a reader spins (yielding the GIL and the core) for `SPIN_S` after each message, then
 sleeps 50 us between polls, and 1 ms after a second with no message, so an idle server's workers
@@ -79,10 +79,11 @@ class StepChannel:
         self._last = 0  # the last sequence number this side sent or received
 
     @classmethod
-    def create(cls, world_size: int, control: Any = None) -> StepChannel:
-        """Rank 0's end, on a new file (`path` goes to the workers)."""
+    def create(cls, world_size: int) -> StepChannel:
+        """Rank 0's end, on a new file (`path` goes to the workers; `control` is set once the
+        group has formed)."""
         path = SHM_DIR / f"flashserve-steps-{os.getpid()}-{secrets.token_hex(4)}"
-        return cls(path, 0, world_size, control, create=True)
+        return cls(path, 0, world_size, None, create=True)
 
     def arrive(self) -> None:
         """A worker: about to join the group (its imports and its device are in order)."""
@@ -170,9 +171,6 @@ class GlooSteps:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
-
-    def unlink(self) -> None:
-        pass
 
     def close(self) -> None:
         pass

@@ -55,7 +55,7 @@ class TensorParallelRunner(RankRunner):
 
     def __init__(self, base: RankRunner, control: Any, workers: RankProcesses,
                  steps: StepChannel | GlooSteps | None = None) -> None:
-        super().__init__(base, base.group)
+        super().__init__(base.loaded, base.backend, base.sampler, base.page_size, base.model, base.group)
         self.control = control
         self.steps = steps if steps is not None else GlooSteps(control)
         self.workers = workers

@@ -96,8 +96,9 @@ class RankRunner(ModelRunner):
     (rank 0 fills them from the step before, the others receive them), so that every rank
     embeds the same tokens."""
 
-    def __init__(self, base: ModelRunner, group: TPGroup) -> None:
-        super().__init__(base.loaded, base.backend, base.sampler, base.page_size, base.model)
+    def __init__(self, loaded: LoadedModel, backend: Any, sampler: TokenSampler, page_size: int, model: Any,
+                 group: TPGroup) -> None:  # fmt: skip
+        super().__init__(loaded, backend, sampler, page_size, model)
         self.group = group
 
     def _input_ids(self, out: SchedulerOutput, layout: BatchLayout, token_ids: list[int],
@@ -165,8 +166,7 @@ def build_rank_runner(
             num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9,
         )  # fmt: skip
     runner_sampler = sampler if sampler is not None else pick_sampler(device, model_config.seed)
-    runner = ModelRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native))
-    return RankRunner(runner, group), loaded, num_pages
+    return RankRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native), group), loaded, num_pages
 
 
 def release_graphs(runner: ModelRunner) -> None:
