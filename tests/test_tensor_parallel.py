@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
+from flashserve.model.layers import torch_ops
 from flashserve.model.llama import LlamaModel
 from flashserve.parallel.comm import MULTICAST_OFF_ENV, close_tp_group, init_tp_group
 from flashserve.parallel.launch import RankFailed, RankProcesses
@@ -101,6 +102,27 @@ def run_schedule(model: LlamaModel) -> list[torch.Tensor]:
     return logits
 
 
+# A fused all-reduce + add + RMSNorm stand-in (the real one is FlashInfer's, on GPUs): the group's
+# all-reduce and the PyTorch norm, recording the token count of each call.
+FUSED_MAX_TOKENS = 8  # the decode steps of SCHEDULE (3 tokens) are under it, the others over
+
+
+class RecordingFusedAllReduce:
+    max_tokens = FUSED_MAX_TOKENS
+
+    def __init__(self, group: Any) -> None:
+        self.group, self.tokens = group, []
+
+    def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self.tokens.append(partial.shape[0])
+        summed = residual + self.group.all_reduce(partial.clone())
+        return torch_ops().rmsnorm(summed, weight, eps), summed
+
+    def close(self) -> None:
+        pass
+
+
 def _rank_main(checkpoints: str, names: list[str], out_dir: str) -> None:
     """One rank: loads each checkpoint's shard two ways, runs the steps, saves what it saw."""
     torch.set_num_threads(1)  # two ranks share the machine's cores
@@ -108,8 +130,7 @@ def _rank_main(checkpoints: str, names: list[str], out_dir: str) -> None:
     found: dict[str, Any] = {"env": {k: os.environ.get(k) for k in MULTICAST_OFF_ENV}, "models": {}}
     for name in names:
         path = os.path.join(checkpoints, name)
-        with open(os.path.join(path, "config.json")) as f:
-            config = SimpleNamespace(**json.load(f))  # the fields a transformers config would read
+        config = config_of(path)
         state = load_file(os.path.join(path, "model.safetensors"))
         from_state = LlamaModel.from_hf(state, config, torch.float32, "cpu", ops="torch", group=group)
         from_files = LlamaModel.from_checkpoint(path, config, torch.float32, "cpu", ops="torch", group=group)
@@ -119,8 +140,18 @@ def _rank_main(checkpoints: str, names: list[str], out_dir: str) -> None:
             "heads": (from_state.shard.num_heads, from_state.shard.num_kv_heads),
             "shapes": {n: tuple(p.shape) for n, p in from_state.named_parameters()},
         }
+    fused = RecordingFusedAllReduce(group)
+    model = LlamaModel.from_hf(load_file(os.path.join(checkpoints, names[0], "model.safetensors")), config_of(
+        os.path.join(checkpoints, names[0])), torch.float32, "cpu", ops="torch", group=group)
+    model.fused_allreduce = fused
+    found["fused"] = {"logits": run_schedule(model), "tokens": fused.tokens}
     torch.save(found, os.path.join(out_dir, f"rank{group.rank}.pt"))
     close_tp_group(group)
+
+
+def config_of(path: str) -> Any:
+    with open(os.path.join(path, "config.json")) as f:
+        return SimpleNamespace(**json.load(f))  # the fields a transformers config would read
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +190,20 @@ def test_two_ranks_match_one_rank_on_a_mixed_prefill_and_decode_step(runs: dict[
 @pytest.mark.parametrize("name", NAMES)
 def test_two_ranks_match_one_rank_on_decode_steps_over_the_paged_cache(runs: dict[str, Any], name: str) -> None:
     assert_steps_match(runs, name, DECODE)
+
+
+def test_a_fused_allreduce_and_norm_gives_the_logits_of_one_rank(runs: dict[str, Any]) -> None:
+    for rank in range(WORLD):
+        for step, got in enumerate(runs["ranks"][rank]["fused"]["logits"]):
+            torch.testing.assert_close(got, runs["one_rank"][NAMES[0]][step], atol=1e-5, rtol=1e-4)
+
+
+def test_only_steps_within_the_fused_allreduce_s_tokens_take_it(runs: dict[str, Any]) -> None:
+    layers = configs()[NAMES[0]].num_hidden_layers
+    for rank in range(WORLD):
+        # One per row-parallel projection (o_proj and down_proj of each layer), for each of the two
+        # 3-token decode steps; the 21- and 23-token steps went through the group's all-reduce.
+        assert runs["ranks"][rank]["fused"]["tokens"] == [3] * (2 * layers) * len(DECODE)
 
 
 def test_every_rank_returns_the_whole_vocabulary(runs: dict[str, Any]) -> None:

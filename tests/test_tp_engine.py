@@ -172,6 +172,19 @@ def test_more_ranks_than_visible_gpus_are_refused_before_any_rank_starts(tmp_pat
     assert not multiprocessing.active_children()
 
 
+def test_the_fused_allreduce_off_gpus_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--enable-flashinfer-allreduce-fusion needs CUDA GPUs"):
+        LLM(write_config(tmp_path), tensor_parallel_size=2, enable_flashinfer_allreduce_fusion=True, **ENGINE)
+    assert not multiprocessing.active_children()
+
+
+def test_allreduce_fusion_flag_reaches_the_model_config() -> None:
+    parser = build_parser({})
+    assert not to_configs(parser.parse_args(["serve"])).model.enable_flashinfer_allreduce_fusion
+    args = parser.parse_args(["serve", "--tp", "2", "--enable-flashinfer-allreduce-fusion"])
+    assert to_configs(args).model.enable_flashinfer_allreduce_fusion
+
+
 def test_tp_flag_is_an_alias_of_tensor_parallel_size() -> None:
     parser = build_parser({})
     assert to_configs(parser.parse_args(["serve"])).model.tensor_parallel_size == 1

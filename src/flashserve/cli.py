@@ -81,6 +81,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "torch.compile (Inductor); start-up compiles for a while first"),
     Option("--tensor-parallel-size", _positive_int, 1, "ranks that share the model's weights on this node "
            "(this process and N-1 worker processes; native model path only) (alias --tp)"),
+    Option("--enable-flashinfer-allreduce-fusion", _bool, False, "with --tensor-parallel-size > 1 on GPUs: "
+           "run each all-reduce with the residual add and RMSNorm after it as one FlashInfer kernel "
+           "(steps of up to 512 tokens) instead of NCCL's all-reduce and a norm kernel; FlashInfer builds "
+           "that kernel at the first start on a machine, which takes several minutes"),
     Option("--cascade-attention", str, "auto", "attend a prefix shared by a group of requests once for the group "
            "(on: every such group; auto: in a step whose groups save >= 512k KV token reads)", list(CASCADE_MODES)),
     Option("--page-size", int, 16, "tokens per KV cache page"),
@@ -209,6 +213,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         cascade_attention=ns.cascade_attention,
         seed=ns.seed,
         tensor_parallel_size=ns.tensor_parallel_size,
+        enable_flashinfer_allreduce_fusion=ns.enable_flashinfer_allreduce_fusion,
     )
     cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,
                         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,

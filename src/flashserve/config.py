@@ -24,6 +24,9 @@ class ModelConfig:
     # (`attention/cascade.py`, `cascade_policy`).
     cascade_attention: str = "auto"
     tensor_parallel_size: int = 1  # ranks sharing the model: this process and N-1 workers (native path)
+    # Under tensor parallelism on GPUs: each all-reduce with the add + RMSNorm after it in one
+    # FlashInfer kernel (`parallel/comm.py`, FlashInferAllReduceNorm) instead of NCCL, then the norm.
+    enable_flashinfer_allreduce_fusion: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ size FlashInfer's attention takes; a vocabulary of 1,001 that does not divide by
 weights seeded alike on every rank. Its projections and norms run in float32 (PyTorch's ops) and
 FlashInfer attends in bfloat16, so logits are compared within the suite's bfloat16 tolerance;
 greedy tokens are compared with PyTorch's float32 attention. Decode steps of two ranks replay
-CUDA graphs with the collectives inside, or run eagerly. Skipped on a machine with fewer than two
-GPUs."""
+CUDA graphs with the collectives inside, or run eagerly. The same model in bfloat16 runs with
+FlashInfer's fused all-reduce + add + RMSNorm (whose module FlashInfer builds on first use, for
+over 5 minutes on a fresh machine: `CHECKS=build bash benchmark/tp_gpu.sh` first). Skipped on a
+machine with fewer than two GPUs."""
 
 from __future__ import annotations
 
@@ -75,6 +77,27 @@ def test_two_gpus_compute_the_logits_of_one(model: str, one_gpu_logits: list[tor
         assert (llm.engine.executor.graphs is not None) == cuda_graph  # type: ignore[attr-defined]
         logits = step_logits(llm)
     errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_logits)]
+    assert max(errs) < TOL[torch.bfloat16], errs
+
+
+@pytest.fixture(scope="module")
+def one_gpu_bf16_logits(model: str) -> list[torch.Tensor]:
+    with LLM(model, cuda_graph=False, **{**ENGINE, "dtype": "bfloat16"}) as llm:
+        return step_logits(llm)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
+def test_two_gpus_with_the_fused_allreduce_compute_the_logits_of_one(
+    model: str, one_gpu_bf16_logits: list[torch.Tensor], cuda_graph: bool
+) -> None:
+    # bfloat16 (the fused kernel's dtypes); the prefill step (236 tokens) and the decode steps all
+    # take the fused kernel.
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    with LLM(model, tensor_parallel_size=2, cuda_graph=cuda_graph, enable_flashinfer_allreduce_fusion=True,
+             **engine) as llm:  # fmt: skip
+        assert llm.engine.executor.model.model.fused_allreduce is not None  # type: ignore[attr-defined]
+        logits = step_logits(llm)
+    errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_bf16_logits)]
     assert max(errs) < TOL[torch.bfloat16], errs
 
 

@@ -16,8 +16,9 @@ Tensor parallelism: built with a `TPGroup` of N ranks (`from_hf(..., group=g)` o
 `from_checkpoint`), a model holds its rank's shard (`model.shard`, see `parallel/sharding.py`)
 and every rank runs the same step with the same inputs. The rank's attention backend has
 `model.shard.num_heads` query and `model.shard.num_kv_heads` KV heads; o_proj and down_proj are
-followed by an all-reduce, and `compute_logits` gathers the vocabulary so that every rank returns
-the full [N, V] row. On one rank none of this runs: the forward is the single-process one.
+followed by an all-reduce (NCCL, then the add + RMSNorm after it; or one FlashInfer kernel that
+does all three, `use_fused_allreduce`), and `compute_logits` gathers the vocabulary so that every
+rank returns the full [N, V] row. On one rank none of this runs: the forward is the single-process one.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from flashserve.model.weights import (
     WeightMismatchError,
     convert_hf_state_dict,
 )
-from flashserve.parallel.comm import SingleRankGroup, TPGroup
+from flashserve.parallel.comm import FlashInferAllReduceNorm, FusedAllReduceNorm, SingleRankGroup, TPGroup
 from flashserve.parallel.sharding import ShardLayout
 
 if TYPE_CHECKING:
@@ -112,17 +113,26 @@ def attention_input(
     `hidden` is the previous layer's output, added into `residual` (None for the first layer,
     whose `residual` is the embedding). Returns q, k, v as [T, heads, head_dim] and the residual.
     """
-    eps, d, t = spec.rms_norm_eps, spec.head_dim, residual.shape[0]
     if hidden is None:
-        hidden = ops.rmsnorm(residual, norm_w, eps)
+        hidden = ops.rmsnorm(residual, norm_w, spec.rms_norm_eps)
     else:
-        hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, eps)
-    q, k, v = linear(hidden, qkv_w, qkv_b).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)
+    q, k, v = qkv_rope(spec, ops, hidden, positions, cos_sin, qkv_w, qkv_b, q_norm_w, k_norm_w)
+    return q, k, v, residual
+
+
+def qkv_rope(
+    spec: LlamaSpec, ops: Ops, normed: Tensor, positions: Tensor, cos_sin: Tensor,
+    qkv_w: Tensor, qkv_b: Tensor | None, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """`attention_input` after the layer's input norm: fused qkv, the q/k norms, RoPE."""
+    eps, d, t = spec.rms_norm_eps, spec.head_dim, normed.shape[0]
+    q, k, v = linear(normed, qkv_w, qkv_b).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     if q_norm_w is not None and k_norm_w is not None:
         q = ops.rmsnorm(q.view(t, spec.num_heads, d), q_norm_w, eps).view(t, spec.q_size)
         k = ops.rmsnorm(k.view(t, spec.num_kv_heads, d), k_norm_w, eps).view(t, spec.kv_size)
     q, k = ops.apply_rope(positions, q, k, d, cos_sin)
-    return q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d), residual
+    return q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d)
 
 
 def attention_output(
@@ -138,9 +148,16 @@ def mlp(
     spec: LlamaSpec, ops: Ops, hidden: Tensor, residual: Tensor, norm_w: Tensor,
     gate_up_w: Tensor, gate_up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """`attention_output` after o_proj: a tensor-parallel rank all-reduces o_proj's output first."""
+    """`attention_output` after o_proj: add + RMSNorm, the SiLU MLP."""
     hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)
-    return linear(ops.silu_and_mul(linear(hidden, gate_up_w, gate_up_b)), down_w, down_b), residual
+    return gated_mlp(ops, hidden, gate_up_w, gate_up_b, down_w, down_b), residual
+
+
+def gated_mlp(
+    ops: Ops, normed: Tensor, gate_up_w: Tensor, gate_up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None
+) -> Tensor:
+    """The SiLU MLP of a normed hidden state: gate_up, SiLU-and-mul, down."""
+    return linear(ops.silu_and_mul(linear(normed, gate_up_w, gate_up_b)), down_w, down_b)
 
 
 def final_norm(spec: LlamaSpec, ops: Ops, hidden: Tensor | None, residual: Tensor, norm_w: Tensor) -> Tensor:
@@ -165,7 +182,7 @@ class LlamaModel(nn.Module):
         self.shard = ShardLayout.for_spec(spec, self.group.rank, self.group.world_size)
         self.sharded = not self.shard.is_whole
         self.rank_spec: LlamaSpec = self.shard.rank_spec(spec)
-        pieces: list[Any] = [attention_input, attention_output, final_norm, mlp]
+        pieces: list[Any] = [attention_input, attention_output, final_norm, qkv_rope, gated_mlp]
         if compile:
             # Shapes start static and turn dynamic in the token dimension when it first changes;
             # one token is a graph of its own. Run every step size class once before capturing
@@ -173,7 +190,10 @@ class LlamaModel(nn.Module):
             # first layer or not) is a cache entry of the function's code, shared process-wide.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
             pieces = [torch.compile(p, fullgraph=True) for p in pieces]
-        self._attention_input, self._attention_output, self._final_norm, self._mlp = pieces
+        self._attention_input, self._attention_output, self._final_norm, self._qkv_rope, self._gated_mlp = pieces
+        # The all-reduce of a row-parallel projection fused with the residual add and RMSNorm after
+        # it, for steps of up to its `max_tokens` (`use_fused_allreduce`); None: NCCL, then the norm.
+        self.fused_allreduce: FusedAllReduceNorm | None = None
         # A rank of several holds its (padded) rows of the vocabulary, as of the LM head.
         embed_rows = self.shard.vocab_size if self.sharded else spec.vocab_size
         self.embed_tokens = nn.ParameterDict({"weight": _param(embed_rows, spec.hidden_size)})
@@ -323,6 +343,21 @@ class LlamaModel(nn.Module):
             )  # fmt: skip
         return self._final_norm(spec, ops, hidden, residual, self.norm["weight"])
 
+    def use_fused_allreduce(self, max_tokens: int) -> None:
+        """Runs each all-reduce with the add + RMSNorm after it as one FlashInfer kernel for steps
+        of up to `max_tokens` tokens; larger steps keep NCCL. Collective: every rank calls it."""
+        if not self.sharded:
+            raise ValueError("the fused all-reduce is for a model over several ranks")
+        self.close_fused_allreduce()
+        dtype = self.embed_tokens["weight"].dtype
+        self.fused_allreduce = FlashInferAllReduceNorm(self.group, max_tokens, self.spec.hidden_size, dtype)
+
+    def close_fused_allreduce(self) -> None:
+        """Frees the fused all-reduce's buffers, if any (every rank, before the group ends)."""
+        if self.fused_allreduce is not None:
+            self.fused_allreduce.close()
+            self.fused_allreduce = None
+
     def _embed_sharded(self, input_ids: Tensor) -> Tensor:
         """The embedding rows of `input_ids` from the ranks' vocabulary shards: each rank looks up
         the ids in its rows and zeros the others, and the all-reduce adds one row to zeros (exact)."""
@@ -332,24 +367,40 @@ class LlamaModel(nn.Module):
         return self.group.all_reduce(rows.masked_fill_(~mine.unsqueeze(-1), 0))
 
     def _forward_sharded(self, input_ids: Tensor, positions: Tensor, backend: Any, cos_sin: Tensor) -> Tensor:
-        """`forward` on one rank of several: the rank's heads and MLP columns, and an all-reduce
-        after each row-parallel projection, so that every rank holds the full hidden state."""
-        spec, ops, group = self.rank_spec, self.ops, self.group
+        """`forward` on one rank of several: the rank's heads and MLP columns. A row-parallel
+        projection (o_proj, down_proj) leaves partial sums, which `_reduce_add_norm` all-reduces
+        into the residual before the norm that follows, so that every rank holds the full state."""
+        spec, ops = self.rank_spec, self.ops
         residual = self._embed_sharded(input_ids)
-        hidden: torch.Tensor | None = None
+        if not self.layers:
+            return ops.rmsnorm(residual, self.norm["weight"], spec.rms_norm_eps)
+        partial: Tensor | None = None
         for i, layer in enumerate(self.layers):
-            q, k, v, residual = self._attention_input(
-                spec, ops, hidden, residual, positions, cos_sin, layer.input_layernorm["weight"], *_weight_and_bias(layer.qkv_proj),
+            if partial is None:
+                normed = ops.rmsnorm(residual, layer.input_layernorm["weight"], spec.rms_norm_eps)
+            else:
+                normed, residual = self._reduce_add_norm(partial, residual, layer.input_layernorm["weight"])
+            q, k, v = self._qkv_rope(
+                spec, ops, normed, positions, cos_sin, *_weight_and_bias(layer.qkv_proj),
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
             )  # fmt: skip
             attn = backend.forward(i, q, k, v).reshape(q.shape[0], spec.q_size)
-            hidden = group.all_reduce(linear(attn, *_weight_and_bias(layer.o_proj)))
-            hidden, residual = self._mlp(
-                spec, ops, hidden, residual, layer.post_attention_layernorm["weight"],
-                *_weight_and_bias(layer.gate_up_proj), *_weight_and_bias(layer.down_proj),
-            )  # fmt: skip
-            hidden = group.all_reduce(hidden)
-        return self._final_norm(spec, ops, hidden, residual, self.norm["weight"])
+            partial = linear(attn, *_weight_and_bias(layer.o_proj))
+            normed, residual = self._reduce_add_norm(partial, residual, layer.post_attention_layernorm["weight"])
+            partial = self._gated_mlp(ops, normed, *_weight_and_bias(layer.gate_up_proj),
+                                      *_weight_and_bias(layer.down_proj))  # fmt: skip
+        assert partial is not None
+        return self._reduce_add_norm(partial, residual, self.norm["weight"])[0]
+
+    def _reduce_add_norm(self, partial: Tensor, residual: Tensor, norm_w: Tensor) -> tuple[Tensor, Tensor]:
+        """Sums a row-parallel projection's `partial` over the ranks, adds it into `residual` and
+        RMSNorms that: (normed, residual). One fused kernel for steps the fused all-reduce takes
+        (the token count is the same on every rank, so all ranks choose alike), else NCCL's
+        all-reduce and then the model's fused add + RMSNorm."""
+        fused = self.fused_allreduce
+        if fused is not None and partial.shape[0] <= fused.max_tokens:
+            return fused(partial, residual, norm_w, self.spec.rms_norm_eps)
+        return self.ops.fused_add_rmsnorm(self.group.all_reduce(partial), residual, norm_w, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (the rows to sample) -> float32 logits [N, vocab_size].

@@ -116,6 +116,62 @@ class TorchDistGroup:
         return f"TorchDistGroup(rank={self._rank}, world_size={self._world_size})"
 
 
+class FusedAllReduceNorm(Protocol):
+    """A row-parallel projection's all-reduce, the residual add and the RMSNorm after it in one
+    step, for steps of up to `max_tokens` tokens: (partial, residual, norm weight, eps) ->
+    (normed, residual + sum of partial over the ranks)."""
+
+    max_tokens: int
+
+    def __call__(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+class FlashInferAllReduceNorm:
+    """FlashInfer's TensorRT-LLM all-reduce with the residual add and RMSNorm fused into its
+    kernel (pattern kARResidualRMSNorm): the ranks' GPUs write into each other's buffers over
+    NVLink (one-shot for small steps), with no NCCL launch, no separate norm kernel and no NVLink
+    multicast (`backend="trtllm"`; "auto" may pick a multicast backend). The buffers are shared by
+    CUDA IPC, so every rank must be on this node. CUDA graphs capture it.
+
+    Collective to build: every rank of `group` (NCCL) constructs it at the same point.
+    """
+
+    def __init__(self, group: TPGroup, max_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size))
+        if local != group.world_size:
+            raise ValueError(f"the fused all-reduce shares GPU memory within one node; {group.world_size} ranks "
+                             f"run {local} to a node")  # fmt: skip
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the fused all-reduce takes float16 or bfloat16 models, not {dtype}")
+        try:
+            from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion, create_allreduce_fusion_workspace
+        except ImportError as exc:  # flashinfer.comm needs cuda-python and nvidia-ml-py
+            raise RuntimeError(f"the fused all-reduce needs flashinfer.comm, which failed to import: {exc}") from exc
+        self.max_tokens = max_tokens
+        self._fusion = allreduce_fusion
+        self._pattern = AllReduceFusionPattern.kARResidualRMSNorm
+        self._workspace = create_allreduce_fusion_workspace(
+            backend="trtllm", world_size=group.world_size, rank=group.rank, max_token_num=max_tokens,
+            hidden_dim=hidden_size, dtype=dtype, gpus_per_node=group.world_size,
+        )  # fmt: skip
+
+    def __call__(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        normed, summed = torch.empty_like(partial), torch.empty_like(residual)
+        self._fusion(
+            input=partial.contiguous(), workspace=self._workspace, pattern=self._pattern, residual_in=residual,
+            residual_out=summed, norm_out=normed, rms_gamma=weight, rms_eps=eps,
+        )  # fmt: skip
+        return normed, summed
+
+    def close(self) -> None:
+        """Frees the shared buffers (every rank, before the group is destroyed)."""
+        if self._workspace is not None:
+            self._workspace.destroy()
+            self._workspace = None
+
+
 def disable_multicast(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
     """Sets each variable of `MULTICAST_OFF_ENV` that `env` lacks; a value already there wins."""
     for key, value in MULTICAST_OFF_ENV.items():

@@ -141,10 +141,13 @@ def launched_rank(world_size: int) -> int | None:
     return int(os.environ.get("RANK", "0"))
 
 
-def check_visible_gpus(device: str, world_size: int) -> None:
+def check_visible_gpus(device: str, world_size: int, allreduce_fusion: bool = False) -> None:
     """Ranks this process starts on its node need a GPU each: refused before any process starts
-    (a worker without its GPU would die before the group forms, while rank 0 waits for it)."""
+    (a worker without its GPU would die before the group forms, while rank 0 waits for it). So is
+    the fused all-reduce off GPUs."""
     if pick_device(device).type != "cuda":
+        if allreduce_fusion:
+            raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA GPUs")
         return
     visible = torch.cuda.device_count()
     if visible < world_size:
@@ -176,7 +179,7 @@ def start_tensor_parallel(
     threads = torch.get_num_threads()  # build_rank_runner shares the cores out on a CPU; close restores it
     channel = None
     if rank is None:
-        check_visible_gpus(model_config.device, world_size)
+        check_visible_gpus(model_config.device, world_size, model_config.enable_flashinfer_allreduce_fusion)
         # Workers on this node: steps go through shared memory (mapped by the workers before the
         # group forms, unlinked here once it has).
         channel = StepChannel.create(world_size) if channel_available(world_size) else None

@@ -56,6 +56,10 @@ CONTROL_TIMEOUT = timedelta(days=365)
 WireRequest = tuple[list[int], int, list[int], bool, bool]
 # A step: its requests and the prompt-logprob token rows; None ends the workers' loop.
 WireStep = tuple[list[WireRequest], list[int]] | None
+# Steps of up to this many tokens take the fused all-reduce (`--enable-flashinfer-allreduce-fusion`):
+# every decode step up to 512 requests, and short prefill chunks. Its buffers take
+# 4 x ranks x this x hidden_size x 2 bytes per rank (two ranks of the 8B: 32 MiB; of the 70B: 64).
+FUSED_ALLREDUCE_MAX_TOKENS = 512
 # Capture decode CUDA graphs for batch sizes up to this one, as rank 0 does at the same time.
 WireCapture = tuple[str, int]
 CAPTURE = "capture"
@@ -136,6 +140,10 @@ def build_rank_runner(
             native = LlamaModel.from_hf(loaded.model, loaded.hf_config, loaded.dtype, device, **kwargs)
     except UnsupportedModelError as exc:
         raise ValueError(f"tensor parallelism needs a model of the native Llama family: {exc}") from exc
+    if model_config.enable_flashinfer_allreduce_fusion:
+        if device.type != "cuda":
+            raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA GPUs")
+        native.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
     backend_name = pick_backend(model_config.attention_backend, device)
     kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
     spec, shard = native.spec, native.shard
@@ -170,10 +178,14 @@ def build_rank_runner(
 
 
 def release_graphs(runner: ModelRunner) -> None:
-    """Drops `runner`'s decode graphs before its rank leaves the group (`CudaGraphRunner.release`)."""
+    """Drops `runner`'s decode graphs (`CudaGraphRunner.release`), then the buffers of its fused
+    all-reduce, before its rank leaves the group."""
     if runner.graphs is not None:
         runner.graphs.release()
         runner.graphs = None
+    native = getattr(runner.model, "model", None)
+    if isinstance(native, LlamaModel):
+        native.close_fused_allreduce()
 
 
 def capture_message(max_batch_size: int) -> WireCapture:
