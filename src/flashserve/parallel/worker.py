@@ -48,6 +48,10 @@ from flashserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Steps of up to this many tokens take the fused all-reduce (`--enable-flashinfer-allreduce-fusion`):
+# every decode step up to 512 requests, and short prefill chunks. Its buffers take
+# 4 x ranks x this x hidden_size x 2 bytes per rank (two ranks of the 8B: 32 MiB; of the 70B: 64).
+FUSED_ALLREDUCE_MAX_TOKENS = 512
 # How long a worker may wait for the next step: as long as the server may stay idle.
 CONTROL_TIMEOUT = timedelta(days=365)
 
@@ -56,10 +60,6 @@ CONTROL_TIMEOUT = timedelta(days=365)
 WireRequest = tuple[list[int], int, list[int], bool, bool]
 # A step: its requests and the prompt-logprob token rows; None ends the workers' loop.
 WireStep = tuple[list[WireRequest], list[int]] | None
-# Steps of up to this many tokens take the fused all-reduce (`--enable-flashinfer-allreduce-fusion`):
-# every decode step up to 512 requests, and short prefill chunks. Its buffers take
-# 4 x ranks x this x hidden_size x 2 bytes per rank (two ranks of the 8B: 32 MiB; of the 70B: 64).
-FUSED_ALLREDUCE_MAX_TOKENS = 512
 # Capture decode CUDA graphs for batch sizes up to this one, as rank 0 does at the same time.
 WireCapture = tuple[str, int]
 CAPTURE = "capture"
