@@ -40,7 +40,7 @@ from flashserve.parallel.comm import DEFAULT_TIMEOUT, TPGroup, close_tp_group, i
 from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
 from flashserve.parallel.worker import (
     RankRunner, WireCapture, WireStep, build_rank_runner, capture_message, control_group, encode_step, rank_device,
-    release_graphs, run_worker,
+    check_allreduce_fusion, release_before_group_end, run_worker,
 )  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class TensorParallelRunner(RankRunner):
             # shuts down (a thread that wants the GIL then is killed, aborting the process).
             dist.barrier(group=self.control)
             self.closed = True
-            release_graphs(self)  # before the group: a graph holding NCCL's communicator stalls its end
+            release_before_group_end(self)  # a graph holding NCCL's communicator stalls the group's end
             # Every rank leaves the group before rank 0 waits for the workers to exit: a worker's
             # NCCL teardown waits for its peers (on two H200s it did not exit in 30 s otherwise).
             close_tp_group(self.group)
@@ -141,13 +141,10 @@ def launched_rank(world_size: int) -> int | None:
     return int(os.environ.get("RANK", "0"))
 
 
-def check_visible_gpus(device: str, world_size: int, allreduce_fusion: bool = False) -> None:
+def check_visible_gpus(device: str, world_size: int) -> None:
     """Ranks this process starts on its node need a GPU each: refused before any process starts
-    (a worker without its GPU would die before the group forms, while rank 0 waits for it). So is
-    the fused all-reduce off GPUs."""
+    (a worker without its GPU would die before the group forms, while rank 0 waits for it)."""
     if pick_device(device).type != "cuda":
-        if allreduce_fusion:
-            raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA GPUs")
         return
     visible = torch.cuda.device_count()
     if visible < world_size:
@@ -179,7 +176,8 @@ def start_tensor_parallel(
     threads = torch.get_num_threads()  # build_rank_runner shares the cores out on a CPU; close restores it
     channel = None
     if rank is None:
-        check_visible_gpus(model_config.device, world_size, model_config.enable_flashinfer_allreduce_fusion)
+        check_visible_gpus(model_config.device, world_size)
+        check_allreduce_fusion(model_config)
         # Workers on this node: steps go through shared memory (mapped by the workers before the
         # group forms, unlinked here once it has).
         channel = StepChannel.create(world_size) if channel_available(world_size) else None

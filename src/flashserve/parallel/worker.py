@@ -116,6 +116,12 @@ class RankRunner(ModelRunner):
         return self.group.broadcast(input_ids)
 
 
+def check_allreduce_fusion(model_config: ModelConfig) -> None:
+    """The fused all-reduce (`--enable-flashinfer-allreduce-fusion`) runs on CUDA GPUs only."""
+    if model_config.enable_flashinfer_allreduce_fusion and pick_device(model_config.device).type != "cuda":
+        raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA GPUs")
+
+
 def build_rank_runner(
     model_config: ModelConfig, cache_config: CacheConfig, group: TPGroup, sampler: TokenSampler | None = None
 ) -> tuple[RankRunner, LoadedModel, int]:
@@ -140,9 +146,8 @@ def build_rank_runner(
             native = LlamaModel.from_hf(loaded.model, loaded.hf_config, loaded.dtype, device, **kwargs)
     except UnsupportedModelError as exc:
         raise ValueError(f"tensor parallelism needs a model of the native Llama family: {exc}") from exc
+    check_allreduce_fusion(model_config)  # for ranks a launcher started; rank 0 checked before spawning
     if model_config.enable_flashinfer_allreduce_fusion:
-        if device.type != "cuda":
-            raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA GPUs")
         native.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
     backend_name = pick_backend(model_config.attention_backend, device)
     kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
@@ -177,7 +182,7 @@ def build_rank_runner(
     return RankRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native), group), loaded, num_pages
 
 
-def release_graphs(runner: ModelRunner) -> None:
+def release_before_group_end(runner: ModelRunner) -> None:
     """Drops `runner`'s decode graphs (`CudaGraphRunner.release`), then the buffers of its fused
     all-reduce, before its rank leaves the group."""
     if runner.graphs is not None:
@@ -219,7 +224,7 @@ def run_worker(model_config: ModelConfig, cache_config: CacheConfig, channel_pat
             step = steps.receive()
             if step is None:
                 dist.barrier(group=control)  # rank 0's last collective: see TensorParallelRunner.close
-                release_graphs(runner)  # before the group, as rank 0 does
+                release_before_group_end(runner)  # as rank 0 does
                 break
             if step[0] == CAPTURE:
                 capture_decode_graphs(runner, runner.model, step[1])
