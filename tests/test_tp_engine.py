@@ -180,9 +180,81 @@ def test_the_fused_allreduce_off_gpus_is_refused_before_any_rank_starts(tmp_path
 
 def test_allreduce_fusion_flag_reaches_the_model_config() -> None:
     parser = build_parser({})
-    assert not to_configs(parser.parse_args(["serve"])).model.enable_flashinfer_allreduce_fusion
+    assert to_configs(parser.parse_args(["serve"])).model.enable_flashinfer_allreduce_fusion is None  # auto
     args = parser.parse_args(["serve", "--tp", "2", "--enable-flashinfer-allreduce-fusion"])
-    assert to_configs(args).model.enable_flashinfer_allreduce_fusion
+    assert to_configs(args).model.enable_flashinfer_allreduce_fusion is True
+    args = parser.parse_args(["serve", "--tp", "2", "--no-enable-flashinfer-allreduce-fusion"])
+    assert to_configs(args).model.enable_flashinfer_allreduce_fusion is False
+
+
+def test_the_fused_allreduce_needs_cuda_gpus() -> None:
+    import torch
+
+    from flashserve.parallel.comm import allreduce_fusion_blocker
+
+    assert allreduce_fusion_blocker(2, torch.device("cpu"), torch.bfloat16) == "it needs CUDA GPUs"
+
+
+def test_the_fused_allreduce_needs_a_half_precision_model() -> None:
+    import torch
+
+    from flashserve.parallel.comm import allreduce_fusion_blocker
+
+    reason = allreduce_fusion_blocker(2, torch.device("cuda"), torch.float32)
+    assert reason == "it takes float16 or bfloat16 models, not torch.float32"
+
+
+def test_the_fused_allreduce_needs_every_rank_on_one_node(monkeypatch: Any) -> None:
+    import torch
+
+    from flashserve.parallel.comm import allreduce_fusion_blocker
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 4 ranks over two nodes
+    reason = allreduce_fusion_blocker(4, torch.device("cuda"), torch.bfloat16)
+    assert reason == "it shares GPU memory within one node, and the 4 ranks run 2 to a node"
+
+
+def take_fused(monkeypatch: Any, setting: bool | None, blocker: str | None, gap: str | None) -> bool:
+    """`take_fused_allreduce` of rank 0 of 2 whose checks answer `blocker` and `gap` (the ranks'
+    agreement, an all-reduce, is this rank's own answer)."""
+    import types
+
+    import torch
+
+    from flashserve.config import ModelConfig
+    from flashserve.parallel import worker
+
+    monkeypatch.setattr(worker, "allreduce_fusion_blocker", lambda *_: blocker)
+    monkeypatch.setattr(worker, "nvlink_gap", lambda _: gap)
+    monkeypatch.setattr(worker.dist, "all_reduce", lambda t, op: t)
+    group = types.SimpleNamespace(rank=0, world_size=2)
+    config = ModelConfig(enable_flashinfer_allreduce_fusion=setting)
+    return worker.take_fused_allreduce(config, group, torch.device("cpu"), torch.bfloat16)
+
+
+def test_by_default_gpus_that_nvlink_connects_take_the_fused_allreduce(monkeypatch: Any) -> None:
+    assert take_fused(monkeypatch, None, blocker=None, gap=None)
+
+
+def test_by_default_gpus_without_nvlink_keep_nccl(monkeypatch: Any) -> None:
+    assert not take_fused(monkeypatch, None, blocker=None, gap="NVLink does not connect cuda:0 and cuda:1")
+
+
+def test_by_default_ranks_that_cannot_run_the_fused_allreduce_keep_nccl(monkeypatch: Any) -> None:
+    assert not take_fused(monkeypatch, None, blocker="it needs CUDA GPUs", gap=None)
+
+
+def test_the_forced_fused_allreduce_runs_without_nvlink(monkeypatch: Any) -> None:
+    assert take_fused(monkeypatch, True, blocker=None, gap="NVLink does not connect cuda:0 and cuda:1")
+
+
+def test_the_forced_fused_allreduce_where_it_cannot_run_is_an_error(monkeypatch: Any) -> None:
+    with pytest.raises(ValueError, match="--enable-flashinfer-allreduce-fusion: it takes float16 or bfloat16"):
+        take_fused(monkeypatch, True, blocker="it takes float16 or bfloat16 models, not torch.float32", gap=None)
+
+
+def test_the_disabled_fused_allreduce_keeps_nccl(monkeypatch: Any) -> None:
+    assert not take_fused(monkeypatch, False, blocker=None, gap=None)
 
 
 def test_tp_flag_is_an_alias_of_tensor_parallel_size() -> None:

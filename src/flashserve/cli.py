@@ -81,10 +81,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "torch.compile (Inductor); start-up compiles for a while first"),
     Option("--tensor-parallel-size", _positive_int, 1, "ranks that share the model's weights on this node "
            "(this process and N-1 worker processes; native model path only) (alias --tp)"),
-    Option("--enable-flashinfer-allreduce-fusion", _bool, False, "with --tensor-parallel-size > 1 on GPUs: "
+    Option("--enable-flashinfer-allreduce-fusion", _bool, None, "with --tensor-parallel-size > 1 on GPUs: "
            "run each all-reduce with the residual add and RMSNorm after it as one FlashInfer kernel "
-           "(steps of up to 512 tokens) instead of NCCL's all-reduce and a norm kernel; FlashInfer builds "
-           "that kernel at the first start on a machine, which takes several minutes"),
+           "(steps of up to 512 tokens) instead of NCCL's all-reduce and a norm kernel (default: where "
+           "it can run, a float16/bfloat16 model on GPUs of one node that NVLink connects; "
+           "--no-enable-flashinfer-allreduce-fusion: NCCL); FlashInfer builds that kernel at the first "
+           "start on a machine, which takes several minutes"),
     Option("--cascade-attention", str, "auto", "attend a prefix shared by a group of requests once for the group "
            "(on: every such group; auto: in a step whose groups save >= 512k KV token reads)", list(CASCADE_MODES)),
     Option("--page-size", int, 16, "tokens per KV cache page"),

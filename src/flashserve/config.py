@@ -26,7 +26,9 @@ class ModelConfig:
     tensor_parallel_size: int = 1  # ranks sharing the model: this process and N-1 workers (native path)
     # Under tensor parallelism on GPUs: each all-reduce with the add + RMSNorm after it in one
     # FlashInfer kernel (`parallel/comm.py`, FlashInferAllReduceNorm) instead of NCCL, then the norm.
-    enable_flashinfer_allreduce_fusion: bool = False
+    # True: forced; False: NCCL; None: where it can run and NVLink links the GPUs
+    # (`parallel/worker.py`, take_fused_allreduce).
+    enable_flashinfer_allreduce_fusion: bool | None = None
 
 
 @dataclass(frozen=True)

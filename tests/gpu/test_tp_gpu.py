@@ -5,9 +5,10 @@ weights seeded alike on every rank. Its projections and norms run in float32 (Py
 FlashInfer attends in bfloat16, so logits are compared within the suite's bfloat16 tolerance;
 greedy tokens are compared with PyTorch's float32 attention. Decode steps of two ranks replay
 CUDA graphs with the collectives inside, or run eagerly. The same model in bfloat16 runs with
-FlashInfer's fused all-reduce + add + RMSNorm (whose module FlashInfer builds on first use, for
-over 5 minutes on a fresh machine: `CHECKS=build bash benchmark/tp_gpu.sh` first). Skipped on a
-machine with fewer than two GPUs."""
+FlashInfer's fused all-reduce + add + RMSNorm, which GPUs that NVLink connects take by default
+(FlashInfer builds its module on first use, for over 5 minutes on a fresh machine, unless
+`make comm-prebuilt` put it in the wheel that carries FlashInfer there). Skipped on a machine with
+fewer than two GPUs."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from test_tp_engine import gone, worker_pids
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.llm import LLM
+from flashserve.parallel.comm import nvlink_gap
 from flashserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -73,7 +75,8 @@ def one_gpu_logits(model: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
 def test_two_gpus_compute_the_logits_of_one(model: str, one_gpu_logits: list[torch.Tensor], cuda_graph: bool) -> None:
-    with LLM(model, tensor_parallel_size=2, cuda_graph=cuda_graph, **ENGINE) as llm:
+    with LLM(model, tensor_parallel_size=2, cuda_graph=cuda_graph, enable_flashinfer_allreduce_fusion=False,
+             **ENGINE) as llm:  # fmt: skip
         assert (llm.engine.executor.graphs is not None) == cuda_graph  # type: ignore[attr-defined]
         logits = step_logits(llm)
     errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_logits)]
@@ -99,6 +102,12 @@ def test_two_gpus_with_the_fused_allreduce_compute_the_logits_of_one(
         logits = step_logits(llm)
     errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_bf16_logits)]
     assert max(errs) < TOL[torch.bfloat16], errs
+
+
+def test_gpus_that_nvlink_connects_take_the_fused_allreduce_by_default(model: str) -> None:
+    with LLM(model, tensor_parallel_size=2, **{**ENGINE, "dtype": "bfloat16"}) as llm:
+        fused = llm.engine.executor.model.model.fused_allreduce  # type: ignore[attr-defined]
+    assert (fused is not None) == (nvlink_gap(range(2)) is None)
 
 
 def test_two_gpus_generate_the_greedy_tokens_of_one(model: str, one_gpu_tokens: list[list[int]]) -> None:

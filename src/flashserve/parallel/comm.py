@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import MutableMapping, Protocol, runtime_checkable
+from itertools import combinations
+from typing import MutableMapping, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,47 @@ class FusedAllReduceNorm(Protocol):
     def close(self) -> None: ...
 
 
+def allreduce_fusion_blocker(world_size: int, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `FlashInferAllReduceNorm` cannot run for these ranks, or None when it can: it needs CUDA
+    GPUs, a float16 or bfloat16 model, every rank on this node (its buffers are shared by CUDA IPC)
+    and flashinfer.comm. The same answer on every rank of a node."""
+    if device.type != "cuda":
+        return "it needs CUDA GPUs"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes float16 or bfloat16 models, not {dtype}"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local != world_size:
+        return f"it shares GPU memory within one node, and the {world_size} ranks run {local} to a node"
+    try:
+        import flashinfer.comm  # noqa: F401  (needs cuda-python and nvidia-ml-py besides flashinfer)
+    except ImportError as exc:
+        return f"flashinfer.comm failed to import: {exc}"
+    return None
+
+
+def nvlink_gap(devices: Sequence[int]) -> str | None:
+    """Which pair of these local CUDA devices NVLink does not connect, or None when NVLink connects
+    every pair (NVML's peer-to-peer status, by UUID, so CUDA_VISIBLE_DEVICES may reorder them)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # no NVML: nothing says the GPUs are linked
+        return f"NVML is not available ({exc})"
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(d).uuid}")
+                   for d in devices]  # fmt: skip
+        for (i, a), (j, b) in combinations(zip(devices, handles), 2):
+            status = pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+            if status != pynvml.NVML_P2P_STATUS_OK:
+                return f"NVLink does not connect cuda:{i} and cuda:{j}"
+    except pynvml.NVMLError as exc:
+        return f"NVML could not tell how the GPUs are linked ({exc})"
+    finally:
+        pynvml.nvmlShutdown()
+    return None
+
+
 class FlashInferAllReduceNorm:
     """FlashInfer's TensorRT-LLM all-reduce with the residual add and RMSNorm fused into its
     kernel (pattern kARResidualRMSNorm): the ranks' GPUs write into each other's buffers over
@@ -139,16 +181,10 @@ class FlashInferAllReduceNorm:
     """
 
     def __init__(self, group: TPGroup, max_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size))
-        if local != group.world_size:
-            raise ValueError(f"the fused all-reduce shares GPU memory within one node; {group.world_size} ranks "
-                             f"run {local} to a node")  # fmt: skip
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the fused all-reduce takes float16 or bfloat16 models, not {dtype}")
-        try:
-            from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion, create_allreduce_fusion_workspace
-        except ImportError as exc:  # flashinfer.comm needs cuda-python and nvidia-ml-py
-            raise RuntimeError(f"the fused all-reduce needs flashinfer.comm, which failed to import: {exc}") from exc
+        reason = allreduce_fusion_blocker(group.world_size, torch.device("cuda"), dtype)
+        if reason is not None:
+            raise ValueError(f"the fused all-reduce cannot run here: {reason}")
+        from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion, create_allreduce_fusion_workspace
         self.max_tokens = max_tokens
         self._fusion = allreduce_fusion
         self._pattern = AllReduceFusionPattern.kARResidualRMSNorm

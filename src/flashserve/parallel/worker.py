@@ -43,7 +43,9 @@ from flashserve.model.runner import (
     num_kv_pages, pick_backend, pick_device, pick_sampler,
 )  # fmt: skip
 from flashserve.parallel.channel import GlooSteps, StepChannel
-from flashserve.parallel.comm import TPGroup, close_tp_group, init_tp_group, local_rank
+from flashserve.parallel.comm import (
+    TPGroup, allreduce_fusion_blocker, close_tp_group, init_tp_group, local_rank, nvlink_gap,
+)  # fmt: skip
 from flashserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -117,9 +119,35 @@ class RankRunner(ModelRunner):
 
 
 def check_allreduce_fusion(model_config: ModelConfig) -> None:
-    """The fused all-reduce (`--enable-flashinfer-allreduce-fusion`) runs on CUDA GPUs only."""
+    """The fused all-reduce, when `--enable-flashinfer-allreduce-fusion` asks for it, runs on CUDA
+    GPUs only."""
     if model_config.enable_flashinfer_allreduce_fusion and pick_device(model_config.device).type != "cuda":
         raise ValueError("--enable-flashinfer-allreduce-fusion needs CUDA GPUs")
+
+
+def take_fused_allreduce(model_config: ModelConfig, group: TPGroup, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the ranks run each all-reduce and the add + RMSNorm after it as FlashInfer's one
+    kernel (`FlashInferAllReduceNorm`) rather than NCCL's all-reduce and the norm.
+    `--enable-flashinfer-allreduce-fusion` forces it (an error where it cannot run) and
+    `--no-enable-flashinfer-allreduce-fusion` keeps NCCL. Unset, it is taken where it can run and
+    NVLink connects every rank's GPU, where it measured faster than NCCL. Collective: the ranks
+    agree, taking it only where every rank can."""
+    setting = model_config.enable_flashinfer_allreduce_fusion
+    if setting is False:
+        return False
+    reason = allreduce_fusion_blocker(group.world_size, device, dtype)
+    if reason is None and setting is None:
+        reason = nvlink_gap(range(group.world_size))
+    able = torch.tensor([reason is None], dtype=torch.int32, device=device)
+    dist.all_reduce(able, op=dist.ReduceOp.MIN)
+    if able.item():
+        return True
+    if setting:
+        raise ValueError(f"--enable-flashinfer-allreduce-fusion: {reason or 'another rank cannot run it'}")
+    if group.rank == 0:
+        logger.info("all-reduce: NCCL, then the norm (FlashInfer's fused all-reduce is off: %s)",
+                    reason or "another rank cannot run it")  # fmt: skip
+    return False
 
 
 def build_rank_runner(
@@ -147,7 +175,8 @@ def build_rank_runner(
     except UnsupportedModelError as exc:
         raise ValueError(f"tensor parallelism needs a model of the native Llama family: {exc}") from exc
     check_allreduce_fusion(model_config)  # for ranks a launcher started; rank 0 checked before spawning
-    if model_config.enable_flashinfer_allreduce_fusion:
+    fused = take_fused_allreduce(model_config, group, device, loaded.dtype)
+    if fused:
         native.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
     backend_name = pick_backend(model_config.attention_backend, device)
     kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
@@ -174,9 +203,10 @@ def build_rank_runner(
         )
         logger.info(
             "model %s on %d ranks (%s, %s, native path), rank 0: %d query / %d KV heads, %s attention, "
-            "KV cache %d pages x %d tokens (%s, %.2f GB per rank)",
+            "%s, KV cache %d pages x %d tokens (%s, %.2f GB per rank)",
             loaded.name, group.world_size, device, loaded.dtype, shard.num_heads, shard.num_kv_heads, backend_name,
-            num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9,
+            f"FlashInfer's fused all-reduce + RMSNorm (steps up to {FUSED_ALLREDUCE_MAX_TOKENS} tokens)" if fused
+            else "NCCL all-reduce", num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9,
         )  # fmt: skip
     runner_sampler = sampler if sampler is not None else pick_sampler(device, model_config.seed)
     return RankRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native), group), loaded, num_pages
