@@ -174,7 +174,6 @@ def build_rank_runner(
             native = LlamaModel.from_hf(loaded.model, loaded.hf_config, loaded.dtype, device, **kwargs)
     except UnsupportedModelError as exc:
         raise ValueError(f"tensor parallelism needs a model of the native Llama family: {exc}") from exc
-    check_allreduce_fusion(model_config)  # for ranks a launcher started; rank 0 checked before spawning
     fused = take_fused_allreduce(model_config, group, device, loaded.dtype)
     if fused:
         native.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
