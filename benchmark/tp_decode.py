@@ -9,8 +9,9 @@ each (the step sent to the workers, the graph replayed on every rank, the logits
 on the host's clock with the device synchronised after each; median over `--steps`. The floor at
 TP = N is the one-GPU floor (`benchmark.floor.decode_step_floor_s`) over N: each rank reads its
 share of the weights and of the KV heads. `N+fused` runs N ranks with FlashInfer's fused
-all-reduce + add + RMSNorm (`--enable-flashinfer-allreduce-fusion`) in place of NCCL's all-reduce
-and the norm kernel. Rank 0's kernel time per step (the sum over its kernels: what the step costs
+all-reduce + add + RMSNorm (`--enable-flashinfer-allreduce-fusion`); a plain N keeps NCCL's
+all-reduce and the norm kernel (`--no-enable-flashinfer-allreduce-fusion`), although the server
+takes the fused kernel by default on GPUs that NVLink connects. Rank 0's kernel time per step (the sum over its kernels: what the step costs
 with no host or launch gaps) and the all-reduce kernels' share of it (NCCL's or the fused one's)
 come from torch.profiler over 10 steps. The engine's step (`engine_step_ms`) is the same decode inside
 `LLM.generate`, where overlap scheduling launches a step while the one before runs. Prints a table
