@@ -30,7 +30,8 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts" / "ui"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    with live_server(["--api-key", KEY]) as (base, _):
+    # An explicit step budget skips its measurement at start-up; a small KV cache is plenty here.
+    with live_server(["--api-key", KEY, "--max-num-batched-tokens", "256", "--num-pages", "256"]) as (base, _):
         yield base
 
 
