@@ -1,7 +1,8 @@
 """The chat page in headless Chromium (Debian's, `make browser`), driven by Playwright, against one
 real server with --api-key serving the embedded model.
 
-The screenshot of a finished reply is saved as test-artifacts/ui/chat.png (git-ignored).
+Screenshots are saved under test-artifacts/ui/ (git-ignored): chat.png (a finished reply) and
+error.png (a request without the key).
 """
 
 from __future__ import annotations
@@ -76,6 +77,19 @@ def test_without_the_key_the_servers_error_is_shown(page: Page) -> None:
     send(page, "Hello")
     expect(page.get_by_role("alert")).to_contain_text("You didn't provide an API key")
     expect(page.get_by_label("Message")).to_have_value("Hello")  # back in the box, to send again
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "error.png"))
+
+
+def test_tab_reaches_every_control_in_reading_order(page: Page) -> None:
+    expect(page.get_by_label("Message")).to_be_focused()  # ready to type on load
+    page.get_by_role("button", name="New chat").focus()
+    seen = []
+    for _ in range(8):
+        page.keyboard.press("Tab")
+        seen.append(page.evaluate("document.activeElement.id"))
+    # Stop is disabled while nothing streams, so Tab passes over it.
+    assert seen == ["model", "system", "temperature", "max-tokens", "api-key", "log", "message", "send"]
 
 
 def test_shift_enter_adds_a_line_and_does_not_send(page: Page) -> None:
