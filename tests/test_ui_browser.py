@@ -72,6 +72,13 @@ def running_requests(server: str) -> float:
     return float(re.search(r"^flashserve_num_requests_running (\S+)$", text, re.M).group(1))
 
 
+def wait_for_no_running_request(server: str) -> None:
+    deadline = time.monotonic() + 10
+    while running_requests(server) != 0:
+        assert time.monotonic() < deadline, "the server still runs the stopped request"
+        time.sleep(0.1)
+
+
 def test_without_the_key_the_servers_error_is_shown(page: Page) -> None:
     expect(page.locator("#status")).to_contain_text("You didn't provide an API key")
     send(page, "Hello")
@@ -130,15 +137,15 @@ def test_escape_stops_a_long_reply_and_the_server_ends_it(page: Page, server: st
     page.keyboard.press("Escape")
     expect(page.locator(".msg.assistant .stats")).to_contain_text("stopped")
     expect(page.get_by_role("button", name="Stop")).to_be_disabled()
-    deadline = time.monotonic() + 10
-    while running_requests(server) != 0:
-        assert time.monotonic() < deadline, "the server still runs the stopped request"
-        time.sleep(0.1)
+    wait_for_no_running_request(server)
 
 
-def test_new_chat_clears_the_conversation(page: Page) -> None:
-    send(page, "Hello")  # no key: an error message is enough to have something to clear
-    expect(page.locator(".msg")).not_to_have_count(0)
+def test_new_chat_during_a_reply_stops_it_and_clears_the_conversation(page: Page, server: str) -> None:
+    use_key(page, max_tokens=1000)
+    send(page, "Write a very long story about a dragon who learns to cook.")
+    expect(page.locator(".msg.assistant .content")).not_to_be_empty(timeout=60_000)
     page.get_by_role("button", name="New chat").click()
     expect(page.locator(".msg")).to_have_count(0)
     expect(page.get_by_label("Message")).to_be_focused()
+    wait_for_no_running_request(server)
+    expect(page.locator(".msg")).to_have_count(0)  # the stopped reply does not come back

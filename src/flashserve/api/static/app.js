@@ -12,6 +12,7 @@ const ui = {
 // The conversation sent with each request: user and assistant turns (the system prompt is added).
 let history = [];
 let running = null; // {controller} while a reply streams
+let chat = 0; // which conversation is shown: New chat moves on, and a reply of an older one is dropped
 
 // ---- settings: kept in localStorage, the API key only for this tab (sessionStorage) ----------
 const SAVED = [["system", ui.system], ["temperature", ui.temperature], ["maxTokens", ui.maxTokens]];
@@ -136,6 +137,7 @@ async function send() {
   const userArticle = addMessage("user", text);
   history.push({ role: "user", content: text });
   const controller = new AbortController();
+  const mine = chat;
   setRunning({ controller });
   const t = { start: performance.now(), first: null, end: null, tokens: null, chunks: 0 };
   let reply = null; // the assistant's article, made at the first text
@@ -166,13 +168,16 @@ async function send() {
       }
     }
     t.end = performance.now();
+    if (mine !== chat) return;
     if (reply === null) reply = addMessage("assistant", "");
     history.push({ role: "assistant", content: textNode ? textNode.data : "" });
     footnote(reply, statsLine(t) + (finish === "length" ? " · stopped at max tokens" : ""));
     reply.classList.add("done");
   } catch (err) {
     t.end = performance.now();
-    if (controller.signal.aborted) {
+    if (mine !== chat) {
+      // New chat stopped this reply: it belongs to a conversation no longer shown.
+    } else if (controller.signal.aborted) {
       // Stopped: keep what arrived, so the next turn follows on from it.
       if (reply === null) reply = addMessage("assistant", "");
       history.push({ role: "assistant", content: textNode ? textNode.data : "" });
@@ -218,6 +223,7 @@ function stop() {
 
 function newChat() {
   stop();
+  chat += 1;
   history = [];
   ui.log.replaceChildren(ui.empty);
   ui.empty.hidden = false;
