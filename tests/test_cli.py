@@ -57,3 +57,9 @@ def test_step_budget_defaults_to_auto_and_takes_an_explicit_value():
     assert to_configs(build_parser({}).parse_args(["serve"])).scheduler.max_num_batched_tokens is None
     args = to_configs(build_parser({}).parse_args(["serve", "--max-num-batched-tokens", "512"]))
     assert args.scheduler.max_num_batched_tokens == 512
+
+
+def test_the_chat_page_is_on_by_default_and_no_ui_or_its_environment_variable_turns_it_off():
+    assert to_configs(build_parser({}).parse_args(["serve"])).api.ui is True
+    assert to_configs(build_parser({}).parse_args(["serve", "--no-ui"])).api.ui is False
+    assert to_configs(build_parser({"FLASHSERVE_UI": "false"}).parse_args(["serve"])).api.ui is False

@@ -128,6 +128,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            ["auto", "llama3_json", "hermes", "mistral"]),
     Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "
            "(new ones get 503) before the rest end with an error"),
+    Option("--ui", _bool, True, "the chat page at / (--no-ui: / answers 404)"),
 )
 
 
@@ -136,6 +137,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
 SERVER_ONLY_FLAGS = frozenset({
     "--host", "--port", "--log-requests", "--access-log", "--max-waiting", "--queue-timeout", "--api-key",
     "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials", "--shutdown-timeout",
+    "--ui",
 })
 
 RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag not in SERVER_ONLY_FLAGS) + (
@@ -229,6 +231,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         allowed_methods=tuple(ns.allowed_methods), allowed_headers=tuple(ns.allowed_headers),
         allow_credentials=ns.allow_credentials, max_body_bytes=ns.max_body_bytes, log_requests=ns.log_requests,
         max_sequences_per_request=ns.max_sequences_per_request, tool_call_parser=ns.tool_call_parser,
+        ui=ns.ui,
     )
     return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
                      queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,

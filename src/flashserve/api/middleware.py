@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable, MutableMapping
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashserve.api.errors import AUTHENTICATION, APIError, overloaded
-from flashserve.api.options import OPEN_PATHS, APIOptions, ServerState
+from flashserve.api.options import OPEN_PATHS, OPEN_PREFIX, APIOptions, ServerState
 from flashserve.metrics import Metrics
 
 Scope = MutableMapping[str, Any]
@@ -77,7 +77,7 @@ class GuardMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["path"].startswith(OPEN_PREFIX):
             await self.app(scope, receive, send)
             return
         refusal = self._refusal(scope)

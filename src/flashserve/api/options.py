@@ -7,7 +7,9 @@ import asyncio
 from dataclasses import dataclass
 
 # Paths that answer without an API key and while draining: probes and scrapers must reach them.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
+# The chat page's assets (api/ui.py) are open too: the page loads without a key, its API calls need one.
+OPEN_PREFIX = "/ui/"
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class APIOptions:
     # The model's tool-call format for tool_choice "auto" (api/tool_parsers.py); "auto": detected
     # from the chat template where that is unambiguous; None: no parsing (tool_choice "auto" is a 400).
     tool_call_parser: str | None = "auto"
+    ui: bool = True  # the chat page at / (api/ui.py)
 
     def __post_init__(self) -> None:
         if self.max_sequences_per_request < 1:

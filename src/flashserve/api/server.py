@@ -43,6 +43,7 @@ from flashserve.api.streaming import (
     usage,
 )
 from flashserve.api.structured import spec_from_request, tool_call_spec
+from flashserve.api.ui import add_ui
 from flashserve.engine.client import EngineClient
 from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
 from flashserve.sampling_params import SamplingParams
@@ -358,6 +359,8 @@ def build_app(
         app.add_api_route(f"{prefix}/models/{{model_id:path}}", serving.model, methods=["GET"], response_model=None)
     app.add_api_route("/health", serving.health, methods=["GET"], response_model=None)
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"], response_model=None, include_in_schema=False)
+    if options.ui:
+        add_ui(app)
     # Added last, so outermost: the guard sees requests before routing, CORS answers preflights
     # (which carry no API key) before the guard.
     app.add_middleware(GuardMiddleware, options=options, state=state, metrics=metrics)
