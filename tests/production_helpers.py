@@ -99,7 +99,7 @@ def make_engine(
 def serve_engine(options: APIOptions = APIOptions(), **engine_kw: Any) -> Iterator[Stack]:
     """The app over `make_engine(**engine_kw)` (tokenizer-free: token-id prompts), served by
     uvicorn in a thread with its own event loop, which also runs the engine's outputs."""
-    metrics = Metrics()
+    metrics = Metrics(model_name=MODEL)
     engine = make_engine(metrics=metrics, **engine_kw)
     app = build_app(engine, None, [MODEL], engine.max_model_len, eos_token_ids=(), options=options,
                     metrics=metrics)

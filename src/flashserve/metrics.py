@@ -46,7 +46,10 @@ class StepStats:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """The server's metrics. With `model_name`, also under vLLM's names (`metrics_vllm`), labelled
+    with it, for routers and autoscalers that read those."""
+
+    def __init__(self, model_name: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests_running = Gauge("flashserve_num_requests_running", "Requests in the running batch", registry=r)
@@ -76,6 +79,10 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter("flashserve_request_errors", "Error responses and error events by OpenAI error type",
                               ["type", "code"], registry=r)
+        if model_name is not None:
+            from flashserve.metrics_vllm import VllmNames
+
+            r.register(VllmNames(self, model_name))
 
     def record_step(self, stats: StepStats) -> None:
         self.requests_running.set(stats.num_running)

@@ -60,12 +60,13 @@ def served_names(args: ServeArgs, loaded_name: str) -> list[str]:
 def build_server(args: ServeArgs, stack: EngineStack) -> ServerStack:
     """The AsyncEngine (not started) and the app over a loaded engine, as `serve` configures them."""
     loaded = stack.loaded
-    metrics = Metrics()
+    names = served_names(args, loaded.name)
+    metrics = Metrics(model_name=names[0])
     state = ServerState()
     engine = AsyncEngine(stack.engine, stack.max_model_len, metrics=metrics, max_waiting=args.max_waiting,
                          queue_timeout=args.queue_timeout)
     app = build_app(
-        engine, loaded.tokenizer, served_names(args, loaded.name), stack.max_model_len,
+        engine, loaded.tokenizer, names, stack.max_model_len,
         eos_token_ids=tuple(loaded.eos_token_ids), options=args.api, metrics=metrics, state=state,
         vocab_size=loaded.vocab_size,
     )

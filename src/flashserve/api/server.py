@@ -344,7 +344,7 @@ def build_app(
     eos_token_id). `max_model_len` bounds prompt + max_tokens. `metrics` is shared with the engine
     loop (a fresh registry if None); `state` is shared with whoever drains the server at shutdown.
     `vocab_size`: the model's logit width, for grammar masks (default: the tokenizer's length)."""
-    metrics = metrics if metrics is not None else Metrics()
+    metrics = metrics if metrics is not None else Metrics(model_name=served_model_names[0] if served_model_names else None)
     state = state if state is not None else ServerState()
     serving = _OpenAIServing(engine, tokenizer, served_model_names, max_model_len, eos_token_ids,
                              options, metrics, state, vocab_size)
