@@ -21,6 +21,7 @@ with the same arguments, so their names (URIs) are the ones looked up at run tim
 
     python benchmark/prebuild_kernels.py                       # every module, into the wheel in .whl/
     python benchmark/prebuild_kernels.py --modules comm        # the fused all-reduce only
+    python benchmark/prebuild_kernels.py --check               # GPU machine: load each one, JIT off
 
 Compiled objects stay in `--build-dir` (default build/prebuild-kernels), so an interrupted run
 resumes where it stopped; finished modules wait, stripped, in `<build-dir>/aot` until every requested
@@ -106,6 +107,35 @@ for expr in json.loads(sys.argv[2]):
     print(json.dumps({"module": spec.name, "seconds": round(time.time() - start, 1), "status": "built",
                       "mb": round(dest.stat().st_size / 1e6, 2)}), flush=True)
 """
+
+
+def check(exprs: list[str]) -> int:
+    """On the GPU machine: loads every module from the wheel's prebuilt ones, with FlashInfer's
+    JIT off (a module that is missing or does not load raises instead of building), and prints the
+    time each took. Exit status 1 when any failed."""
+    os.environ["FLASHINFER_DISABLE_JIT"] = "1"
+    import torch  # noqa: F401  (the expressions name it)
+    from flashinfer.jit.activation import gen_act_and_mul_module  # noqa: F401
+    from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module  # noqa: F401
+    from flashinfer.jit.cascade import gen_cascade_module  # noqa: F401
+    from flashinfer.jit.comm import gen_trtllm_comm_module  # noqa: F401
+    from flashinfer.jit.norm import gen_norm_module  # noqa: F401
+    from flashinfer.jit.page import gen_page_module  # noqa: F401
+    from flashinfer.jit.rope import gen_rope_module  # noqa: F401
+    from flashinfer.jit.sampling import gen_sampling_module  # noqa: F401
+
+    failed = 0
+    for expr in exprs:
+        spec = eval(expr)
+        start = time.perf_counter()
+        try:
+            spec.build_and_load()
+            status = f"loaded in {time.perf_counter() - start:.2f} s"
+        except Exception as exc:
+            failed += 1
+            status = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
+        print(f"{spec.name[:110]:110s} {status}", flush=True)
+    return 1 if failed else 0
 
 
 def tvm_ffi_requirement(wheel_dir: Path) -> str:
@@ -197,6 +227,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes (MAX_JOBS)")
     parser.add_argument("--build-dir", default="build/prebuild-kernels")
     parser.add_argument("--list", action="store_true", help="print the module expressions and stop")
+    parser.add_argument("--check", action="store_true",
+                        help="on the GPU machine: load each module prebuilt (JIT off) and time it")
     args = parser.parse_args()
     groups = set(args.modules.split(","))
     if groups - set(GROUPS):
@@ -206,6 +238,8 @@ def main() -> None:
     if args.list:
         print("\n".join(exprs))
         return
+    if args.check:
+        raise SystemExit(check(exprs))
     wheel = Path(args.wheel or next(iter(sorted(glob.glob(".whl/flashinfer_python-*.whl"))), ""))
     if not wheel.is_file():
         raise SystemExit("no flashinfer wheel: run ../shared/device/prepare-wheels.sh (and make comm-source)")
