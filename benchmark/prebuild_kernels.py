@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 ARCHS = "9.0a"  # H100 and H200
@@ -52,8 +53,9 @@ _IMPORT_NEEDS = [("numpy", "numpy"), ("packaging", "packaging"), ("requests", "r
 
 
 def spec_factories(head_dims: list[int], dtypes: list[str]) -> list[tuple[str, str]]:
-    """(group, Python expression of a JitSpec), most needed first: what every Llama forward runs,
-    then sampling, then the other head sizes and dtypes. Evaluated in the child, with flashinfer."""
+    """(group, Python expression of a JitSpec), most needed first: what every Llama forward of the
+    first head size and dtype runs, sampling, the fused all-reduce, then the cascade passes' output
+    dtype and the other head sizes and dtypes. Evaluated in the child, with flashinfer."""
     attention = []
     for dtype in dtypes:
         for head_dim in head_dims:
@@ -67,7 +69,7 @@ def spec_factories(head_dims: list[int], dtypes: list[str]) -> list[tuple[str, s
     ops = ["gen_norm_module()", "gen_rope_module()", "gen_page_module()", "gen_act_and_mul_module('silu')",
            "gen_cascade_module()"]  # fmt: skip
     return ([("attention", s) for s in first] + [("ops", s) for s in ops] + [("sampling", "gen_sampling_module()")]
-            + [("attention", s) for s in rest] + [("comm", "gen_trtllm_comm_module()")])  # fmt: skip
+            + [("comm", "gen_trtllm_comm_module()")] + [("attention", s) for s in rest])  # fmt: skip
 
 
 # Runs in the child: builds each spec in turn, copies its stripped library into OUT, reports JSON lines.
@@ -110,9 +112,9 @@ for expr in json.loads(sys.argv[2]):
 
 
 def check(exprs: list[str]) -> int:
-    """On the GPU machine: loads every module from the wheel's prebuilt ones, with FlashInfer's
-    JIT off (a module that is missing or does not load raises instead of building), and prints the
-    time each took. Exit status 1 when any failed."""
+    """On the GPU machine: loads every module the package holds prebuilt, with FlashInfer's JIT off
+    (one that does not load raises instead of building), prints the time each took and names the
+    modules it lacks (the server's first start compiles those). Exit status 1 when one failed."""
     os.environ["FLASHINFER_DISABLE_JIT"] = "1"
     import torch  # noqa: F401  (the expressions name it)
     from flashinfer.jit.activation import gen_act_and_mul_module  # noqa: F401
@@ -127,6 +129,9 @@ def check(exprs: list[str]) -> int:
     failed = 0
     for expr in exprs:
         spec = eval(expr)
+        if not spec.is_aot:
+            print(f"{spec.name[:110]:110s} not prebuilt: compiled at first use", flush=True)
+            continue
         start = time.perf_counter()
         try:
             spec.build_and_load()
@@ -170,50 +175,68 @@ def prepare(wheel: Path, build_dir: Path) -> dict[str, str]:
         # take them as prebuilt and skip the build).
         shutil.rmtree(site / "flashinfer" / "data" / "aot", ignore_errors=True)
         stamp.write_text(f"{wheel.name} {wheel.stat().st_size}")
+    return build_env(build_dir, PYTHONPATH=str(site))
+
+
+def build_env(build_dir: Path, **extra: str) -> dict[str, str]:
+    """The child's environment: FlashInfer's JIT cache in build_dir, sm_90a, a stand-in libcuda."""
     # The modules call the CUDA runtime only; the driver library they are linked with may be
     # missing where no GPU driver is installed, so an empty stand-in satisfies the linker.
     stubs = build_dir / "stubs"
     if not (stubs / "libcuda.so").exists():
         stubs.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["gcc", "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(stubs / "libcuda.so"), "-x", "c",
+        cc = shutil.which("gcc") or "g++"
+        subprocess.run([cc, "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(stubs / "libcuda.so"), "-x", "c",
                         "/dev/null"], check=True)  # fmt: skip
-    return dict(os.environ, PYTHONPATH=str(site), FLASHINFER_WORKSPACE_BASE=str(build_dir / "cache"),
-                FLASHINFER_CUDA_ARCH_LIST=ARCHS, LIBRARY_PATH=str(stubs))  # fmt: skip
+    return dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(build_dir / "cache"), FLASHINFER_CUDA_ARCH_LIST=ARCHS,
+                LIBRARY_PATH=str(stubs), **extra)  # fmt: skip
 
 
-def build(exprs: list[str], env: dict[str, str], aot: Path) -> list[dict]:
-    """Builds the specs one after another in a child process, echoing each result as it lands."""
+def build(exprs: list[str], env: dict[str, str], aot: Path, wheel: Path | None) -> list[dict]:
+    """Builds the specs one after another in a child process; each module goes into the wheel as
+    soon as it is built, so that an interrupted run leaves the finished ones there."""
     aot.mkdir(parents=True, exist_ok=True)
+    # What they run on: `flashserve.attention.flashinfer_modules` keeps other GPUs off them.
+    (aot / "ARCHS").write_text(ARCHS + "\n")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(aot), json.dumps(exprs)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     results = []
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("{"):
-            results.append(json.loads(line))
-            print(f"{time.strftime('%H:%M:%S')} {line.strip()}", flush=True)
+        if not line.startswith("{"):
+            continue
+        result = json.loads(line)
+        results.append(result)
+        if result["status"] != "failed" and wheel is not None:
+            add_to_wheel(wheel, [aot / result["module"] / f"{result['module']}.so", aot / "ARCHS"])
+        print(f"{time.strftime('%H:%M:%S')} {line.strip()}", flush=True)
     stderr = proc.stderr.read() if proc.stderr else ""
     if proc.wait() != 0:
         raise SystemExit(f"the build process failed:\n{stderr[-4000:]}")
     return results
 
 
-def add_to_wheel(wheel: Path, libraries: list[Path]) -> list[str]:
-    """Stores each library at flashinfer/data/aot/<module>/<module>.so in the wheel (replacing one
-    there). Zip entries cannot be replaced in place, so the wheel is rewritten without them first."""
-    names = {f"flashinfer/data/aot/{lib.parent.name}/{lib.name}": lib for lib in libraries}
+def add_to_wheel(wheel: Path, files: list[Path]) -> list[str]:
+    """Stores each file of an aot folder (<module>/<module>.so, ARCHS) at the same place under
+    flashinfer/data/aot in the wheel, unless the same bytes are there. Zip entries cannot be
+    replaced in place: a wheel holding another version of one is rewritten without it first."""
+    names = {"flashinfer/data/aot/" + "/".join(f.parts[-2:] if f.suffix == ".so" else f.parts[-1:]): f for f in files}
     with zipfile.ZipFile(wheel) as z:
-        present = set(z.namelist()) & set(names)
-    if present:
+        held = {i.filename: i for i in z.infolist() if i.filename in names}
+    same = {n for n, i in held.items() if i.file_size == names[n].stat().st_size
+            and i.CRC == zlib.crc32(names[n].read_bytes())}  # fmt: skip
+    stale = set(held) - same
+    if stale:
         rewritten = wheel.with_suffix(".tmp")
         with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(rewritten, "w", zipfile.ZIP_DEFLATED) as dst:
             for item in src.infolist():
-                if item.filename not in present:
+                if item.filename not in stale:
                     dst.writestr(item, src.read(item.filename))
         rewritten.replace(wheel)
     with zipfile.ZipFile(wheel, "a", zipfile.ZIP_DEFLATED, compresslevel=9) as z:
         for name, lib in names.items():
-            z.write(lib, name)
+            if name not in same:
+                z.write(lib, name)
     return list(names)
 
 
@@ -227,6 +250,10 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes (MAX_JOBS)")
     parser.add_argument("--build-dir", default="build/prebuild-kernels")
     parser.add_argument("--list", action="store_true", help="print the module expressions and stop")
+    parser.add_argument("--pack-only", action="store_true",
+                        help="build nothing: put the modules already built in <build-dir>/aot into the wheel")
+    parser.add_argument("--installed", action="store_true",
+                        help="into this Python's flashinfer package (a Docker image), not a wheel")
     parser.add_argument("--check", action="store_true",
                         help="on the GPU machine: load each module prebuilt (JIT off) and time it")
     args = parser.parse_args()
@@ -240,23 +267,36 @@ def main() -> None:
         return
     if args.check:
         raise SystemExit(check(exprs))
-    wheel = Path(args.wheel or next(iter(sorted(glob.glob(".whl/flashinfer_python-*.whl"))), ""))
-    if not wheel.is_file():
-        raise SystemExit("no flashinfer wheel: run ../shared/device/prepare-wheels.sh (and make comm-source)")
     if not Path(args.cuda_home, "bin", "nvcc").exists():
         raise SystemExit(f"no nvcc under {args.cuda_home} (set CUDA_HOME)")
     if nvcc_release(args.cuda_home) != "13":
         raise SystemExit("the GPU machine's torch and nvcc are CUDA 13; build with a CUDA 13 nvcc")
     build_dir = Path(args.build_dir).resolve()
-    env = prepare(wheel, build_dir)
+    wheel: Path | None = None
+    if args.installed:
+        spec = importlib.util.find_spec("flashinfer")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("flashinfer is not installed in this Python")
+        aot = Path(list(spec.submodule_search_locations)[0]) / "data" / "aot"
+        env = build_env(build_dir)
+    else:
+        wheel = Path(args.wheel or next(iter(sorted(glob.glob(".whl/flashinfer_python-*.whl"))), ""))
+        if not wheel.is_file():
+            raise SystemExit("no flashinfer wheel: run ../shared/device/prepare-wheels.sh (and make comm-source)")
+        aot = build_dir / "aot"
+        if args.pack_only:
+            libraries = sorted(aot.glob("*/*.so"))
+            add_to_wheel(wheel, [*libraries, aot / "ARCHS"])
+            print(f"{len(libraries)} modules from {aot} in {wheel} ({wheel.stat().st_size / 2**20:.1f} MiB)")
+            return
+        env = prepare(wheel, build_dir)
     env.update(CUDA_HOME=args.cuda_home, MAX_JOBS=str(args.jobs))
     start = time.time()
-    results = build(exprs, env, build_dir / "aot")
-    done = [build_dir / "aot" / r["module"] / f"{r['module']}.so" for r in results if r["status"] != "failed"]
-    names = add_to_wheel(wheel, done)
+    results = build(exprs, env, aot, wheel)
+    done = [aot / r["module"] / f"{r['module']}.so" for r in results if r["status"] != "failed"]
     total = sum(p.stat().st_size for p in done) / 1e6
-    print(f"{len(names)} modules ({total:.1f} MB, sm_{ARCHS.replace('.', '')}) in {wheel} "
-          f"({wheel.stat().st_size / 2**20:.1f} MiB) after {time.time() - start:.0f} s")  # fmt: skip
+    where = f"{wheel} ({wheel.stat().st_size / 2**20:.1f} MiB)" if wheel is not None else str(aot)
+    print(f"{len(done)} modules ({total:.1f} MB, sm_{ARCHS.replace('.', '')}) in {where} after {time.time() - start:.0f} s")
     failed = [r for r in results if r["status"] == "failed"]
     for r in failed:
         print(f"FAILED {r['module']}: {r['error']}", file=sys.stderr)
