@@ -82,15 +82,18 @@ serve() {
   PORT=$(free_port); t=$(date +%s.%N); UP=failed
   $PYTHON -m flashserve serve --load-format dummy --port "$PORT" "$@" >"$OUT/server_$name.log" 2>&1 &
   SERVER=$!
-  for _ in $(seq 1 $(( wait_s * 4 ))); do
+  local deadline=$(( $(date +%s) + wait_s ))
+  while [ "$(date +%s)" -lt "$deadline" ]; do
     if curl -sf "127.0.0.1:$PORT/health" >/dev/null; then UP=$(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t }"); return 0; fi
     kill -0 "$SERVER" 2>/dev/null || break
     sleep 0.25
   done
   return 1
 }
-stop() {  # SIGTERM the server and wait for it; STOPPED is its exit status
-  kill -TERM "$SERVER" 2>/dev/null; wait "$SERVER"; STOPPED=$?; SERVER=
+stop() {  # SIGTERM the server, SIGKILL it after 45 s; STOPPED is its exit status
+  kill -TERM "$SERVER" 2>/dev/null
+  for _ in $(seq 1 90); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.5; done
+  kill -KILL "$SERVER" 2>/dev/null; wait "$SERVER"; STOPPED=$?; SERVER=
 }
 
 if want kernels && [ "$(limit kernels 90)" -gt 0 ]; then
