@@ -175,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = ModelShape.from_config(model_config(args.model))
     lens = [int(n) for n in args.lens.split(",")]
     fused = {"auto": None, "on": True, "off": False}[args.fused]
+    # No decode graphs: the prompts here are prefills (and sample one token), and capturing takes time.
     llm = LLM(args.model, load_format="dummy", tensor_parallel_size=args.tp, max_num_seqs=16,
               max_model_len=max(lens) + 64, gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_flashinfer_allreduce_fusion=fused)  # fmt: skip
+              enable_flashinfer_allreduce_fusion=fused, cuda_graph=False)  # fmt: skip
     runner: Any = llm.engine.executor
     doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "model": args.model,
                            "rates": rates.to_json(), "profile_len": args.profile_len, "rows": []}  # fmt: skip
