@@ -51,7 +51,8 @@ OUT=${OUT:-benchmark/results/$(echo "$GPU" | tr ' ' '_')/tensor_parallel_$TP}
 mkdir -p "$OUT"
 TOKENIZER=${TOKENIZER:-.whl/llama3-tokenizer}
 if [ ! -f "$TOKENIZER/tokenizer.json" ] && [ -f .whl/llama3-tokenizer.tar.xz ]; then
-  mkdir -p /tmp/llama3-tokenizer && tar -xJf .whl/llama3-tokenizer.tar.xz -C /tmp/llama3-tokenizer && TOKENIZER=/tmp/llama3-tokenizer
+  $PYTHON -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" .whl/llama3-tokenizer.tar.xz \
+    /tmp/llama3-tokenizer && TOKENIZER=/tmp/llama3-tokenizer
 fi
 SUMMARY="$OUT/summary.txt"
 echo "$COUNT x $GPU, TP=$TP, checks $CHECKS; results in $OUT (setup $(( $(date +%s) - T0 )) s)" | tee "$SUMMARY"
