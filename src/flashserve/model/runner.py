@@ -388,7 +388,8 @@ def build_runner(
         "model %s on %s (%s, %s path), %s attention, KV cache %d pages x %d tokens = %d tokens (%s, %.2f GB); "
         "start-up: model loaded in %.1f s, KV cache sized and allocated in %.1f s",
         loaded.name, device, loaded.dtype, "native" if isinstance(model, NativeCausalLM) else "HF", backend_name,
-        num_pages, page_size, num_pages * page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0, t_kv - t_loaded,
+        num_pages, page_size, num_pages * page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
+        t_kv - t_loaded,
     )
     sampler = pick_sampler(device, model_config.seed if seed is None else seed)
     cascade = cascade_policy(model_config.cascade_attention)
