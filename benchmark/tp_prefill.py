@@ -12,7 +12,7 @@ Dummy weights in a real shape. For each prompt length:
 
 Then torch.profiler on rank 0 over 3 steps of `--profile-len` tokens: kernel time by category
 (GEMM, all-reduce, attention, norm, RoPE, activation, other), the host gap (step wall time less the
-sum of its kernels), and the GEMMs by per-rank shape with their achieved TFLOP/s. Writes
+sum of its kernels, unprofiled), and the GEMMs by per-rank shape with their achieved TFLOP/s. Writes
 `tp_prefill.json`, `tp_prefill.md` (the tables) and the profiled steps' Chrome trace under `--out`.
 """
 
@@ -99,14 +99,11 @@ def profile_step(runner: Any, step: Any, out: Path, steps: int = 3) -> dict[str,
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    runner.forward(step)
-    torch.cuda.synchronize()
+    wall_ms = step_ms(runner, step)  # unprofiled: the profiler's own host work would count as gaps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        t0 = time.perf_counter()
         for _ in range(steps):
             runner.forward(step)
         torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     prof.export_chrome_trace(str(out / "tp_prefill_trace.json"))
     by_cat: dict[str, float] = defaultdict(float)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
