@@ -21,7 +21,7 @@ with the same arguments, so their names (URIs) are the ones looked up at run tim
 
     python benchmark/prebuild_kernels.py                       # every module, into the wheel in .whl/
     python benchmark/prebuild_kernels.py --modules comm        # the fused all-reduce only
-    python benchmark/prebuild_kernels.py --check               # GPU machine: load each one, JIT off
+    python benchmark/prebuild_kernels.py --check               # GPU machine: load each one, name the missing
 
 Compiled objects stay in `--build-dir` (default build/prebuild-kernels), so an interrupted run
 resumes where it stopped; finished modules wait, stripped, in `<build-dir>/aot` until every requested
@@ -43,6 +43,7 @@ import time
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 ARCHS = "9.0a"  # H100 and H200
 GROUPS = ("attention", "ops", "sampling", "comm")
@@ -72,10 +73,9 @@ def spec_factories(head_dims: list[int], dtypes: list[str]) -> list[tuple[str, s
             + [("comm", "gen_trtllm_comm_module()")] + [("attention", s) for s in rest])  # fmt: skip
 
 
-# Runs in the child: builds each spec in turn, copies its stripped library into OUT, reports JSON lines.
-CHILD = """
-import json, shutil, subprocess, sys, time, torch
-from pathlib import Path
+# The generators that `spec_factories`' expressions call, imported where those are evaluated.
+GENERATORS = """
+import torch
 from flashinfer.jit.activation import gen_act_and_mul_module
 from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
 from flashinfer.jit.cascade import gen_cascade_module
@@ -84,6 +84,11 @@ from flashinfer.jit.norm import gen_norm_module
 from flashinfer.jit.page import gen_page_module
 from flashinfer.jit.rope import gen_rope_module
 from flashinfer.jit.sampling import gen_sampling_module
+"""
+# Runs in the child: builds each spec in turn, copies its stripped library into OUT, reports JSON lines.
+CHILD = GENERATORS + """
+import json, shutil, subprocess, sys, time
+from pathlib import Path
 out = Path(sys.argv[1])
 for expr in json.loads(sys.argv[2]):
     spec = eval(expr)
@@ -111,35 +116,36 @@ for expr in json.loads(sys.argv[2]):
 """
 
 
-def check(exprs: list[str]) -> int:
-    """On the GPU machine: loads every module the package holds prebuilt, with FlashInfer's JIT off
-    (one that does not load raises instead of building), prints the time each took and names the
-    modules it lacks (the server's first start compiles those). Exit status 1 when one failed."""
-    os.environ["FLASHINFER_DISABLE_JIT"] = "1"
-    import torch  # noqa: F401  (the expressions name it)
-    from flashinfer.jit.activation import gen_act_and_mul_module  # noqa: F401
-    from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module  # noqa: F401
-    from flashinfer.jit.cascade import gen_cascade_module  # noqa: F401
-    from flashinfer.jit.comm import gen_trtllm_comm_module  # noqa: F401
-    from flashinfer.jit.norm import gen_norm_module  # noqa: F401
-    from flashinfer.jit.page import gen_page_module  # noqa: F401
-    from flashinfer.jit.rope import gen_rope_module  # noqa: F401
-    from flashinfer.jit.sampling import gen_sampling_module  # noqa: F401
+def check(exprs: list[str], build_missing: bool) -> int:
+    """On the GPU machine: loads every module the package holds prebuilt (never building one),
+    prints the time each took, and names those it lacks; with `build_missing`, FlashInfer's JIT
+    then builds those all at once (each module's nvcc processes in parallel too), into its cache
+    for the processes that follow. Exit status 1 when a prebuilt module failed to load."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    failed = 0
-    for expr in exprs:
-        spec = eval(expr)
+    names: dict[str, Any] = {}
+    exec(GENERATORS, names)
+    failed, missing = 0, []
+    for spec in (eval(expr, names) for expr in exprs):
         if not spec.is_aot:
-            print(f"{spec.name[:110]:110s} not prebuilt: compiled at first use", flush=True)
+            missing.append(spec)
+            print(f"{spec.name[:110]:110s} not prebuilt", flush=True)
             continue
         start = time.perf_counter()
         try:
-            spec.build_and_load()
-            status = f"loaded in {time.perf_counter() - start:.2f} s"
+            loaded = spec.try_load()  # the prebuilt library only; None when it does not load
         except Exception as exc:
-            failed += 1
-            status = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
+            loaded, error = None, f"{type(exc).__name__}: {str(exc)[:300]}"
+        else:
+            error = "did not load"
+        failed += loaded is None
+        status = f"loaded in {time.perf_counter() - start:.2f} s" if loaded is not None else f"FAILED: {error}"
         print(f"{spec.name[:110]:110s} {status}", flush=True)
+    if build_missing and missing:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(missing)) as pool:
+            list(pool.map(lambda spec: spec.build_and_load(), missing))
+        print(f"{len(missing)} modules not prebuilt compiled by FlashInfer's JIT in {time.perf_counter() - start:.0f} s")
     return 1 if failed else 0
 
 
@@ -255,7 +261,8 @@ def main() -> None:
     parser.add_argument("--installed", action="store_true",
                         help="into this Python's flashinfer package (a Docker image), not a wheel")
     parser.add_argument("--check", action="store_true",
-                        help="on the GPU machine: load each module prebuilt (JIT off) and time it")
+                        help="on the GPU machine: load each module prebuilt and time it, name those missing")
+    parser.add_argument("--build-missing", action="store_true", help="with --check: JIT-build the missing ones")
     args = parser.parse_args()
     groups = set(args.modules.split(","))
     if groups - set(GROUPS):
@@ -266,7 +273,7 @@ def main() -> None:
         print("\n".join(exprs))
         return
     if args.check:
-        raise SystemExit(check(exprs))
+        raise SystemExit(check(exprs, args.build_missing))
     if not Path(args.cuda_home, "bin", "nvcc").exists():
         raise SystemExit(f"no nvcc under {args.cuda_home} (set CUDA_HOME)")
     if nvcc_release(args.cuda_home) != "13":
