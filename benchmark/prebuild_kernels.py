@@ -165,7 +165,7 @@ def nvcc_release(cuda_home: str) -> str:
     return found.group(1)
 
 
-def prepare(wheel: Path, build_dir: Path) -> dict[str, str]:
+def prepare(wheel: Path, build_dir: Path, cuda_home: str) -> dict[str, str]:
     """The wheel installed into build_dir/site (once per wheel) and the child's environment."""
     site, stamp = build_dir / "site", build_dir / "site.wheel"
     if not stamp.exists() or stamp.read_text() != f"{wheel.name} {wheel.stat().st_size}":
@@ -181,11 +181,23 @@ def prepare(wheel: Path, build_dir: Path) -> dict[str, str]:
         # take them as prebuilt and skip the build).
         shutil.rmtree(site / "flashinfer" / "data" / "aot", ignore_errors=True)
         stamp.write_text(f"{wheel.name} {wheel.stat().st_size}")
-    return build_env(build_dir, PYTHONPATH=str(site))
+    return build_env(build_dir, cuda_home, PYTHONPATH=str(site))
 
 
-def build_env(build_dir: Path, **extra: str) -> dict[str, str]:
-    """The child's environment: FlashInfer's JIT cache in build_dir, sm_90a, a stand-in libcuda."""
+def build_env(build_dir: Path, cuda_home: str, **extra: str) -> dict[str, str]:
+    """The child's environment: FlashInfer's JIT cache in build_dir, sm_90a, a stand-in libcuda,
+    and stand-in cuBLAS headers where the toolkit has none."""
+    env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(build_dir / "cache"), FLASHINFER_CUDA_ARCH_LIST=ARCHS,
+               CUDA_HOME=cuda_home, **extra)  # fmt: skip
+    if not Path(cuda_home, "include", "cublasLt.h").exists():
+        # The norm module includes a header that includes cuBLAS's without using any of it; a
+        # toolkit without the cuBLAS development files (nvcc alone) gets empty ones. Were anything
+        # of cuBLAS used, the build would fail, not go wrong.
+        include = build_dir / "stubs" / "include"
+        include.mkdir(parents=True, exist_ok=True)
+        for name in ("cublasLt.h", "cublas_v2.h"):
+            (include / name).write_text("// stand-in: flashinfer/trtllm/common/cudaUtils.h includes it, uses none of it\n")
+        env["FLASHINFER_EXTRA_CUDAFLAGS"] = f"{env.get('FLASHINFER_EXTRA_CUDAFLAGS', '')} -isystem {include}".strip()
     # The modules call the CUDA runtime only; the driver library they are linked with may be
     # missing where no GPU driver is installed, so an empty stand-in satisfies the linker.
     stubs = build_dir / "stubs"
@@ -194,8 +206,8 @@ def build_env(build_dir: Path, **extra: str) -> dict[str, str]:
         cc = shutil.which("gcc") or "g++"
         subprocess.run([cc, "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(stubs / "libcuda.so"), "-x", "c",
                         "/dev/null"], check=True)  # fmt: skip
-    return dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(build_dir / "cache"), FLASHINFER_CUDA_ARCH_LIST=ARCHS,
-                LIBRARY_PATH=str(stubs), **extra)  # fmt: skip
+    env["LIBRARY_PATH"] = str(stubs)
+    return env
 
 
 def build(exprs: list[str], env: dict[str, str], aot: Path, wheel: Path | None) -> list[dict]:
@@ -285,7 +297,7 @@ def main() -> None:
         if spec is None or not spec.submodule_search_locations:
             raise SystemExit("flashinfer is not installed in this Python")
         aot = Path(list(spec.submodule_search_locations)[0]) / "data" / "aot"
-        env = build_env(build_dir)
+        env = build_env(build_dir, args.cuda_home)
     else:
         wheel = Path(args.wheel or next(iter(sorted(glob.glob(".whl/flashinfer_python-*.whl"))), ""))
         if not wheel.is_file():
@@ -296,8 +308,8 @@ def main() -> None:
             add_to_wheel(wheel, [*libraries, aot / "ARCHS"])
             print(f"{len(libraries)} modules from {aot} in {wheel} ({wheel.stat().st_size / 2**20:.1f} MiB)")
             return
-        env = prepare(wheel, build_dir)
-    env.update(CUDA_HOME=args.cuda_home, MAX_JOBS=str(args.jobs))
+        env = prepare(wheel, build_dir, args.cuda_home)
+    env["MAX_JOBS"] = str(args.jobs)
     start = time.time()
     results = build(exprs, env, aot, wheel)
     done = [aot / r["module"] / f"{r['module']}.so" for r in results if r["status"] != "failed"]
