@@ -189,14 +189,16 @@ def build_env(build_dir: Path, cuda_home: str, **extra: str) -> dict[str, str]:
     and stand-in cuBLAS headers where the toolkit has none."""
     env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(build_dir / "cache"), FLASHINFER_CUDA_ARCH_LIST=ARCHS,
                CUDA_HOME=cuda_home, **extra)  # fmt: skip
-    if not Path(cuda_home, "include", "cublasLt.h").exists():
-        # The norm module includes a header that includes cuBLAS's without using any of it; a
-        # toolkit without the cuBLAS development files (nvcc alone) gets empty ones. Were anything
-        # of cuBLAS used, the build would fail, not go wrong.
+    # The norm module includes TensorRT-LLM headers that include cuBLAS's and cuRAND's without
+    # using any of them; a toolkit without those libraries' development files (nvcc alone) gets
+    # empty ones. Were anything of them used, the build would fail, not go wrong.
+    absent = [name for name in ("cublasLt.h", "cublas_v2.h", "curand_kernel.h")
+              if not Path(cuda_home, "include", name).exists()]  # fmt: skip
+    if absent:
         include = build_dir / "stubs" / "include"
         include.mkdir(parents=True, exist_ok=True)
-        for name in ("cublasLt.h", "cublas_v2.h"):
-            (include / name).write_text("// stand-in: flashinfer/trtllm/common/cudaUtils.h includes it, uses none of it\n")
+        for name in absent:
+            (include / name).write_text("// stand-in: included by flashinfer/trtllm/common headers, none of it used\n")
         env["FLASHINFER_EXTRA_CUDAFLAGS"] = f"{env.get('FLASHINFER_EXTRA_CUDAFLAGS', '')} -isystem {include}".strip()
     # The modules call the CUDA runtime only; the driver library they are linked with may be
     # missing where no GPU driver is installed, so an empty stand-in satisfies the linker.
@@ -264,6 +266,8 @@ def main() -> None:
     parser.add_argument("--modules", default=",".join(GROUPS), help=f"groups, comma-separated: {', '.join(GROUPS)}")
     parser.add_argument("--head-dims", default="128,64", help="attention head sizes (Llama 8B/70B: 128; 1B, SmolLM2: 64)")
     parser.add_argument("--dtypes", default="bfloat16", help="model dtypes (bfloat16, float16)")
+    parser.add_argument("--only", help="modules whose generator call contains one of these, comma-separated "
+                                       "(e.g. norm,sampling)")
     parser.add_argument("--cuda-home", default=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
     parser.add_argument("--jobs", type=int, default=2, help="parallel nvcc processes (MAX_JOBS)")
     parser.add_argument("--build-dir", default="build/prebuild-kernels")
@@ -281,6 +285,8 @@ def main() -> None:
         raise SystemExit(f"unknown module groups {sorted(groups - set(GROUPS))}; choose from {GROUPS}")
     exprs = [expr for group, expr in spec_factories([int(d) for d in args.head_dims.split(",")],
                                                     args.dtypes.split(",")) if group in groups]  # fmt: skip
+    if args.only:
+        exprs = [expr for expr in exprs if any(word in expr for word in args.only.split(","))]
     if args.list:
         print("\n".join(exprs))
         return
