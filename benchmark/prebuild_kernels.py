@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = "9.0a"  # H100 and H200
+CURAND = "nvidia-curand==10.4.4.72"  # CUDA 13's cuRAND, for its headers
 GROUPS = ("attention", "ops", "sampling", "comm")
 _IMPORT_NEEDS = [("numpy", "numpy"), ("packaging", "packaging"), ("requests", "requests"), ("tqdm", "tqdm"),
                  ("jinja2", "jinja2"), ("filelock", "filelock"), ("markupsafe", "markupsafe"),
@@ -189,17 +190,25 @@ def build_env(build_dir: Path, cuda_home: str, **extra: str) -> dict[str, str]:
     and stand-in cuBLAS headers where the toolkit has none."""
     env = dict(os.environ, FLASHINFER_WORKSPACE_BASE=str(build_dir / "cache"), FLASHINFER_CUDA_ARCH_LIST=ARCHS,
                CUDA_HOME=cuda_home, **extra)  # fmt: skip
-    # The norm module includes TensorRT-LLM headers that include cuBLAS's and cuRAND's without
-    # using any of them; a toolkit without those libraries' development files (nvcc alone) gets
-    # empty ones. Were anything of them used, the build would fail, not go wrong.
-    absent = [name for name in ("cublasLt.h", "cublas_v2.h", "curand_kernel.h")
-              if not Path(cuda_home, "include", name).exists()]  # fmt: skip
-    if absent:
-        include = build_dir / "stubs" / "include"
-        include.mkdir(parents=True, exist_ok=True)
-        for name in absent:
-            (include / name).write_text("// stand-in: included by flashinfer/trtllm/common headers, none of it used\n")
-        env["FLASHINFER_EXTRA_CUDAFLAGS"] = f"{env.get('FLASHINFER_EXTRA_CUDAFLAGS', '')} -isystem {include}".strip()
+    include = build_dir / "stubs" / "include"
+    include.mkdir(parents=True, exist_ok=True)
+    # The norm module includes a TensorRT-LLM header that includes cuBLAS's without using any of
+    # it: a toolkit without cuBLAS's development files (nvcc alone) gets empty ones. Were anything
+    # of cuBLAS used, the build would fail, not go wrong.
+    for name in ("cublasLt.h", "cublas_v2.h"):
+        if not Path(cuda_home, "include", name).exists():
+            (include / name).write_text("// stand-in: included by flashinfer/trtllm/common/cudaUtils.h, unused\n")
+    # Sampling draws with cuRAND's device functions: its headers, from NVIDIA's wheel, where the
+    # toolkit lacks them.
+    if not Path(cuda_home, "include", "curand_kernel.h").exists() and not (include / "curand_kernel.h").exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--platform", "manylinux_2_27_x86_64", "--python-version", "3.12", "-d", str(build_dir),
+                        CURAND], check=True)  # fmt: skip
+        with zipfile.ZipFile(next(build_dir.glob("nvidia_curand-*.whl"))) as z:
+            for name in z.namelist():
+                if "/include/" in name and name.endswith(".h"):
+                    (include / Path(name).name).write_bytes(z.read(name))
+    env["FLASHINFER_EXTRA_CUDAFLAGS"] = f"{env.get('FLASHINFER_EXTRA_CUDAFLAGS', '')} -isystem {include}".strip()
     # The modules call the CUDA runtime only; the driver library they are linked with may be
     # missing where no GPU driver is installed, so an empty stand-in satisfies the linker.
     stubs = build_dir / "stubs"
