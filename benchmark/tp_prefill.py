@@ -4,7 +4,7 @@
 
 Dummy weights in a real shape. For each prompt length:
 - `step ms`: rank 0's `runner.forward` of the whole prompt as one step (what the ranks compute for
-  it, no chunking), median of 5, the device synchronised after each;
+  it, no chunking), median of 5 after 5 unrecorded, the device synchronised after each;
 - `TTFT ms`: `LLM.generate(max_tokens=1)` of a fresh random prompt (the engine's scheduling, its
   chunked-prefill budget and sampling included), median of 3;
 - `floor ms`: its FLOPs per GPU (`benchmark.floor.prefill_floor_s` over the ranks) at the bf16 matmul
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.floor import ModelShape, first_token_floor_s, measure_rates
+from benchmark.tp_decode import time_steps
 
 PAGE = 16
 # Kernel name -> category, first match wins (cuBLAS/cuBLASLt Hopper GEMMs: nvjet, sm90_xmma, cutlass).
@@ -54,21 +55,6 @@ def prefill_step(n: int, seed: int) -> Any:
     ids = [rng.randrange(1000, 100000) for _ in range(n)]
     pages = list(range(1, 2 + n // PAGE))
     return SchedulerOutput([ScheduledRequest("p", ids, 0, pages, True, SamplingParams(temperature=0.0), ids, [])])
-
-
-def step_ms(runner: Any, step: Any, iters: int = 5) -> float:
-    import torch
-
-    for _ in range(2):
-        runner.forward(step)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        runner.forward(step)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def ttft_ms(llm: Any, n: int, reps: int = 3) -> float:
@@ -99,7 +85,7 @@ def profile_step(runner: Any, step: Any, out: Path, steps: int = 3) -> dict[str,
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    wall_ms = step_ms(runner, step)  # unprofiled: the profiler's own host work would count as gaps
+    wall_ms = time_steps(runner, step, 5)  # unprofiled: the profiler's own host work would count as gaps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(steps):
             runner.forward(step)
@@ -181,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                            "rates": rates.to_json(), "profile_len": args.profile_len, "rows": []}  # fmt: skip
     for n in lens:
         floor = first_token_floor_s(shape, rates, [n]) * 1e3 / args.tp
-        row = {"tokens": n, "step_ms": step_ms(runner, prefill_step(n, n)), "ttft_ms": ttft_ms(llm, n), "floor_ms": floor}
+        row = {"tokens": n, "step_ms": time_steps(runner, prefill_step(n, n), 5), "ttft_ms": ttft_ms(llm, n), "floor_ms": floor}
         doc["rows"].append(row)
         print(f"{n:6d} tokens: step {row['step_ms']:.1f} ms, TTFT {row['ttft_ms']:.1f} ms, floor {floor:.1f} ms "
               f"({row['step_ms'] / floor:.2f}x, {row['ttft_ms'] / floor:.2f}x)", flush=True)  # fmt: skip
