@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                            "rates": rates.to_json(), "profile_len": args.profile_len, "rows": []}  # fmt: skip
     for n in lens:
         floor = first_token_floor_s(shape, rates, [n]) * 1e3 / args.tp
-        row = {"tokens": n, "step_ms": time_steps(runner, prefill_step(n, n), 5), "ttft_ms": ttft_ms(llm, n), "floor_ms": floor}
+        row = {"tokens": n, "step_ms": time_steps(runner, prefill_step(n, n), 5), "ttft_ms": ttft_ms(llm, n),
+               "floor_ms": floor}  # fmt: skip
         doc["rows"].append(row)
         print(f"{n:6d} tokens: step {row['step_ms']:.1f} ms, TTFT {row['ttft_ms']:.1f} ms, floor {floor:.1f} ms "
               f"({row['step_ms'] / floor:.2f}x, {row['ttft_ms'] / floor:.2f}x)", flush=True)  # fmt: skip
