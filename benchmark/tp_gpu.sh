@@ -2,9 +2,9 @@
 # Tensor parallelism on a machine with several GPUs (TP ranks, default 4), each check in its own
 # time limit and all of them within BUDGET seconds (default 570), results under OUT:
 #
-#   bash benchmark/tp_gpu.sh                                               # every check
-#   CHECKS=kernels,tests,allreduce,prefill,decode70b bash benchmark/tp_gpu.sh  # about 8 minutes
-#   CHECKS=start,serve70b,decode8b bash benchmark/tp_gpu.sh                    # about 7 minutes
+#   bash benchmark/tp_gpu.sh                                          # every check (more than 10 minutes)
+#   CHECKS=kernels,tests,allreduce,prefill bash benchmark/tp_gpu.sh       # about 7 minutes
+#   CHECKS=start,decode70b,serve70b,decode8b bash benchmark/tp_gpu.sh     # about 9 minutes
 #
 # Checks (CHECKS, comma-separated, run in this order; default all but stress):
 #   kernels    every prebuilt FlashInfer module (`make kernels-prebuilt`) loaded and timed; those the
@@ -35,7 +35,7 @@ set -u
 cd "$(dirname "$0")/.." || exit 2
 T0=$(date +%s)
 PYTHON=${PYTHON:-python3}
-CHECKS=${CHECKS:-kernels,start,tests,allreduce,prefill,decode70b,serve70b,decode8b}
+CHECKS=${CHECKS:-kernels,start,tests,allreduce,prefill,decode70b,serve70b,decode8b}  # run in this order
 BUDGET=${BUDGET:-570}
 RATES=${RATES:-2,3,4,5,6}
 NREQ=${NREQ:-60}
