@@ -155,22 +155,30 @@ if want serve70b && [ "$(limit serve70b 330)" -gt 0 ]; then
   s=$(date +%s); lim=$(limit serve70b 330)
   serve serve_70b 120 --model llama-3.1-70b --tokenizer "$TOKENIZER" --tp "$TP" --gpu-memory-utilization 0.9
   echo "70B at TP=$TP healthy after $UP s" | tee "$OUT/serve_70b.txt"
-  timeout -k 10 $(( lim - ($(date +%s) - s) - 15 )) $PYTHON -m benchmark.serve_bench --base-url "http://127.0.0.1:$PORT" \
-    --workload random --text --tokenizer "$TOKENIZER" --request-rate "$RATES" --num-requests "$NREQ" \
-    --out-dir "$OUT/serve_70b" --no-summary --no-progress 2>&1 | tee -a "$OUT/serve_70b.txt"
-  rc=${PIPESTATUS[0]}
+  rc=0; seed=0
+  # One run per rate, each with prompts of its own seed: a rate run after another on the same
+  # prompts would find them in the prefix cache.
+  for rate in ${RATES//,/ }; do
+    seed=$(( seed + 1 )); left=$(( lim - ($(date +%s) - s) - 15 ))
+    [ "$left" -gt 20 ] || { echo "rate $rate: no time left" | tee -a "$OUT/serve_70b.txt"; rc=1; break; }
+    timeout -k 10 "$left" $PYTHON -m benchmark.serve_bench --base-url "http://127.0.0.1:$PORT" --workload random \
+      --text --tokenizer "$TOKENIZER" --request-rate "$rate" --num-requests "$NREQ" --seed "$seed" \
+      --out-dir "$OUT/serve_70b" --no-summary --no-progress 2>&1 | tee -a "$OUT/serve_70b.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  done
   stop; echo "70B server exit after SIGTERM: $STOPPED" | tee -a "$OUT/serve_70b.txt"
   $PYTHON - "$OUT/serve_70b" <<'PY' | tee -a "$OUT/serve_70b.txt"
 import json, sys, pathlib
-for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
-    doc = json.loads(path.read_text())
-    rows = [(p["request_rate"], p["metrics"]) for p in doc["phases"]]
-    print("| req/s | completed | median TTFT ms | P99 TTFT ms | median ITL ms | output tok/s |\n|---|---|---|---|---|---|")
-    for rate, m in rows:
-        print(f"| {rate:g} | {m['completed']} | {m['ttft_ms']['median']:.0f} | {m['ttft_ms']['p99']:.0f} | "
-              f"{m['itl_ms']['median']:.1f} | {m['output_token_throughput']:.0f} |")
-    good = [rate for rate, m in rows if m["failed"] == 0 and m["ttft_ms"]["p99"] <= 200]
-    print(f"goodput (highest rate run with P99 TTFT <= 200 ms): {max(good) if good else 0:g} req/s")
+rows = sorted((p["request_rate"], p["metrics"]) for path in pathlib.Path(sys.argv[1]).glob("*.json")
+              for p in json.loads(path.read_text())["phases"])
+print("| req/s | completed | failed | median TTFT ms | P99 TTFT ms | median ITL ms | output tok/s |")
+print("|---|---|---|---|---|---|---|")
+f = lambda x, d=0: "-" if x is None else f"{x:.{d}f}"
+for rate, m in rows:
+    print(f"| {rate:g} | {m['completed']} | {m['failed']} | {f(m['ttft_ms']['median'])} | {f(m['ttft_ms']['p99'])} | "
+          f"{f(m['itl_ms']['median'], 1)} | {f(m['output_token_throughput'])} |")
+good = [rate for rate, m in rows if m["failed"] == 0 and (m["ttft_ms"]["p99"] or 1e9) <= 200]
+print(f"goodput (highest rate run with P99 TTFT <= 200 ms): {max(good) if good else 0:g} req/s")
 PY
   phase serve70b "$rc" "$s"
 fi
