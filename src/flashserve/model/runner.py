@@ -363,6 +363,7 @@ def build_runner(
     """
     from dataclasses import replace
 
+    t0 = time.perf_counter()
     device = pick_device(model_config.device)
     checkpoint = native_checkpoint(model_config)
     loaded = load_model(model_config, device, weights=checkpoint is None)
@@ -372,19 +373,23 @@ def build_runner(
     sm_scale = attention_scale(loaded.model)
     model = step_model(loaded, model_config.model_impl, model_config.torch_compile, checkpoint)
     page_size = cache_config.page_size
+    t_loaded = time.perf_counter()
     page_bytes = kv_page_bytes(num_layers, page_size, num_kv_heads, head_dim, kv_dtype)
     num_pages = num_kv_pages(cache_config, page_bytes, device)
     backend = get_backend_cls(backend_name)(
         num_layers, num_pages, page_size, num_kv_heads, head_dim, kv_dtype, device, sm_scale, num_qo_heads=num_heads
     )
+    t_kv = time.perf_counter()
     capacity = (num_pages - 1) * page_size  # page 0 is the KV cache manager's scratch page
     if capacity < loaded.max_model_len:
         logger.warning("KV cache holds %d tokens; max_model_len %d lowered to it", capacity, loaded.max_model_len)
         loaded = replace(loaded, max_model_len=capacity)
     logger.info(
-        "model %s on %s (%s, %s path), %s attention, KV cache %d pages x %d tokens = %d tokens (%s, %.2f GB)",
+        "model %s on %s (%s, %s path), %s attention, KV cache %d pages x %d tokens = %d tokens (%s, %.2f GB); "
+        "start-up: model loaded in %.1f s, KV cache sized and allocated in %.1f s",
         loaded.name, device, loaded.dtype, "native" if isinstance(model, NativeCausalLM) else "HF", backend_name,
-        num_pages, page_size, num_pages * page_size, kv_dtype, num_pages * page_bytes / 1e9,
+        num_pages, page_size, num_pages * page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
+        t_kv - t_loaded,
     )
     sampler = pick_sampler(device, model_config.seed if seed is None else seed)
     cascade = cascade_policy(model_config.cascade_attention)
@@ -432,6 +437,10 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("warm-up (kernel builds and compilation included) took %.1f s", time.perf_counter() - t0)
+    if runner.device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        from flashserve.attention.flashinfer_modules import module_report
+
+        logger.info("%s", module_report())
 
 
 def capture_decode_graphs(runner: ModelRunner, model: StepModel, max_batch_size: int) -> None:

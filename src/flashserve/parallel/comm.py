@@ -185,6 +185,10 @@ class FlashInferAllReduceNorm:
         if reason is not None:
             raise ValueError(f"the fused all-reduce cannot run here: {reason}")
         from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion, create_allreduce_fusion_workspace
+
+        from flashserve.attention.flashinfer_modules import use_prebuilt_modules
+
+        use_prebuilt_modules(torch.device("cuda", torch.cuda.current_device()))
         self.max_tokens = max_tokens
         self._fusion = allreduce_fusion
         self._pattern = AllReduceFusionPattern.kARResidualRMSNorm

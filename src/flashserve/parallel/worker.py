@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from datetime import timedelta
@@ -50,10 +51,12 @@ from flashserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Steps of up to this many tokens take the fused all-reduce (`--enable-flashinfer-allreduce-fusion`):
-# every decode step up to 512 requests, and short prefill chunks. Its buffers take
-# 4 x ranks x this x hidden_size x 2 bytes per rank (two ranks of the 8B: 32 MiB; of the 70B: 64).
-FUSED_ALLREDUCE_MAX_TOKENS = 512
+# Steps of up to this many tokens take the fused all-reduce (`--enable-flashinfer-allreduce-fusion`);
+# larger ones NCCL. Measured at four ranks of [tokens, 8192] bf16 from CUDA graphs
+# (benchmark.tp_allreduce, 4 x H200): fused / NCCL 0.47 at 1 token, 0.63 at 16, 0.77 at 64, 1.11 at
+# 256, 1.43 at 512, so decode-sized steps take it and prefill-sized ones don't. Its buffers take
+# 4 x ranks x this x hidden_size x 2 bytes per rank.
+FUSED_ALLREDUCE_MAX_TOKENS = 128
 # How long a worker may wait for the next step: as long as the server may stay idle.
 CONTROL_TIMEOUT = timedelta(days=365)
 
@@ -157,6 +160,7 @@ def build_rank_runner(
     cache, number of pages, the same on every rank). Collective: every rank calls it."""
     if model_config.model_impl == "hf":
         raise ValueError("tensor parallelism needs the native model path (model_impl auto or native, not hf)")
+    t0 = time.perf_counter()
     device = rank_device(model_config.device)
     if device.type == "cpu":
         # The ranks share the machine's cores.
@@ -177,6 +181,7 @@ def build_rank_runner(
     fused = take_fused_allreduce(model_config, group, device, loaded.dtype)
     if fused:
         native.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
+    t_loaded = time.perf_counter()
     backend_name = pick_backend(model_config.attention_backend, device)
     kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
     spec, shard = native.spec, native.shard
@@ -202,10 +207,12 @@ def build_rank_runner(
         )
         logger.info(
             "model %s on %d ranks (%s, %s, native path), rank 0: %d query / %d KV heads, %s attention, "
-            "%s, KV cache %d pages x %d tokens (%s, %.2f GB per rank)",
+            "%s, KV cache %d pages x %d tokens (%s, %.2f GB per rank); start-up: shard loaded in %.1f s, "
+            "KV cache sized and allocated in %.1f s",
             loaded.name, group.world_size, device, loaded.dtype, shard.num_heads, shard.num_kv_heads, backend_name,
             f"FlashInfer's fused all-reduce + RMSNorm (steps up to {FUSED_ALLREDUCE_MAX_TOKENS} tokens)" if fused
-            else "NCCL all-reduce", num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9,
+            else "NCCL all-reduce", num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
+            time.perf_counter() - t_loaded,
         )  # fmt: skip
     runner_sampler = sampler if sampler is not None else pick_sampler(device, model_config.seed)
     return RankRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native), group), loaded, num_pages

@@ -1,0 +1,187 @@
+"""A lone prompt's prefill under tensor parallelism against its compute floor, and where its time goes.
+
+    python -m benchmark.tp_prefill [--model llama-3.1-70b] [--tp 4] [--lens 512,2048,8192] [--profile-len 2048]
+
+Dummy weights in a real shape. For each prompt length:
+- `step ms`: rank 0's `runner.forward` of the whole prompt as one step (what the ranks compute for
+  it, no chunking), median of 5 after 5 unrecorded, the device synchronised after each;
+- `TTFT ms`: `LLM.generate(max_tokens=1)` of a fresh random prompt (the engine's scheduling, its
+  chunked-prefill budget and sampling included), median of 3;
+- `floor ms`: its FLOPs per GPU (`benchmark.floor.prefill_floor_s` over the ranks) at the bf16 matmul
+  rate measured in this run, or the per-GPU weight read where that is longer.
+
+Then torch.profiler on rank 0 over 3 steps of `--profile-len` tokens: kernel time by category
+(GEMM, all-reduce, attention, norm, RoPE, activation, other), the host gap (step wall time less the
+sum of its kernels, unprofiled), and the GEMMs by per-rank shape with their achieved TFLOP/s. Writes
+`tp_prefill.json`, `tp_prefill.md` (the tables) and the profiled steps' Chrome trace under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from benchmark import LOCAL_RESULTS
+from benchmark.floor import ModelShape, first_token_floor_s, measure_rates
+from benchmark.tp_decode import time_steps
+
+PAGE = 16
+# Kernel name -> category, first match wins (cuBLAS/cuBLASLt Hopper GEMMs: nvjet, sm90_xmma, cutlass).
+CATEGORIES = [
+    ("all-reduce", re.compile(r"nccl|allreduce|all_reduce|lamport", re.I)),
+    ("attention", re.compile(r"prefill|decode|attention|mergestate|merge_state|paged|AppendPagedKV", re.I)),
+    ("GEMM", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|sm90_|splitk", re.I)),
+    ("norm", re.compile(r"rmsnorm|norm", re.I)),
+    ("rope", re.compile(r"rope|rotary", re.I)),
+    ("activation", re.compile(r"act_and_mul|silu", re.I)),
+]
+
+
+def category(name: str) -> str:
+    return next((c for c, pattern in CATEGORIES if pattern.search(name)), "other")
+
+
+def prefill_step(n: int, seed: int) -> Any:
+    from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+    from flashserve.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(1000, 100000) for _ in range(n)]
+    pages = list(range(1, 2 + n // PAGE))
+    return SchedulerOutput([ScheduledRequest("p", ids, 0, pages, True, SamplingParams(temperature=0.0), ids, [])])
+
+
+def ttft_ms(llm: Any, n: int, reps: int = 3) -> float:
+    from flashserve.sampling_params import SamplingParams
+
+    rng = random.Random(n)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for _ in range(reps + 1):  # the first one unrecorded
+        prompt = [rng.randrange(1000, 100000) for _ in range(n)]
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def gemm_flops(shapes: list[list[int]], name: str) -> float:
+    """2*M*N*K of an aten::mm ([M,K],[K,N]) or aten::addmm (bias, [M,K],[K,N]) call; 0 if unknown."""
+    dims = [s for s in shapes if len(s) == 2]
+    if len(dims) < 2:
+        return 0.0
+    (m, k), (_, n) = dims[0], dims[1]
+    return 2.0 * m * n * k
+
+
+def profile_step(runner: Any, step: Any, out: Path, steps: int = 3) -> dict[str, Any]:
+    """Rank 0's kernels of `steps` forward steps by category and by GEMM shape, and the host gap."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    wall_ms = time_steps(runner, step, 5)  # unprofiled: the profiler's own host work would count as gaps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(steps):
+            runner.forward(step)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(out / "tp_prefill_trace.json"))
+    by_cat: dict[str, float] = defaultdict(float)
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA" or e.key.startswith(("Memcpy", "Memset")):
+            continue
+        by_cat[category(e.key)] += e.device_time_total / 1e3 / steps
+        kernels[e.key][0] += e.device_time_total / 1e3 / steps
+        kernels[e.key][1] += e.count // steps
+    gemms = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key in ("aten::mm", "aten::addmm", "aten::_scaled_mm") and e.device_time_total > 0:
+            ms = e.device_time_total / 1e3 / steps
+            flops = gemm_flops(e.input_shapes, e.key) * e.count / steps
+            gemms.append({"op": e.key, "shapes": e.input_shapes, "calls": e.count // steps, "ms": ms,
+                          "TFLOP_per_s": flops / (ms / 1e3) / 1e12 if ms else 0.0})  # fmt: skip
+    kernel_ms = sum(by_cat.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+    return {"tokens": len(step.requests[0].new_token_ids) if hasattr(step, "requests") else None,
+            "wall_ms": wall_ms, "kernel_ms": kernel_ms, "host_gap_ms": wall_ms - kernel_ms,
+            "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+            "gemms": sorted(gemms, key=lambda g: -g["ms"]),
+            "top_kernels": [{"name": k[:120], "ms": v[0], "calls": v[1]} for k, v in top]}  # fmt: skip
+
+
+def tables(doc: dict[str, Any]) -> str:
+    lines = [f"{doc['gpu']} x {doc['tp']}: {doc['model']} (dummy weights), a lone prompt at TP={doc['tp']}; "
+             f"bf16 matmul {doc['rates']['matmul_TFLOP_per_s']:.0f} TFLOP/s, copy {doc['rates']['copy_GB_per_s']:.0f} GB/s",
+             "", "| prompt | step ms | TTFT ms (engine) | floor ms | step / floor | TTFT / floor |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in doc["rows"]:
+        lines.append(f"| {r['tokens']} | {r['step_ms']:.1f} | {r['ttft_ms']:.1f} | {r['floor_ms']:.1f} | "
+                     f"{r['step_ms'] / r['floor_ms']:.2f} | {r['ttft_ms'] / r['floor_ms']:.2f} |")  # fmt: skip
+    p = doc.get("profile")
+    if p:
+        lines += ["", f"Rank 0, one {doc['profile_len']}-token step: wall {p['wall_ms']:.1f} ms, kernels {p['kernel_ms']:.1f} ms, "
+                  f"host gap {p['host_gap_ms']:.1f} ms", "", "| category | ms | share of kernels |", "|---|---|---|"]  # fmt: skip
+        for c, ms in p["by_category_ms"].items():
+            lines.append(f"| {c} | {ms:.2f} | {ms / p['kernel_ms']:.1%} |")
+        lines += ["", "| GEMM (per-rank shapes) | calls | ms | TFLOP/s |", "|---|---|---|---|"]
+        for g in p["gemms"][:12]:
+            lines.append(f"| {g['op']} {g['shapes']} | {g['calls']} | {g['ms']:.2f} | {g['TFLOP_per_s']:.0f} |")
+        lines += ["", "| kernel | calls | ms |", "|---|---|---|"]
+        for k in p["top_kernels"]:
+            lines.append(f"| {k['name']} | {k['calls']} | {k['ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-70b")
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--lens", default="512,2048,8192")
+    p.add_argument("--profile-len", type=int, default=2048, help="0: no profile")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--fused", choices=("auto", "on", "off"), default="auto", help="the fused all-reduce")
+    p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
+    args = p.parse_args(argv)
+    import torch
+
+    from benchmark.suite import model_config
+    from flashserve.llm import LLM
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = measure_rates("cuda")
+    shape = ModelShape.from_config(model_config(args.model))
+    lens = [int(n) for n in args.lens.split(",")]
+    fused = {"auto": None, "on": True, "off": False}[args.fused]
+    # No decode graphs: the prompts here are prefills (and sample one token), and capturing takes time.
+    llm = LLM(args.model, load_format="dummy", tensor_parallel_size=args.tp, max_num_seqs=16,
+              max_model_len=max(lens) + 64, gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_flashinfer_allreduce_fusion=fused, cuda_graph=False)  # fmt: skip
+    runner: Any = llm.engine.executor
+    doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "model": args.model,
+                           "rates": rates.to_json(), "profile_len": args.profile_len, "rows": []}  # fmt: skip
+    for n in lens:
+        floor = first_token_floor_s(shape, rates, [n]) * 1e3 / args.tp
+        row = {"tokens": n, "step_ms": time_steps(runner, prefill_step(n, n), 5), "ttft_ms": ttft_ms(llm, n),
+               "floor_ms": floor}  # fmt: skip
+        doc["rows"].append(row)
+        print(f"{n:6d} tokens: step {row['step_ms']:.1f} ms, TTFT {row['ttft_ms']:.1f} ms, floor {floor:.1f} ms "
+              f"({row['step_ms'] / floor:.2f}x, {row['ttft_ms'] / floor:.2f}x)", flush=True)  # fmt: skip
+    if args.profile_len:
+        doc["profile"] = profile_step(runner, prefill_step(args.profile_len, 7), out)
+    llm.close()
+    (out / "tp_prefill.json").write_text(json.dumps(doc, indent=1))
+    text = tables(doc)
+    (out / "tp_prefill.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
