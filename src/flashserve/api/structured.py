@@ -325,14 +325,16 @@ def json_grammar(ebnf: str) -> str:
 def generic_tool_spec(tools: list[dict]) -> GrammarSpec:
     """The grammar of `tool_choice: "auto"` in the generic format (`tools.render`): any text, in
     which a `<tool_call>` must go on as a call of one of `tools` with arguments that follow its
-    schema, and close; any number of calls."""
-    from flashserve.api.tools.render import CALL_CLOSE, CALL_OPEN  # api.tools imports this module
+    schema, and close; any number of calls. The text never writes a tool result's tag: a small
+    model that has seen results in the conversation would otherwise make one up."""
+    from flashserve.api.tools.render import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN  # imports this module
 
     tags = [{"begin": f'{CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
              "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1},
              "end": f"}}\n{CALL_CLOSE}"} for name, params in _tool_functions(tools).items()]
     tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
-                                                "at_least_one": False, "stop_after_first": False}}
+                                                "at_least_one": False, "stop_after_first": False,
+                                                "excludes": [RESULT_OPEN[:-1], RESULT_CLOSE[:-1], CALL_CLOSE[:-1]]}}
     return GrammarSpec("structural_tag", _schema_text(tag, "tools"), "tools")
 
 
