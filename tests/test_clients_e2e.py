@@ -6,19 +6,16 @@ token ids, the completions default, and schema outputs with numbers that finish.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from live_server import live_server
+from test_server_e2e import MODEL, client, server  # noqa: F401 - `server` is this module's fixture too
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -32,16 +29,6 @@ HISTORY = [{"role": "user", "content": "What is the weather in Rome?"},
            {"role": "tool", "tool_call_id": "call_rome", "content": "21 C, sunny"},
            {"role": "assistant", "content": "It is 21 C and sunny in Rome."}]
 ASK_WEATHER = [*HISTORY, {"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    with live_server() as (base, _proc):
-        yield base
-
-
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
 def reassemble(stream: Any) -> tuple[str, dict[int, dict[str, str]], list[str | None]]:
