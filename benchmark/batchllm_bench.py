@@ -82,7 +82,7 @@ def run_batch(llm: Any, prompts: list[list[int]], out: int, model: str, workdir:
             body = {"model": model, "prompt": p, "max_tokens": out, "temperature": 0, "ignore_eos": True}
             f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
     ns = build_parser({}).parse_args(["run-batch", "-i", str(src), "-o", str(dst), "--model", model,
-                                      "--load-format", "dummy", "--no-progress"])
+                                      "--load-format", "dummy", "--no-progress", "--overwrite"])
     printed = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(printed):

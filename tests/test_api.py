@@ -117,9 +117,9 @@ async def test_max_completion_tokens_is_an_alias_of_max_tokens(tokenizer: Any) -
     assert only_params(engine).max_tokens == 3 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
-async def test_max_tokens_defaults_to_the_rest_of_the_context(tokenizer: Any) -> None:
+async def test_max_tokens_null_means_the_rest_of_the_context(tokenizer: Any) -> None:
     engine = FakeEngine()
-    await complete(engine, tokenizer, max_model_len=100, prompt=[1, 2, 3])
+    await complete(engine, tokenizer, max_model_len=100, prompt=[1, 2, 3], max_tokens=None)
     assert only_params(engine).max_tokens == 97
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from flashserve.api.tool_parsers import (
+from flashserve.api.tools.parsers import (
     TOOL_PARSERS,
     NamedCallStreamer,
     ParsedOutput,
@@ -296,3 +296,46 @@ def test_unknown_tool_parser_name_lists_the_valid_ones():
 ])
 def test_detect_tool_parser_from_template(template, expected):
     assert detect_tool_parser(template) == expected
+
+
+# ---- outputs cut by max_tokens ---------------------------------------------------------------
+
+NAMES = ("get_weather", "get_time")
+
+
+@pytest.mark.parametrize(("parser_name", "text", "names", "expected"), [
+    ("forced", '[{"name":', ("get_weather",), [("get_weather", "")]),
+    ("forced", '[{"name": "get_w', NAMES, [("get_weather", "")]),
+    ("forced", '[{"name": "get_weather", "parameters": {"city": "Pa', NAMES, [("get_weather", '{"city": "Pa')]),
+    ("forced", f'[{call(WEATHER)}, {{"name": "get_time", "parameters": {{"timez', NAMES,
+     [("get_weather", json.dumps(W)), ("get_time", '{"timez')]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UT', NAMES, [("get_time", '{"zone": "UT')]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"ci', NAMES, [("get_weather", '{"ci')]),
+])
+def test_a_call_cut_by_max_tokens_keeps_its_arguments_as_far_as_they_went(parser_name, text, names, expected):
+    parsed = get_tool_parser(parser_name).parse(text, names, cut=True)
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == expected
+    assert not (parsed.content or "").strip()
+
+
+def test_a_cut_call_whose_name_may_be_either_function_is_dropped_not_shown_as_content():
+    parsed = get_tool_parser("forced").parse('[{"name": "get_', NAMES, cut=True)
+    assert parsed.tool_calls == [] and not parsed.content
+
+
+def test_a_cut_stream_ends_with_the_partial_call_as_deltas():
+    streamer = get_tool_parser("forced").streamer(("get_weather",))
+    deltas = streamer.feed('[{"name": "get_weather", "parameters": {"ci') + streamer.finish(cut=True)
+    content, calls = reassemble(deltas)
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"ci')]
+
+
+def test_a_cut_named_call_keeps_its_partial_arguments():
+    parsed = forced_named_call("get_weather", '{"city": "Par', cut=True)
+    assert parsed.content is None and [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("get_weather", '{"city": "Par')]
+
+
+def test_plain_text_cut_by_max_tokens_stays_content():
+    parsed = get_tool_parser("hermes").parse("The weather in Paris is", NAMES, cut=True)
+    assert parsed == ParsedOutput("The weather in Paris is", [])

@@ -12,11 +12,12 @@ a turn), and requests reached the engine in bursts, long after the app made them
 `--max-concurrency` requests are in flight at once, so the engine batches continuously; they are
 submitted in prefix-sharing order (`engine/prefix_groups.py`) unless `--no-prefix-grouping`.
 Result lines are written and flushed as requests finish, so an interrupted run keeps every
-finished result.
+finished result, and a run on the same output file resumes it: it runs only the lines without a
+result there (`batch_resume`; --overwrite starts afresh). A file whose custom_ids repeat is refused.
 
 Exit code 0 when the run completes, failed lines or not; 1 if the engine died on the way (or the
-app process did); 2 when the input cannot be read or the output cannot be written; 130 when
-interrupted.
+app process did); 2 when the input cannot be read or repeats a custom_id, or the output cannot be
+written; 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ except ImportError:  # not on Windows
     fcntl = None  # type: ignore[assignment]
 
 from flashserve import batch_app
-from flashserve.batch_lines import BatchRequest, parse_line, plan_requests
+from flashserve.batch_lines import BatchRequest, LineError, parse_line, plan_requests
+from flashserve.batch_resume import duplicate_ids, prepare_output, remaining
 from flashserve.cli import BatchArgs
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
@@ -67,13 +69,21 @@ def main(args: BatchArgs, stack: Any = None) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         print(f"flashserve run-batch: cannot read {args.input_file}: {exc}", file=sys.stderr)
         return EXIT_BAD_FILE
+    items = [parse_line(text, n) for n, text in enumerate(texts, 1) if text.strip()]
+    duplicates = duplicate_ids(items)
+    if duplicates is not None:
+        print(f"flashserve run-batch: {args.input_file}: {duplicates}", file=sys.stderr)
+        return EXIT_BAD_FILE
     try:
-        open(args.output_file, "w", encoding="utf-8").close()  # the app process writes it
+        resume = prepare_output(args.output_file, args.overwrite)  # the app process appends to it
     except OSError as exc:
         print(f"flashserve run-batch: cannot write {args.output_file}: {exc}", file=sys.stderr)
         return EXIT_BAD_FILE
-    items = [parse_line(text, n) for n, text in enumerate(texts, 1) if text.strip()]
-    requests = [item for item in items if isinstance(item, BatchRequest)]
+    todo = remaining(items, resume)
+    if resume.num_done:
+        print(f"flashserve run-batch: resuming {args.output_file}: {len(items) - len(todo)} of {len(items)} lines "
+              f"have results there; running the other {len(todo)} (--overwrite starts afresh)", file=sys.stderr)
+    requests = [item for item in todo if isinstance(item, BatchRequest)]
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold a GPU
     inbox, app_tx = pipe(context)  # app -> engine
     app_rx, outbox = pipe(context)  # engine -> app
@@ -102,6 +112,7 @@ def main(args: BatchArgs, stack: Any = None) -> int:
             max_model_len=stack.max_model_len, eos_token_ids=tuple(loaded.eos_token_ids),
             vocab_size=loaded.vocab_size, api=args.serve.api, input_file=args.input_file,
             output_file=args.output_file, order=[r.line_no for r in requests],
+            error_lines=[e.line_no for e in todo if isinstance(e, LineError)], num_done=len(items) - len(todo),
             max_concurrency=args.max_concurrency or 2 * stack.engine.scheduler.config.max_num_seqs,
             progress=args.progress, log_level=level,
         ))

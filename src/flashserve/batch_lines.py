@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, MutableMapping
 
 from flashserve.api.json_body import dumps, loads, loads_strict
+from flashserve.api.protocol import DEFAULT_COMPLETION_TOKENS
 from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 
 CHAT_URL = "/v1/chat/completions"
@@ -207,10 +208,12 @@ def _content_text(content: Any) -> str:
 
 
 def _expected_output(body: Any, prompt_len: int, max_model_len: int) -> int:
-    """Output tokens the request may produce: max tokens (or the rest of the context) times n."""
+    """Output tokens the request may produce: max tokens (or its default) times n."""
     if not isinstance(body, dict):
         return 1
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if "prompt" in body and "max_tokens" not in body:
+        limit = DEFAULT_COMPLETION_TOKENS
     if not isinstance(limit, int) or limit < 1:
         limit = max(max_model_len - prompt_len, 1)
     n = body.get("n")

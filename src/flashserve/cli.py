@@ -124,8 +124,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "start; more is a 400"),
     Option("--max-body-bytes", _positive_int, 8 << 20, "largest request body; larger ones get 413"),
     Option("--tool-call-parser", str, "auto", "the model's tool-call format, parsed into tool_calls for "
-           "tool_choice auto: llama3_json, hermes, mistral, or auto (detected from the chat template)",
-           ["auto", "llama3_json", "hermes", "mistral"]),
+           "tool_choice auto: llama3_json, hermes, mistral, auto (detected from the chat template), or generic; "
+           "where none is known or the template does not render tools (and with generic), the tools are shown "
+           "to the model as text and its calls follow a generic format that a grammar enforces",
+           ["auto", "llama3_json", "hermes", "mistral", "generic"]),
     Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "
            "(new ones get 503) before the rest end with an error"),
     Option("--ui", _bool, True, "the chat page at / (--no-ui: / answers 404)"),
@@ -146,6 +148,8 @@ RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag
     Option("--prefix-grouping", _bool, True, "submit requests grouped by shared prompt prefixes, "
            "decode-heavy groups first, instead of in file order (--no-prefix-grouping)"),
     Option("--progress", _bool, True, "progress bar on stderr (--no-progress)"),
+    Option("--overwrite", _bool, False, "start the output file afresh; by default a run resumes it, running "
+           "only the requests whose custom_id has no result there yet (a server failure, 5xx, is run again)"),
 )
 
 
@@ -246,8 +250,9 @@ class BatchArgs:
     max_concurrency: int | None = None  # None: twice the engine's max_num_seqs
     prefix_grouping: bool = True
     progress: bool = True
+    overwrite: bool = False  # False: resume the output file
 
 
 def to_batch_args(ns: argparse.Namespace) -> BatchArgs:
     return BatchArgs(to_configs(ns), ns.input_file, ns.output_file, max_concurrency=ns.max_concurrency,
-                     prefix_grouping=ns.prefix_grouping, progress=ns.progress)
+                     prefix_grouping=ns.prefix_grouping, progress=ns.progress, overwrite=ns.overwrite)

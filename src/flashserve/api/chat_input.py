@@ -1,6 +1,6 @@
-"""From a chat request to what the engine takes: the messages as chat templates read them, how
-the request's tools shape the output, and the grammar its output must follow (compiled off the
-event loop, once per schema)."""
+"""From a chat request to what the engine takes: the messages as chat templates read them (with
+the tools where the template cannot show them), how the request's tools shape the output, and the
+grammar its output must follow (compiled off the event loop, once per schema)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any, Sequence
 from flashserve.api import protocol as p
 from flashserve.api.choices import ToolMode, json_arguments
 from flashserve.api.errors import invalid
-from flashserve.api.structured import GrammarCompiler, GrammarSpec
-from flashserve.api.tool_parsers import detect_tool_parser, get_tool_parser
+from flashserve.api.structured import GrammarCompiler, GrammarSpec, generic_tool_spec, tool_call_spec
+from flashserve.api.tools.parsers import TOOL_PARSERS, detect_tool_parser, get_tool_parser
+from flashserve.api.tools.render import TemplateSupport, render_messages, tools_block
 
 
 def message_text(content: str | list[p.TextPart] | None) -> str:
@@ -50,8 +51,10 @@ def as_ids(encoded: Any) -> list[int]:
     return [int(t) for t in encoded]
 
 
-def tool_mode(body: p.ChatCompletionRequest, parser: str | None, tokenizer: Any) -> ToolMode | None:
-    """How the request's tools shape its output; None without tools or with tool_choice "none"."""
+def tool_mode(body: p.ChatCompletionRequest, parser: str | None, tokenizer: Any,
+              support: TemplateSupport = TemplateSupport()) -> ToolMode | None:
+    """How the request's tools shape its output; None without tools or with tool_choice "none".
+    `parser` is the server's --tool-call-parser; `support`, what the chat template renders."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none", "auto"):
@@ -59,26 +62,49 @@ def tool_mode(body: p.ChatCompletionRequest, parser: str | None, tokenizer: Any)
         return None
     if choice == "none":
         return None
+    names = tuple(t.function.name for t in body.tools)
     if choice is None or choice == "auto":
-        name = parser
-        if name == "auto":
-            name = detect_tool_parser(getattr(tokenizer, "chat_template", None))
-        if name is None:
-            raise invalid(
-                "tool_choice 'auto' needs the model's tool-call format, and this model's chat template "
-                "does not show it: start the server with --tool-call-parser (llama3_json, hermes, "
-                "mistral), or send tool_choice 'required' or a named function, which work with any model",
-                "tool_choice")
-        return ToolMode("auto", get_tool_parser(name))
+        name = detect_tool_parser(getattr(tokenizer, "chat_template", None)) if parser == "auto" else parser
+        if name in TOOL_PARSERS and support.tools:  # the model's own format, shown by its template
+            return ToolMode("auto", get_tool_parser(name), names=names)
+        return ToolMode("auto", get_tool_parser("hermes"), names=names, rendered=True)
     if choice == "required":
-        return ToolMode("required", get_tool_parser("forced"))
+        return ToolMode("required", get_tool_parser("forced"), names=names, rendered=not support.tools)
     if isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type") == "function" and isinstance(name, str):
-            return ToolMode("named", None, name)
+            return ToolMode("named", None, name, names=names, rendered=not support.tools)
     raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", '
                   '"function": {"name": ...}}', "tool_choice")
+
+
+def chat_conversation(body: p.ChatCompletionRequest, tools: ToolMode | None,
+                      support: TemplateSupport) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(the messages, the keyword arguments) to render with the chat template: the tools go to
+    the template where it renders them for the model's own format, else into a system block of
+    ours (`tools.render`), as do earlier calls and tool results the template cannot render."""
+    messages = [template_message(m) for m in body.messages]
+    kwargs: dict[str, Any] = {}
+    block = None
+    if tools is not None and body.tools:
+        listed = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in body.tools]
+        if tools.rendered:
+            block = tools_block(listed, tools.kind, tools.name)  # type: ignore[arg-type]
+        else:
+            kwargs["tools"] = listed
+    return render_messages(messages, support, block), kwargs
+
+
+def tool_grammar(body: p.ChatCompletionRequest, tools: ToolMode | None) -> GrammarSpec | None:
+    """The grammar the request's tools impose, or None: the forced forms' grammars, and for `auto`
+    in the generic format, plain text or calls of the request's functions."""
+    if tools is None:
+        return None
+    listed = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    if tools.kind == "auto":
+        return generic_tool_spec(listed) if tools.rendered else None
+    return tool_call_spec(listed, body.tool_choice)
 
 
 class Grammars:

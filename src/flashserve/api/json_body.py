@@ -13,13 +13,39 @@ from typing import Any
 import orjson
 
 
+class LoneSurrogate(ValueError):
+    """A string of the document holds half of a UTF-16 surrogate pair (`"\\ud83d"` alone): no
+    Unicode text, so no tokenizer can read it."""
+
+
 def loads_strict(data: str | bytes) -> tuple[Any, bool]:
     """(the value, whether orjson read it, and so can write it back). Raises json.JSONDecodeError
-    for what neither reads."""
+    for what neither reads, LoneSurrogate for a string that is no Unicode text (orjson refuses
+    those, the standard library reads them)."""
     try:
         return orjson.loads(data), True
     except orjson.JSONDecodeError:
-        return json.loads(data), False
+        value = json.loads(data)
+    _check_text(value)
+    return value, False
+
+
+def _check_text(value: Any) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise LoneSurrogate(
+                    f"a string in the JSON body holds a lone UTF-16 surrogate "
+                    f"({ascii(item[exc.start])[1:-1]}): strings must be valid Unicode text") from None
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def loads(data: str | bytes) -> Any:

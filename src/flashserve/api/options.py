@@ -24,8 +24,9 @@ class APIOptions:
     # prompts x n of one request: each is a sequence in the engine's queue.
     max_sequences_per_request: int = 256
     log_requests: bool = False  # log prompts (text or token ids) as they arrive
-    # The model's tool-call format for tool_choice "auto" (api/tool_parsers.py); "auto": detected
-    # from the chat template where that is unambiguous; None: no parsing (tool_choice "auto" is a 400).
+    # The model's tool-call format for tool_choice "auto" (api/tools/parsers.py); "auto": detected
+    # from the chat template where that is unambiguous; "generic" or None: the generic format of
+    # api/tools/render.py, which is also used where no format is known or the template shows no tools.
     tool_call_parser: str | None = "auto"
     ui: bool = True  # the chat page at / (api/ui.py)
 

@@ -19,6 +19,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WrapValidator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -26,6 +27,9 @@ from flashserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingP
 
 # Upper bound on choices per request; each choice is a full engine request.
 MAX_N = 128
+
+# max_tokens of a completion that gives none (OpenAI's and vLLM's default).
+DEFAULT_COMPLETION_TOKENS = 16
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -77,10 +81,18 @@ class GenerationRequest(_Request):
     cache_salt: str | None = Field(None, min_length=1)
     # vLLM's extension: exactly one of {"json": schema, "regex": str, "choice": [str], "grammar": EBNF}.
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's extension: the prompt's and the output's token ids in the answer (always, on a server
+    # without a tokenizer, whose text is empty).
+    return_token_ids: bool | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """max_tokens when the request gives none; None: the rest of the context."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -111,6 +123,13 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message answers this call
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        # OpenAI refuses such a turn; a template would render it as an empty one.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class FunctionDefinition(_Request):
@@ -154,6 +173,12 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        # OpenAI's and vLLM's default for completions; an explicit null asks for the rest of the
+        # context, as in vLLM.
+        return None if "max_tokens" in self.model_fields_set else DEFAULT_COMPLETION_TOKENS
 
 
 def unsupported_field(req: GenerationRequest) -> str | None:
@@ -272,14 +297,27 @@ class AssistantMessage(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-class ChatChoice(BaseModel):
+class _TokenIds(BaseModel):
+    """Leaves the token-id fields of `return_token_ids` out of the JSON when not asked for."""
+
+    @model_serializer(mode="wrap")
+    def _without_unasked_ids(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("prompt_token_ids", "token_ids"):
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class ChatChoice(_TokenIds):
     index: int
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None  # {"content": [{token, logprob, bytes, top_logprobs}]}
     finish_reason: FinishReason
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -287,13 +325,16 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids, as vLLM places it for chat
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIds):
     index: int
     text: str
     logprobs: dict[str, Any] | None = None  # {tokens, token_logprobs, top_logprobs, text_offset}
     finish_reason: FinishReason
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

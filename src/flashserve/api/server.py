@@ -14,20 +14,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from flashserve.api import protocol as p
-from flashserve.api.chat_input import Grammars, as_ids, template_message, tool_mode
+from flashserve.api.chat_input import Grammars, as_ids, chat_conversation, tool_grammar, tool_mode
 from flashserve.api.choices import (
     ChatChoiceStream,
     CompletionChoiceStream,
     ToolMode,
     chat_choices,
     completion_choices,
-    empty_chat_choice,
-    empty_text_choice,
 )
-from flashserve.api.json_body import loads
+from flashserve.api.json_body import LoneSurrogate, loads
 from flashserve.api.errors import APIError, engine_dead, install_error_handlers, invalid, overloaded
 from flashserve.api.middleware import GuardMiddleware, RequestIdMiddleware
 from flashserve.api.logprobs import TokenTexts
@@ -42,7 +41,8 @@ from flashserve.api.streaming import (
     unless_disconnected,
     usage,
 )
-from flashserve.api.structured import spec_from_request, tool_call_spec
+from flashserve.api.structured import spec_from_request
+from flashserve.api.tools.render import TemplateSupport, template_support
 from flashserve.api.ui import add_ui
 from flashserve.engine.client import EngineClient
 from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
@@ -82,6 +82,14 @@ class _OpenAIServing:
         self.vocab_size = vocab_size
         self.text_of = TokenTexts(tokenizer)
         self.grammars = Grammars(tokenizer, vocab_size, self.eos_token_ids)
+        self._template_support: TemplateSupport | None = None
+
+    @property
+    def template_support(self) -> TemplateSupport:
+        """What the chat template renders, probed on the first chat request."""
+        if self._template_support is None:
+            self._template_support = template_support(self.tokenizer)
+        return self._template_support
 
     # ---- endpoints -----------------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
@@ -89,12 +97,9 @@ class _OpenAIServing:
         model = self._check(body)
         if self.tokenizer is None:
             raise invalid("chat completions need a tokenizer; this server runs without one", "messages")
-        tools = tool_mode(body, self.options.tool_call_parser, self.tokenizer)
-        conversation = [template_message(m) for m in body.messages]
-        kwargs: dict[str, Any] = {}
-        if body.tools and body.tool_choice != "none":
-            kwargs["tools"] = [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
-                               for t in body.tools]
+        support = self.template_support
+        tools = tool_mode(body, self.options.tool_call_parser, self.tokenizer, support)
+        conversation, kwargs = chat_conversation(body, tools, support)
         try:
             encoded = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
@@ -103,12 +108,13 @@ class _OpenAIServing:
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from exc
         prompt = as_ids(encoded)
         self._check_fan_out(1, body.n, "messages")
-        tool_spec = tool_call_spec([t.model_dump(exclude_none=True) for t in body.tools or []], body.tool_choice) \
-            if tools is not None else None
+        tool_spec = tool_grammar(body, tools)
         spec = spec_from_request(body.response_format, body.structured_outputs)
         if tool_spec is not None and spec is not None:
-            raise invalid("tool_choice 'required' or a named function cannot be combined with response_format "
-                          "or structured_outputs", "tool_choice")
+            if tools is None or tools.kind != "auto":
+                raise invalid("tool_choice 'required' or a named function cannot be combined with "
+                              "response_format or structured_outputs", "tool_choice")
+            tool_spec = None  # auto: the answer follows the requested format
         grammar = await self.grammars.compile(tool_spec or spec)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if self.options.log_requests:
@@ -202,9 +208,10 @@ class _OpenAIServing:
         # which may know more ids than the model has rows.
         return ids
 
-    def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """The request's max_tokens, defaulting to the rest of the context; rejects overflow.
-        A requested value below 1 is passed on for SamplingParams to reject."""
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str, default: int | None = None) -> int:
+        """The request's max_tokens, defaulting to `default` (as far as the context allows) or else
+        the rest of the context; rejects overflow. A requested value below 1 is passed on for
+        SamplingParams to reject."""
         limit = self.max_model_len
         if requested is None:
             if prompt_len >= limit:
@@ -213,7 +220,7 @@ class _OpenAIServing:
                     f"has {prompt_len} tokens, which leaves no room for a completion.",
                     param, code="context_length_exceeded",
                 )
-            return limit - prompt_len
+            return limit - prompt_len if default is None else min(default, limit - prompt_len)
         if requested >= 1 and prompt_len + requested > limit:
             raise invalid(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -243,11 +250,14 @@ class _OpenAIServing:
         created = int(time.time())
         num_prompt_tokens = sum(len(prompt) for prompt in prompts)
         prompt_of = [i // body.n for i in range(streams.num_choices)]  # choice -> its prompt
+        # Without a tokenizer the text is empty: the ids are the output.
+        token_ids = bool(body.return_token_ids) or self.tokenizer is None
         if body.stream:
             kind = "chat.completion.chunk" if chat else "text_completion"
             choices: list[Any] = [
-                ChatChoiceStream(i, self.text_of, tools) if chat else
-                CompletionChoiceStream(i, self.text_of, prompts[prompt_of[i]], echo[prompt_of[i]] if echo else None)
+                ChatChoiceStream(i, self.text_of, tools, token_ids) if chat else
+                CompletionChoiceStream(i, self.text_of, prompts[prompt_of[i]], echo[prompt_of[i]] if echo else None,
+                                       token_ids)
                 for i in range(streams.num_choices)
             ]
             chunks = sse_chunks(
@@ -257,7 +267,7 @@ class _OpenAIServing:
                 opening=[chat_opening(i) for i in range(streams.num_choices)] if chat else [],
                 num_prompt_tokens=num_prompt_tokens,
                 include_usage=body.include_usage,
-                empty_choice=None if self.tokenizer is not None else empty_chat_choice if chat else empty_text_choice,
+                first={"prompt_token_ids": prompts[0]} if chat and token_ids else None,
                 on_error=lambda err: self.metrics.record_error(err.type, err.code),
             )
             # The background close covers a client that leaves before the body iterator starts.
@@ -275,10 +285,11 @@ class _OpenAIServing:
         if chat:
             response = p.ChatCompletionResponse(
                 id=request_id, created=created, model=model, usage=info,
-                choices=[p.ChatChoice(**c) for c in chat_choices(results, tools, self.text_of)])
+                prompt_token_ids=prompts[0] if token_ids else None,
+                choices=[p.ChatChoice(**c) for c in chat_choices(results, tools, self.text_of, token_ids)])
         else:
             choices = completion_choices(results, self.text_of, [prompts[i] for i in prompt_of],
-                                         [echo[i] for i in prompt_of] if echo else None)
+                                         [echo[i] for i in prompt_of] if echo else None, token_ids)
             response = p.CompletionResponse(id=request_id, created=created, model=model, usage=info,
                                             choices=[p.CompletionChoice(**c) for c in choices])
         return JSONResponse(response.model_dump(exclude_none=False))
@@ -292,7 +303,7 @@ class _OpenAIServing:
         choice_prompts: list[list[int]] = []
         params: list[SamplingParams] = []
         for prompt in prompts:
-            max_tokens = self._max_tokens(len(prompt), body.requested_max_tokens, param)
+            max_tokens = self._max_tokens(len(prompt), body.requested_max_tokens, param, body.default_max_tokens)
             base = p.to_sampling_params(body, max_tokens, self.eos_token_ids, grammar)
             for _ in range(body.n):
                 index = len(ids)
@@ -313,7 +324,10 @@ class _JSONRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = loads(await self.body())
+            try:
+                self._json = loads(await self.body())
+            except LoneSurrogate as exc:  # FastAPI passes an HTTPException on as it is
+                raise StarletteHTTPException(400, str(exc)) from None
         return self._json
 
 

@@ -262,7 +262,7 @@ async def sse_chunks(
     opening: Sequence[dict[str, Any]] = (),  # choices sent before any token (chat's role deltas)
     num_prompt_tokens: int,
     include_usage: bool,
-    empty_choice: Callable[[int], dict[str, Any]] | None = None,  # tokenizer-free mode: sent per step
+    first: dict[str, Any] | None = None,  # fields of the first chunk only (chat's prompt_token_ids)
     on_error: Callable[[APIError], None] = lambda err: None,  # counts error events
 ) -> AsyncIterator[bytes]:
     """OpenAI's `data: {chunk}` stream ending in `data: [DONE]`; closes the engine streams on exit,
@@ -270,17 +270,15 @@ async def sse_chunks(
     extra = {"usage": None} if include_usage else {}
     try:
         for choice in opening:
-            yield encode({**head, "choices": [choice], **extra})
+            yield encode({**head, "choices": [choice], **extra, **(first or {})})
+            first = None
         async for index, out in streams.outputs():
             err = streams.failure(index, out)
             if err is not None:
                 on_error(err)
                 yield encode(err.body())
                 break
-            entries = choices[index].chunks(out)
-            if empty_choice is not None and out.new_token_ids and not out.new_text and not out.logprobs:
-                entries.insert(0, empty_choice(index))  # without text, a chunk still marks the step
-            for entry in entries:
+            for entry in choices[index].chunks(out):
                 yield encode({**head, "choices": [entry], **extra})
         else:
             if include_usage:

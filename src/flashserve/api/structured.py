@@ -37,7 +37,7 @@ def _xgr() -> ModuleType:
 
     return xgrammar
 
-GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
 # vLLM `structured_outputs` keys that pick the output form, and keys we accept and ignore: JSON
 # output never has free whitespace here, and there is no other backend to fall back to.
@@ -51,6 +51,15 @@ _UNROLL_MAX_LENGTH = 256
 # a JSON string's unescaped character, as its own free strings (`basic_string_sub`) have it.
 _BOUNDED_CHARACTER = re.compile(r"^(\w+) ::= " + re.escape(r'(([^\"\\\r\n]))') + "$", re.MULTILINE)
 _JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
+# Numbers in xgrammar's JSON grammars: unbounded digit runs, which a small model can fill until
+# max_tokens ("11111..."). A digit rule (`name ::= (([0-9]))`), its open-ended repetitions, the
+# exponent's among them, and the free digits after a number's first.
+_DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
+_OPEN_REPEAT = re.compile(r"(\[eE\] \w+ )?\b(\w+)\{(\d+), -1\}")
+_FREE_DIGITS = "[1-9] [0-9]*"
+# At most 19 digits before the point (an int64's), 17 after it (a double's significant digits), 3
+# in an exponent.
+MAX_INTEGER_DIGITS, MAX_FRACTION_DIGITS, MAX_EXPONENT_DIGITS = 19, 17, 3
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: " (and sometimes "Check failed").
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -278,6 +287,57 @@ def unroll_bounded_strings(ebnf: str) -> str:
     return out + "\n" + "\n".join(rules) + "\n" if rules else ebnf
 
 
+def _digits(low: int, high: int) -> str:
+    """EBNF for `low` to `high` digits, the optional ones nested (`[0-9] ([0-9])?`): a chain of
+    rules with masks precomputed at compile time, unlike a counted repetition (see
+    `unroll_bounded_strings`)."""
+    optional = ""
+    for _ in range(high - low):
+        optional = f"([0-9] {optional})?" if optional else "([0-9])?"
+    return " ".join(["[0-9]"] * low + ([optional] if optional else [])) or '""'
+
+
+def bound_numbers(ebnf: str) -> str:
+    """xgrammar's EBNF for a JSON schema with every number bounded to what its type can hold: at
+    most MAX_INTEGER_DIGITS digits before the point, MAX_FRACTION_DIGITS after it and
+    MAX_EXPONENT_DIGITS in an exponent, where the schema's minimum and maximum do not bound it
+    already. xgrammar (0.2.8) lets digits run on, and a model that keeps writing them ends only at
+    max_tokens, with no JSON at all."""
+    digit_rules = set(_DIGIT_RULE.findall(ebnf))
+
+    def repeat(match: re.Match[str]) -> str:
+        exponent, name, low = match.group(1), match.group(2), int(match.group(3))
+        if name not in digit_rules:
+            return match.group(0)
+        high = MAX_EXPONENT_DIGITS if exponent else MAX_FRACTION_DIGITS
+        return f"{exponent or ''}{_digits(low, max(low, high))}"
+
+    ebnf = _OPEN_REPEAT.sub(repeat, ebnf)
+    return ebnf.replace(_FREE_DIGITS, f"[1-9] {_digits(0, MAX_INTEGER_DIGITS - 1)}")
+
+
+def json_grammar(ebnf: str) -> str:
+    """xgrammar's EBNF of a JSON schema as this server compiles it: strings hold only what JSON
+    allows, length-bounded strings are unrolled, numbers are bounded."""
+    return bound_numbers(unroll_bounded_strings(json_string_characters(ebnf)))
+
+
+def generic_tool_spec(tools: list[dict]) -> GrammarSpec:
+    """The grammar of `tool_choice: "auto"` in the generic format (`tools.render`): any text, in
+    which a `<tool_call>` must go on as a call of one of `tools` with arguments that follow its
+    schema, and close; any number of calls. The text never writes a tool result's tag: a small
+    model that has seen results in the conversation would otherwise make one up."""
+    from flashserve.api.tools.render import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN  # imports this module
+
+    tags = [{"begin": f'{CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
+             "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1},
+             "end": f"}}\n{CALL_CLOSE}"} for name, params in _tool_functions(tools).items()]
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
+                                                "at_least_one": False, "stop_after_first": False,
+                                                "excludes": [RESULT_OPEN[:-1], RESULT_CLOSE[:-1], CALL_CLOSE[:-1]]}}
+    return GrammarSpec("structural_tag", _schema_text(tag, "tools"), "tools")
+
+
 class XGrammar:
     """A compiled grammar; the engine makes one matcher per request from it."""
 
@@ -376,7 +436,8 @@ class GrammarCompiler:
     def _build(self, spec: GrammarSpec) -> XGrammar:
         with self._lock:
             self.num_compiles += 1
-        what = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice"}
+        what = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice",
+                "structural_tag": "tool parameters schema"}
         try:
             return XGrammar(spec, self._compile(spec), self._batch)
         except (RuntimeError, ValueError) as exc:
@@ -387,7 +448,9 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "json":
             ebnf = str(_xgr().Grammar.from_json_schema(spec.value, any_whitespace=False))
-            return self._xgr.compile_grammar(unroll_bounded_strings(json_string_characters(ebnf)))
+            return self._xgr.compile_grammar(json_grammar(ebnf))
+        if spec.kind == "structural_tag":
+            return self._xgr.compile_grammar(json_grammar(str(_xgr().Grammar.from_structural_tag(spec.value))))
         if spec.kind == "json_object":
             # Any object (not any JSON value), on one line like the schema outputs.
             return self._xgr.compile_json_schema('{"type":"object"}', any_whitespace=False)

@@ -1,18 +1,21 @@
 """OpenAI `tool_calls` out of a model's raw output text, whole (`ToolParser.parse`) or as it
 streams (`ToolParser.streamer`), for the formats in TOOL_PARSERS.
 
-Each format is one scanner over the text (see `tool_streaming` for how a scanner decides and why
+Each format is one scanner over the text (see `streaming` for how a scanner decides and why
 calls go out whole). Malformed calls never raise: they come out as the content they were.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import ClassVar
 
-from flashserve.api.tool_streaming import (
+from flashserve.api.tools.streaming import (
+    NOT_JSON,
     TEXT,
     Event,
+    FoundCall,
     NamedCallStreamer,
     ParsedOutput,
     ToolCall,
@@ -21,6 +24,7 @@ from flashserve.api.tool_streaming import (
     call_with,
     forced_named_call,
     load_json,
+    partial_call,
 )
 
 __all__ = [
@@ -40,10 +44,16 @@ class _HermesStreamer(ToolCallStreamer):
             if not final:
                 self._seen = max(0, len(self._buf) - len(self.CLOSE) + 1)
                 return False
+            if self._cut and load_json(self._buf) is NOT_JSON:
+                return self._wait(events, final)
             at = len(self._buf)  # unclosed at the end: still a call if what came parses as one
         body = self._take(at)
         self._raw += body + self._take(len(self.CLOSE))
         return self._done(events, call_from_json(load_json(body)))
+
+
+    def _partial(self) -> FoundCall | None:
+        return partial_call(self._buf, self._names) if self._state == "call" else None
 
 
 class _MistralStreamer(ToolCallStreamer):
@@ -151,11 +161,14 @@ class ToolParser:
     name: ClassVar[str]
     _streamer: ClassVar[type[ToolCallStreamer]]
 
-    def parse(self, text: str) -> ParsedOutput:
-        return self._streamer().parse_whole(text)
+    def parse(self, text: str, names: Sequence[str] = (), cut: bool = False) -> ParsedOutput:
+        """The calls and content of a whole output; `cut` (by max_tokens): a call under way is
+        kept with its arguments as far as they went, where `names` (the request's functions) tell
+        which function it calls."""
+        return self._streamer(names).parse_whole(text, cut)
 
-    def streamer(self) -> ToolCallStreamer:
-        return self._streamer()
+    def streamer(self, names: Sequence[str] = ()) -> ToolCallStreamer:
+        return self._streamer(names)
 
 
 class HermesToolParser(ToolParser):

@@ -1,4 +1,4 @@
-"""The data and machinery shared by the tool-call formats of `tool_parsers`.
+"""The data and machinery shared by the tool-call formats of `parsers`.
 
 A format is a scanner (a `ToolCallStreamer` subclass) that both `parse` and streaming run, so the
 two cannot drift apart. A scanner decides only from text it has seen and holds back what it cannot
@@ -10,7 +10,9 @@ and a malformed one must come out as the plain text it was.
 from __future__ import annotations
 
 import json
+import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -74,6 +76,33 @@ def call_from_json(obj: Any, require_arguments: bool = False) -> FoundCall | Non
     return call_with(obj["name"], obj["arguments"] if "arguments" in obj else obj.get("parameters"))
 
 
+# The start of a call object cut short: its name (perhaps unfinished), then perhaps its arguments.
+_PARTIAL_CALL = re.compile(r'\s*\{\s*(?:"name"\s*:\s*(?:"((?:[^"\\]|\\.)*)("?))?)?(\s*,\s*"(?:arguments|parameters)"\s*:)?',
+                           re.DOTALL)
+_ARGUMENTS_KEYS = (',"arguments":', ',"parameters":')
+
+
+def partial_call(text: str, names: Sequence[str]) -> FoundCall | None:
+    """The call that `text`, the start of a {"name": ..., "arguments" | "parameters": ...} object
+    cut short by max_tokens, was becoming: its arguments as far as they went. An unfinished name
+    stands for the one function of `names` it can still become; None if it can become none or
+    several, or if `text` is no such start."""
+    match = _PARTIAL_CALL.match(text)
+    if match is None:
+        return None
+    name, closed, key = match.groups()
+    rest = text[match.end():]
+    if key is None:
+        compact = re.sub(r"\s", "", rest)
+        if compact and not (closed and any(k.startswith(compact) for k in _ARGUMENTS_KEYS)):
+            return None
+        rest = ""
+    candidates = [n for n in names if n == name] if closed else [n for n in names if n.startswith(name or "")]
+    if len(candidates) != 1:
+        return None
+    return FoundCall(candidates[0], rest.strip())
+
+
 def _marker_tail(text: str, marker: str) -> int:
     """Length of the longest end of `text` that could still grow into `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -126,7 +155,9 @@ class ToolCallStreamer:
     """Turns one output's text deltas into OpenAI chat `delta` dicts. A subclass scans one format
     in `_step`; this class turns what it finds into deltas."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Sequence[str] = ()) -> None:
+        self._names = tuple(names)  # the request's functions: an unfinished name may tell which
+        self._cut = False  # the output was cut by max_tokens: an unfinished call goes out as it is
         self._buf = ""  # text seen, not decided yet
         self._raw = ""  # text taken for the call being read: content after all if it is malformed
         self._state = "start"
@@ -143,15 +174,19 @@ class ToolCallStreamer:
     def feed(self, delta: str) -> list[dict]:
         return self._deltas(self._scan(delta, final=False))
 
-    def finish(self) -> list[dict]:
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The deltas left at the end; `cut` (max_tokens ended the output): a call under way goes
+        out with its arguments as far as they went, as OpenAI's do."""
+        self._cut = cut
         out = self._deltas(self._scan("", final=True))
         if self._blank and not self._num_tool_calls:
             out.append({"content": self._blank})
         self._blank = ""
         return out
 
-    def parse_whole(self, text: str) -> ParsedOutput:
+    def parse_whole(self, text: str, cut: bool = False) -> ParsedOutput:
         """A fresh streamer's scan of a whole output at once: `ToolParser.parse`."""
+        self._cut = cut
         events = self._scan(text, final=True)
         calls = [ToolCall(new_call_id(), e.name, e.arguments) for e in events if isinstance(e, FoundCall)]
         content = "".join(e for e in events if isinstance(e, str))
@@ -209,8 +244,25 @@ class ToolCallStreamer:
         return self._enter(TEXT)
 
     def _wait(self, events: list[Event], final: bool) -> bool:
-        """Undecidable until more text comes; at the end none will, so the call is malformed."""
-        return self._fail(events) if final else False
+        """Undecidable until more text comes; at the end none will, so the call is malformed, or,
+        when max_tokens cut it, unfinished: it goes out as far as it went."""
+        if not final:
+            return False
+        if not self._cut:
+            return self._fail(events)
+        # What went into a call is no content, even where it cannot make a call ("[", a marker, a
+        # name that could be either of two functions).
+        call = self._partial()
+        if call is not None:
+            events.append(call)
+        self._raw = self._buf = ""
+        self._enter(TEXT)
+        return False
+
+    def _partial(self) -> FoundCall | None:
+        """The call under way at a cut, from the text not taken yet; a scanner whose state is a
+        call object's start ("object") reads it with `partial_call`."""
+        return partial_call(self._buf, self._names) if self._state == "object" else None
 
     def _done(self, events: list[Event], call: FoundCall | None, then: str = TEXT) -> bool:
         if call is None:
@@ -252,7 +304,7 @@ class NamedCallStreamer(ToolCallStreamer):
     instead of being held back; only a length cut can leave the arguments unfinished."""
 
     def __init__(self, name: str) -> None:
-        super().__init__()
+        super().__init__((name,))
         self._name = name
 
     def feed(self, delta: str) -> list[dict]:
@@ -262,13 +314,16 @@ class NamedCallStreamer(ToolCallStreamer):
         self._num_tool_calls = 1
         return out + [_fragment(0, delta)]
 
-    def finish(self) -> list[dict]:
+    def finish(self, cut: bool = False) -> list[dict]:
         return []
 
 
-def forced_named_call(name: str, text: str) -> ParsedOutput:
-    """The output of a named `tool_choice`, whose whole text is the arguments object of `name`."""
+def forced_named_call(name: str, text: str, cut: bool = False) -> ParsedOutput:
+    """The output of a named `tool_choice`, whose whole text is the arguments object of `name`;
+    `cut` by max_tokens, the arguments as far as they went."""
     args = load_json(text)
     if not isinstance(args, dict):
+        if cut:
+            return ParsedOutput(None, [ToolCall(new_call_id(), name, text.strip())])
         return ParsedOutput(text, [])
     return ParsedOutput(None, [ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))])
