@@ -19,6 +19,7 @@ from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error
 from flashserve.model.hf import HFCausalLM, attention_scale
 from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
+from flashserve.model.input_batch import BatchRow, InputBatch, append_sampled
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
 from flashserve.model.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
 
@@ -32,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class TokenSampler(Protocol):
     def sample_ids(
-        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], bitmask: TokenBitmask | None = None
+        self, logits: torch.Tensor, requests: Sequence[BatchRow], bitmask: TokenBitmask | None = None
     ) -> torch.Tensor:
         """`logits` [B, V] -> B token ids on the logits' device, without waiting for them."""
         ...
@@ -45,6 +46,7 @@ class LaunchedStep:
     num_requests: int
     sampling: list[int]  # indices of the requests that sample
     sampled_request_ids: list[str] = field(default_factory=list)  # their ids, in that order
+    sampled_rows: list[BatchRow] = field(default_factory=list)  # their rows, which collect extends
     ids: torch.Tensor | None = None  # their token ids, still on the device
     results: list[SampledTokens] | None = None  # or already on the host (per-row fallback)
     # Copies to the host, enqueued behind the sampling, and the event that says they are there:
@@ -111,25 +113,29 @@ class ModelRunner:
         self.device = loaded.device
         self.model: StepModel = model if model is not None else HFCausalLM(loaded.model)
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
+        self.batch = InputBatch()  # the running requests, kept across steps
 
     def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
-                previous: LaunchedStep | None = None) -> torch.Tensor:
+                previous: LaunchedStep | None = None, rows: list[BatchRow] | None = None) -> torch.Tensor:
         """float32 logits: one row per request with sample=True, in schedule order, then the
         token rows `prompt_rows` (indices into the step's tokens) for prompt logprobs.
-        `previous`: the step before, for the rows whose last token it samples."""
+        `previous`: the step before, for the rows whose last token it samples. `rows`: the step's
+        rows when the caller applied its diffs to the batch already."""
         with torch.inference_mode():
-            layout = BatchLayout.build(out.requests, self.page_size, self.cascade)
-            token_ids = [t for r in out.requests for t in r.new_token_ids]
+            if rows is None:
+                rows = self.batch.update(out)
+            layout = BatchLayout.build(rows, self.page_size, self.cascade)
+            token_ids = [t for r in rows for t in r.new_token_ids]
             input_ids = self._input_ids(out, layout, token_ids, previous)
             positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device, non_blocking=True)
-            all_sample = all(r.sample for r in out.requests)
+            all_sample = all(r.sample for r in rows)
             if self.graphs is not None and layout.is_decode_only and all_sample and not prompt_rows:
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
                 return self.graphs(input_ids, positions, layout)
             self.backend.plan(layout)
             # The last new token of a sampling request is the row whose logits pick its next token.
-            rows = [layout.qo_indptr[i + 1] - 1 for i, r in enumerate(out.requests) if r.sample]
-            logits_indices = torch.tensor(rows + list(prompt_rows), dtype=torch.long).to(self.device, non_blocking=True)
+            last = [layout.qo_indptr[i + 1] - 1 for i, r in enumerate(rows) if r.sample]
+            logits_indices = torch.tensor(last + list(prompt_rows), dtype=torch.long).to(self.device, non_blocking=True)
             return self.model.forward(input_ids, positions, self.backend, logits_indices)
 
     def _input_ids(self, out: SchedulerOutput, layout: BatchLayout, token_ids: list[int],
@@ -181,13 +187,15 @@ class ModelRunner:
         return step
 
     def _launch(self, out: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
-        sampling = [i for i, r in enumerate(out.requests) if r.sample]
-        step = LaunchedStep(len(out.requests), sampling, [out.requests[i].request_id for i in sampling])
+        rows = self.batch.update(out)
+        sampling = [i for i, r in enumerate(rows) if r.sample]
+        requests = [rows[i] for i in sampling]
+        step = LaunchedStep(len(rows), sampling, [r.request_id for r in requests], requests)
         if out.is_empty:
             return step
-        step.prompt_logprobs = PromptLogprobs.plan(out.requests)
-        logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else (), previous)
-        requests = [out.requests[i] for i in sampling]
+        step.prompt_logprobs = PromptLogprobs.plan(rows)
+        logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else (), previous,
+                              rows)
         with torch.inference_mode():
             if step.prompt_logprobs is not None:
                 step.prompt_logprobs.compute(logits[len(sampling):])
@@ -216,11 +224,14 @@ class ModelRunner:
         if step.results is not None:
             for i, result in zip(step.sampling, step.results):
                 results[i] = result
+            for row, result in zip(step.sampled_rows, step.results):
+                row.output_token_ids.extend(result.token_ids)
         elif step.ids is not None:
             if step.ready is not None:
                 step.ready.synchronize()
             assert step.host_ids is not None  # launch() enqueues the copy with the ids
             ids = step.host_ids.tolist()
+            append_sampled(step.sampled_rows, ids)
             logprobs: dict[int, object] = {}
             if step.logprobs is not None:
                 chosen = [ids[j] for j in step.logprob_rows]
@@ -232,7 +243,7 @@ class ModelRunner:
             results[i] = SampledTokens(results[i].token_ids, results[i].logprobs, entries, results[i].error)
         return results
 
-    def _sample_one(self, logits: torch.Tensor, row: int, request: ScheduledRequest,
+    def _sample_one(self, logits: torch.Tensor, row: int, request: BatchRow,
                     bitmask: TokenBitmask | None) -> SampledTokens:
         mask = None
         if bitmask is not None and row in bitmask.rows:
@@ -429,6 +440,7 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
             runner.execute(SchedulerOutput(step))
     finally:
         runner.cascade = policy
+        runner.batch.clear()  # no scheduler releases the warm-up's rows
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("warm-up (kernel builds and compilation included) took %.1f s", time.perf_counter() - t0)
