@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from flashserve.attention import get_backend_cls
-from flashserve.attention.base import AttentionBackend, BatchLayout
+from flashserve.attention.base import AttentionBackend
 from flashserve.attention.cascade import CascadePolicy, cascade_policy
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.grammar import TokenBitmask
@@ -22,6 +22,7 @@ from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.model.input_batch import BatchRow, InputBatch, append_sampled
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
 from flashserve.model.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
+from flashserve.model.step_inputs import StepInputBuilder, StepInputs
 
 if TYPE_CHECKING:
     from flashserve.parallel.checkpoint import DummyCheckpoint
@@ -62,7 +63,8 @@ class LaunchedStep:
 
 class StepModel(Protocol):
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, logits_indices: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """input_ids/positions [T] (backend already planned) -> float32 logits [len(logits_indices), V]."""
         ...
@@ -79,9 +81,11 @@ class NativeCausalLM:
         self.model = model
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, logits_indices: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, backend)[logits_indices])
+        hidden = self.model(input_ids, positions, backend)
+        return self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
 
     def decode_logits(self, backend: AttentionBackend) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         return lambda ids, pos: self.model.compute_logits(self.model(ids, pos, backend))
@@ -114,6 +118,7 @@ class ModelRunner:
         self.model: StepModel = model if model is not None else HFCausalLM(loaded.model)
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
         self.batch = InputBatch()  # the running requests, kept across steps
+        self.inputs = StepInputBuilder(self.device, page_size)
 
     def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
                 previous: LaunchedStep | None = None, rows: list[BatchRow] | None = None) -> torch.Tensor:
@@ -124,49 +129,15 @@ class ModelRunner:
         with torch.inference_mode():
             if rows is None:
                 rows = self.batch.update(out)
-            layout = BatchLayout.build(rows, self.page_size, self.cascade)
-            token_ids = [t for r in rows for t in r.new_token_ids]
-            input_ids = self._input_ids(out, layout, token_ids, previous)
-            positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device, non_blocking=True)
-            all_sample = all(r.sample for r in rows)
-            if self.graphs is not None and layout.is_decode_only and all_sample and not prompt_rows:
+            inputs = self._step_inputs(rows, prompt_rows, previous)
+            if self.graphs is not None and inputs.logits_indices is None:
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
-                return self.graphs(input_ids, positions, layout)
-            self.backend.plan(layout)
-            # The last new token of a sampling request is the row whose logits pick its next token.
-            last = [layout.qo_indptr[i + 1] - 1 for i, r in enumerate(rows) if r.sample]
-            logits_indices = torch.tensor(last + list(prompt_rows), dtype=torch.long).to(self.device, non_blocking=True)
-            return self.model.forward(input_ids, positions, self.backend, logits_indices)
+                return self.graphs(inputs.input_ids, inputs.positions, inputs.layout)
+            self.backend.plan(inputs.layout)
+            return self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.logits_indices)
 
-    def _input_ids(self, out: SchedulerOutput, layout: BatchLayout, token_ids: list[int],
-                   previous: LaunchedStep | None) -> torch.Tensor:
-        """The step's token ids on the device, the tokens in flight copied from `previous`'s ids."""
-        in_flight = [(layout.qo_indptr[i + 1] - 1, r.request_id)
-                     for i, r in enumerate(out.requests) if r.last_token_in_flight]
-        dst, src = [d for d, _ in in_flight], []
-        if in_flight:
-            if previous is None:
-                raise ValueError("a step with tokens in flight needs the step that samples them")
-            k, ids = len(dst), [rid for _, rid in in_flight]
-            # Steady decoding: the step opens with the requests that sampled last step, in their order.
-            if dst[-1] == k - 1 and ids == previous.sampled_request_ids[:k]:
-                src = dst
-            else:
-                row_of = {rid: j for j, rid in enumerate(previous.sampled_request_ids)}
-                src = [row_of[rid] for rid in ids]
-            if previous.ids is None:  # sampled row by row: the ids are on the host already
-                assert previous.results is not None
-                for d, j in zip(dst, src):
-                    token_ids[d] = previous.results[j].token_ids[0] if previous.results[j].token_ids else 0
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        if not in_flight or previous is None or previous.ids is None:
-            return input_ids
-        if src is dst:  # steady: one slice
-            input_ids[: len(dst)] = previous.ids[: len(dst)]
-        else:
-            index = torch.tensor([dst, src], dtype=torch.long).to(self.device, non_blocking=True)
-            input_ids.index_copy_(0, index[0], previous.ids.index_select(0, index[1]).long())
-        return input_ids
+    def _step_inputs(self, rows: list[BatchRow], prompt_rows: Sequence[int], previous: LaunchedStep | None) -> StepInputs:
+        return self.inputs.build(rows, prompt_rows, self.cascade, previous)
 
     def execute(self, out: SchedulerOutput) -> list[SampledTokens]:
         """One result per `out.requests`, in order (no tokens for a chunk that does not sample)."""

@@ -27,22 +27,24 @@ import os
 from dataclasses import replace
 from pathlib import Path
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from flashserve.attention import get_backend_cls
-from flashserve.attention.base import BatchLayout
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.model.hf import attention_scale
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
+from flashserve.model.input_batch import BatchRow
 from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.model.runner import (
     LaunchedStep, ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, capture_decode_graphs, kv_page_bytes,
     num_kv_pages, pick_backend, pick_device, pick_sampler,
 )  # fmt: skip
+from flashserve.model.step_inputs import StepInputs
 from flashserve.parallel.channel import GlooSteps, StepChannel
 from flashserve.parallel.comm import (
     TPGroup, allreduce_fusion_blocker, close_tp_group, init_tp_group, local_rank, nvlink_gap,
@@ -88,15 +90,11 @@ class RankRunner(ModelRunner):
         super().__init__(loaded, backend, sampler, page_size, model)
         self.group = group
 
-    def _input_ids(self, out: SchedulerOutput, layout: BatchLayout, token_ids: list[int],
-                   previous: LaunchedStep | None) -> torch.Tensor:
-        if not any(r.last_token_in_flight for r in out.requests):
-            return super()._input_ids(out, layout, token_ids, previous)
-        if self.group.rank == 0:
-            input_ids = super()._input_ids(out, layout, token_ids, previous)
-        else:  # rank 0's tokens overwrite it
-            input_ids = torch.empty(len(token_ids), dtype=torch.long, device=self.device)
-        return self.group.broadcast(input_ids)
+    def _step_inputs(self, rows: list[BatchRow], prompt_rows: Sequence[int], previous: LaunchedStep | None) -> StepInputs:
+        inputs = self.inputs.build(rows, prompt_rows, self.cascade, previous, fill_in_flight=self.group.rank == 0)
+        if inputs.has_in_flight:  # rank 0's ids, tokens in flight filled in, replace the placeholders
+            inputs.input_ids = self.group.broadcast(inputs.input_ids)
+        return inputs
 
 
 def check_allreduce_fusion(model_config: ModelConfig) -> None:
