@@ -5,10 +5,13 @@ the logits a teacher-forced pass over its request gives."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
+import torch
 from test_engine_gpu import RecordingSampler, assert_sampled_from_teacher_forced_logits
 
+from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.llm import LLM
 from flashserve.sampling_params import SamplingParams
 
@@ -68,3 +71,27 @@ def test_requests_joining_and_leaving_graph_decode_steps_sample_the_teacher_forc
             self.request_id, self.prompt_token_ids, self.token_ids = rid, prompts[rid], tokens[rid]
 
     assert_sampled_from_teacher_forced_logits(llm, recorder, [Result(rid) for rid in done[::3]])
+
+
+def test_launching_a_decode_step_behind_a_busy_device_does_not_wait_for_it(llm: LLM) -> None:
+    """Scheduling ahead only helps if the host can launch step N+1 while step N still runs: no
+    upload of the step may wait for the device (a copy from pageable memory would)."""
+    runner, kv = llm.engine.executor, llm.engine.scheduler.kv_cache
+    assert kv.allocate("probe", 9)  # free pages, held for the probe while the engine is idle
+    try:
+        prompt = list(range(1, 9))
+        first = runner.launch(SchedulerOutput([ScheduledRequest(
+            "probe", prompt, 0, list(kv.pages("probe")), True, SamplingParams(temperature=0.0), prompt)]))
+        torch.cuda._sleep(2_000_000_000)  # about a second of device time ahead of the decode step
+        t0 = time.perf_counter()
+        second = runner.launch(SchedulerOutput([ScheduledRequest("probe", [0], 8, (), True,
+                                                                 last_token_in_flight=True)]), first)
+        host_s = time.perf_counter() - t0
+        assert second.ready is not None and not second.ready.query()  # still queued behind the sleep
+        runner.collect(first)
+        (result,) = runner.collect(second)
+        assert len(result.token_ids) == 1
+        assert host_s < 0.2, f"launching the decode step took {host_s:.3f} s: it waited for the device"
+    finally:
+        kv.free("probe")
+        runner.batch.rows.pop("probe", None)
