@@ -11,4 +11,11 @@
 - `peers`: HF transformers `generate` and `generate_batch` on the same dummy weights.
 - `suite` (with `plan`, `server_process`, `report`): the whole suite in one command
   (`bash benchmark/run_suite.sh OUT` on a GPU machine; `python -m benchmark.suite OUT --smoke` on a CPU).
+
+Every script writes under `LOCAL_RESULTS` unless its `--out` (`--out-dir`) names another folder.
 """
+
+from pathlib import Path
+
+# Git-ignored: a run never overwrites the committed results beside it unless told to.
+LOCAL_RESULTS = Path(__file__).resolve().parent / "results" / "local"

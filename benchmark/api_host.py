@@ -15,7 +15,7 @@ For each concurrency it reports the server's CPU seconds per streamed token (use
 its process over the phase, from /proc), the engine's steps per second, and the median TPOT the
 client saw. At N streams the host's part of a step is about N x the CPU time per token (the
 engine thread and the event loop share the GIL); where that exceeds the device's step, the host
-sets the pace. Prints a table; writes `api_host.json` under `benchmark/results/<machine>/`.
+sets the pace. Prints a table; writes `api_host.json` under `benchmark/results/local/<machine>/`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmark import LOCAL_RESULTS
 from benchmark.server_process import wait_healthy
 
 TEXT = (
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="a Hugging Face tokenizer directory (default: the embedded SmolLM2's)")
     p.add_argument("--client-workers", type=int, default=1)
     p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stats", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -22,7 +22,7 @@ decodes, with cascade on and off (the same prompts, prefix pages cached by the f
 
 Cascade sweep: the same on/off comparison, 48 steps each, over prefixes of 256-4096 tokens and 2-64
 requests per group, which is what `--cascade-attention auto` is decided on.
-Prints tables and writes `batchllm.json` and `batchllm.png` under `benchmark/results/<GPU>/batchllm/`.
+Prints tables and writes `batchllm.json` and `batchllm.png` under `benchmark/results/local/<GPU>/batchllm/`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from benchmark import LOCAL_RESULTS
 
 def group_prompts(rng: random.Random, vocab: int, groups: int, per_group: int, shared: int,
                   unique: int) -> list[list[int]]:
@@ -268,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "cache evict, the case prefix-sharing groups are for")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, profile, run-batch, decode, sweep")
     p.add_argument("--max-num-seqs", type=int, default=1024, help="the LLMs' (decode graphs are captured up to it)")
-    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
 
     import torch

@@ -9,7 +9,7 @@ K/V append, the attention passes, the merge, the dtype casts), from torch.profil
 rounds; the five slowest kernels of each cascade call are printed too. The floor is the KV bytes
 the call must read (flat: every request's pages; cascade: each prefix once plus every request's
 own pages) over the copy bandwidth measured in the same run. Writes `cascade_attention.json` under
-`benchmark/results/<GPU>/`.
+`benchmark/results/local/<GPU>/`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from benchmark import LOCAL_RESULTS
 from benchmark.decode_attention import kernel_us_per_call, save_rows
 from benchmark.floor import measure_rates
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="4x256x4096,64x16x2000,8x64x1024,2x16x1024")
     p.add_argument("--own", type=int, default=128, help="tokens of each request's own")
-    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
     import torch
 

@@ -9,7 +9,7 @@ largest gap between two tokens of a running stream while a long prompt arrives, 
 
     python -m benchmark.cpu_bench [--prompts 2000 4000] [--batches 1 8] [--no-serve-startup]
 
-Prints a table and writes benchmark/results/cpu/cpu_bench.json. Run it on a quiet machine: the
+Prints a table and writes benchmark/results/local/cpu/cpu_bench.json. Run it on a quiet machine: the
 JSON records the load average before and after.
 """
 
@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
+from benchmark import LOCAL_RESULTS
 from benchmark.floor import ModelShape, decode_step_floor_s, first_token_floor_s, measure_rates
 from benchmark.server_process import free_port, stop
 
-OUT_DIR = Path(__file__).parent / "results" / "cpu"
+OUT_DIR = LOCAL_RESULTS / "cpu"
 DECODE_PROMPT = 128
 DECODE_TOKENS = 32
 

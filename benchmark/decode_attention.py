@@ -12,7 +12,7 @@ there (`PERFORMANCE.md`: small kernels add ~0.85 ms to the 8B batch-1 step).
 Kernel time per call from torch.profiler (device time of every kernel a `run` launches: the
 attention and, when the KV is split, the merge), median over rounds. The floor is the layer's KV
 bytes over the copy bandwidth measured in the same run. Prints a table; writes
-`decode_attention.json` under `benchmark/results/<GPU>/`.
+`decode_attention.json` under `benchmark/results/local/<GPU>/`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmark import LOCAL_RESULTS
 from benchmark.floor import measure_rates
 
 PAGE = 16
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--kv-lens", default="512,4096")
-    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
     import torch
 

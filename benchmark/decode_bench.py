@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchmark import LOCAL_RESULTS
 from benchmark.floor import measure_rates, median_time_s
 
 PAGE = 16
@@ -322,10 +323,10 @@ def main() -> None:
     p.add_argument("--torch-compile", action="store_true", help="also time the torch.compile'd native model")
     p.add_argument("--no-hf", action="store_true", help="skip the HF path and HF generate")
     p.add_argument("--profile", action="store_true", help="kernel tables of the smallest and largest batch")
-    p.add_argument("--out-dir", default=None, help="default: benchmark/results/<gpu name>/")
+    p.add_argument("--out-dir", default=None, help="default: benchmark/results/local/<gpu name>/")
     args = p.parse_args()
     gpu = torch.cuda.get_device_name()
-    args.out_dir = args.out_dir or os.path.join("benchmark", "results", re.sub(r"[^A-Za-z0-9._-]+", "_", gpu))
+    args.out_dir = args.out_dir or os.path.join(LOCAL_RESULTS, re.sub(r"[^A-Za-z0-9._-]+", "_", gpu))
     os.makedirs(args.out_dir, exist_ok=True)
     results: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__, "kv_len": args.kv_len, "shapes": {}}
     with torch.inference_mode():

@@ -7,7 +7,7 @@ each request holding its own pages after them (page size 16), in group order as 
 keeps them. Times `BatchLayout.build` without a cascade policy, with one (`on`), and the two parts
 of the prefix level (`find_groups`; `build_prefix_level` over the flat layout). Pure host work:
 the same on any machine with or without a GPU. Prints a table and writes
-benchmark/results/cpu/layout_host.json (the CPU named, the load average before and after).
+benchmark/results/local/cpu/layout_host.json (the CPU named, the load average before and after).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from flashserve.attention.cascade import CascadePolicy, build_prefix_level, find
 from flashserve.engine.outputs import ScheduledRequest
 from flashserve.sampling_params import SamplingParams
 
+from benchmark import LOCAL_RESULTS
+
 PAGE = 16
-OUT = Path(__file__).parent / "results" / "cpu" / "layout_host.json"
 
 
 def decode_rows(groups: int, members: int, prefix_pages: int, own_pages: int, seed: int = 0) -> list[ScheduledRequest]:
@@ -69,6 +70,7 @@ def main() -> None:
     p.add_argument("--members", type=int, default=16)
     p.add_argument("--prefix-pages", type=int, default=125)
     p.add_argument("--own-pages", type=int, default=13)
+    p.add_argument("--out", default=str(LOCAL_RESULTS / "cpu" / "layout_host.json"), help="JSON file (default: %(default)s)")
     args = p.parse_args()
     load_before = os.getloadavg()
     rows = decode_rows(args.groups, args.members, args.prefix_pages, args.own_pages)
@@ -87,8 +89,9 @@ def main() -> None:
         print(f"  {name:32s} {ms:7.3f} ms")
     extra = timings["layout with the prefix level"] - timings["flat layout"]
     print(f"  {'the prefix level adds':32s} {extra:7.3f} ms a step")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"cpu": cpu, "args": vars(args), "ms": timings, "prefix_level_adds_ms": extra,
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cpu": cpu, "args": vars(args), "ms": timings, "prefix_level_adds_ms": extra,
                                "load_average": {"before": load_before, "after": os.getloadavg()}}, indent=1) + "\n")
 
 

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from benchmark import LOCAL_RESULTS
 from benchmark.client import LoadResult
 
 FLOOR_LABEL = "floor"
@@ -174,5 +175,5 @@ def merge_summary(results_dir: Path, summary_path: Path | None = None, main_labe
     return summary_path
 
 
-if __name__ == "__main__":  # python -m benchmark.metrics [results_dir]
-    print(merge_summary(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmark/results")))
+if __name__ == "__main__":  # python -m benchmark.metrics [results_dir], default LOCAL_RESULTS
+    print(merge_summary(Path(sys.argv[1]) if len(sys.argv) > 1 else LOCAL_RESULTS))

@@ -20,6 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullLocator, ScalarFormatter  # noqa: E402
 
+from benchmark import LOCAL_RESULTS
+
 Series = dict[str, list[tuple[float, dict[str, Any]]]]  # system -> [(x, metrics)], sorted by x
 
 
@@ -129,7 +131,7 @@ def plot_request_rate(docs: Sequence[dict[str, Any]], out: Path) -> Path | None:
 def main(argv: Sequence[str] | None = None) -> list[Path]:
     p = argparse.ArgumentParser(prog="python -m benchmark.plots", description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", type=Path, help="result JSON files or folders")
-    p.add_argument("--out-dir", type=Path, default=Path("benchmark/results/plots"))
+    p.add_argument("--out-dir", type=Path, default=LOCAL_RESULTS / "plots")
     args = p.parse_args(argv)
     docs = load_results(args.paths)
     written = [plot_concurrency(docs, args.out_dir / "concurrency.png"),

@@ -8,7 +8,7 @@ random workload (2048 +-25% in, 256 +-25% out, Poisson), each against a fresh se
 
 Prints a table (total tokens/s, median and P99 TTFT, the prefix cache hit rate read off the server's
 own /metrics counters), and writes `prefix_bench-<time>.json` and `prefix_bench.png` under
-`benchmark/results/<gpu>/prefix_cache/`; each serve_bench run's JSON goes there too.
+`benchmark/results/local/<gpu>/prefix_cache/`; each serve_bench run's JSON goes there too.
 """
 
 from __future__ import annotations
@@ -130,8 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--random-rate", type=float, default=8.0)
     p.add_argument("--server-arg", action="append", default=[], help="extra `flashserve serve` flag (repeat)")
     p.add_argument("--gpu-name", default=serve_bench.detect_gpu_name())
+    p.add_argument("--out", default=str(serve_bench.RESULTS_DIR), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
-    out_dir = serve_bench.RESULTS_DIR / serve_bench.slug(args.gpu_name) / "prefix_cache"
+    out_dir = Path(args.out) / serve_bench.slug(args.gpu_name) / "prefix_cache"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {mode: run_mode(mode, flags, args, out_dir) for mode, flags in MODES}
     text = table(results)

@@ -1,5 +1,5 @@
 """Serving benchmark against any OpenAI-compatible server: runs a named workload, prints a table,
-writes one result JSON per run, and refreshes `benchmark/results/summary.json`.
+writes one result JSON per run, and refreshes `benchmark/results/local/summary.json`.
 
     python -m benchmark.serve_bench --base-url http://127.0.0.1:8000 --workload latency
     python -m benchmark.serve_bench --workload random --request-rate 2,4,8 --label vllm
@@ -19,12 +19,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+from benchmark import LOCAL_RESULTS
 from benchmark.client import EndpointConfig, LoadResult, first_model_id, run_load
 from benchmark.goodput import search_goodput
 from benchmark.metrics import headline, merge_summary, summarize
 from benchmark.workloads import WORKLOAD_NAMES, Phase, PromptSpec, build_phases, fixed_requests, random_requests
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = LOCAL_RESULTS
 BUSY_WARNING = 0.7  # client CPU / wall time above which measurements are suspect
 
 
@@ -61,7 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "e.g. latency@llama-3.1-8b to keep model shapes apart in summary.json")
     p.add_argument("--label", default="flashserve", help="system name: flashserve or a peer (vllm, sglang)")
     p.add_argument("--gpu-name", help="default: torch.cuda.get_device_name(), else cpu")
-    p.add_argument("--out-dir", type=Path, help="default: benchmark/results/<gpu>/")
+    p.add_argument("--out-dir", type=Path, help="default: benchmark/results/local/<gpu>/")
     p.add_argument("--summary-path", type=Path, default=RESULTS_DIR / "summary.json")
     p.add_argument("--no-summary", action="store_true", help="do not refresh summary.json")
     p.add_argument("--no-progress", action="store_true")

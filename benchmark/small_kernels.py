@@ -13,7 +13,7 @@ that only fewer launches (fusion) can remove.
     python -m benchmark.small_kernels [--models llama-3.1-8b,llama-3.2-1b] [--kv-len 512]
 
 Median replay time over rounds, CUDA events. Prints a table; writes `small_kernels.json` under
-`benchmark/results/<GPU>/`.
+`benchmark/results/local/<GPU>/` (`--out DIR`: DIR/<GPU>/).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import statistics
 from typing import Any, Callable
 
+from benchmark import LOCAL_RESULTS
 from benchmark.decode_attention import save_rows
 from benchmark.floor import measure_rates
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
     p.add_argument("--kv-len", type=int, default=512)
-    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
     import torch
 

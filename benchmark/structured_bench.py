@@ -10,7 +10,7 @@ their grammar does, so each unconstrained request then asks for exactly as many 
 and both phases of a round decode the same token counts. The two phases alternate `--repeat` times
 (3) and the round of the median ratio is kept, with every round's ratio beside it (the unconstrained
 phase alone moves by 10-15% between runs on a GPU machine). Prints a table and writes JSON and a PNG under
-`benchmark/results/<GPU>/structured/`, with the batch's decode-step floor (weights + KV read at the
+`benchmark/results/local/<GPU>/structured/` (`--out DIR`: DIR/<GPU>/structured/), with the batch's decode-step floor (weights + KV read at the
 measured copy bandwidth) beside the measured per-token time.
 """
 
@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from benchmark import LOCAL_RESULTS
 from benchmark import floor as fl
 from benchmark.server_process import free_port, stop, wait_ready
 
@@ -175,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5, help="new-schema TTFT measurements")
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds of both phases (the median round is kept)")
-    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     p.add_argument("--unbounded", action="store_true", help="the schema without maxLength / maxItems")
     p.add_argument("--server-arg", action="append", default=[])
     p.add_argument("--profile", action="store_true",

@@ -5,7 +5,7 @@ step (mask filling, the scheduler's update, launching and collecting the runner'
     python -m benchmark.structured_steps --model llama-3.1-8b --tokenizer .whl/llama3-tokenizer
 
 Prints one line per run (each kind twice, the first warms up) and writes JSON under
-`benchmark/results/<GPU>/structured/steps.json`.
+`benchmark/results/local/<GPU>/structured/steps.json` (`--out DIR`: DIR/<GPU>/...).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmark import LOCAL_RESULTS
 from benchmark.structured_bench import SCHEMA, prompt
 
 
@@ -40,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=".whl/llama3-tokenizer")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=120)
-    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
 
     import torch

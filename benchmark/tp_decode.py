@@ -16,7 +16,7 @@ with no host or launch gaps) and the all-reduce kernels' share of it (NCCL's or 
 come from torch.profiler over 10 steps. The engine's step (`engine_step_ms`) is the same decode inside
 `LLM.generate`, where overlap scheduling launches a step while the one before runs. Prints a table
 and draws it (`tp_decode.png`; `--plot earlier.json` redraws a committed run); writes `tp_decode.json` under
-`benchmark/results/<GPU>/`.
+`benchmark/results/local/<GPU>/` (`--out DIR`: DIR/<GPU>/).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmark import LOCAL_RESULTS
 from benchmark.decode_attention import save_rows
 from benchmark.floor import ModelShape, decode_step_floor_s, measure_rates
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--engine-tokens", type=int, default=64, help="decode steps per engine measurement (0: skip it)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="raise for a model near a GPU's size")
-    p.add_argument("--out", default="benchmark/results")
+    p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     p.add_argument("--plot", type=Path, help="only draw the PNG of an earlier run's JSON (no GPU needed)")
     args = p.parse_args(argv)
     if args.plot is not None:

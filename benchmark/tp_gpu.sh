@@ -18,7 +18,7 @@
 #              benchmark.serve_bench's random workload (2048/256) at RATE70B req/s (default 4)
 #   stress     benchmark/gpu_stress.sh on the 8B shape at TP=2, then SIGTERM: exit 0, no process
 #              or /dev/shm file left
-# Results (tables, JSON, logs) go to OUT (default benchmark/results/<GPU>/tensor_parallel).
+# Results (tables, JSON, logs) go to OUT (default benchmark/results/local/<GPU>/tensor_parallel, git-ignored).
 # What the machine lacks travels in .whl/ (see benchmark/run_suite.sh); the tokenizer in
 # .whl/llama3-tokenizer (`make gpu-tokenizer`), locust in .whl/stress (`make stress-wheels`),
 # the fused all-reduce's CUDA source, or the module prebuilt, in the slimmed flashinfer wheel
@@ -36,7 +36,7 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" FLASHINFER_WORKSPAC
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 COUNT=$($PYTHON -c 'import torch; print(torch.cuda.device_count())')
-OUT=${OUT:-benchmark/results/$(echo "$GPU" | tr ' ' '_')/tensor_parallel}
+OUT=${OUT:-benchmark/results/local/$(echo "$GPU" | tr ' ' '_')/tensor_parallel}
 mkdir -p "$OUT"
 echo "$COUNT x $GPU; results in $OUT"
 [ "$COUNT" -ge 2 ] || { echo "needs two GPUs"; exit 2; }
