@@ -13,7 +13,7 @@
 #            phases per step against the step's wall time (collect is the wait for the device)
 #   cascade  python -m benchmark.batchllm_bench's cascade decode part: median all-decode step with
 #            cascade off, on and auto
-# Output (logs, JSON) goes to OUT (default benchmark/results/<GPU>/step_data).
+# Output (logs, JSON) goes to OUT (default benchmark/results/local/<GPU>/step_data).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-python3}
@@ -25,7 +25,7 @@ fi
 export PYTHONPATH="$PWD/src:$PWD/tests:$PWD${PYTHONPATH:+:$PYTHONPATH}" FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-OUT=${OUT:-benchmark/results/$(echo "$GPU" | tr ' ' '_')/step_data}
+OUT=${OUT:-benchmark/results/local/$(echo "$GPU" | tr ' ' '_')/step_data}
 mkdir -p "$OUT"
 status=0
 run() {  # name, seconds, command...
