@@ -49,8 +49,11 @@ class InstantExecutor:
     length picks it), after `step_s` of sleep."""
 
     def __init__(self, ids: list[int], step_s: float) -> None:
+        from flashserve.model.input_batch import InputBatch
+
         self.ids, self.step_s = ids, step_s
         self.steps = 0
+        self.batch = InputBatch()  # a runner's rows: each one's outputs so far
 
     def launch(self, out: Any, previous: Any = None) -> Any:
         from flashserve.engine.outputs import NOTHING, SampledTokens
@@ -58,9 +61,12 @@ class InstantExecutor:
         self.steps += 1
         if self.step_s:
             time.sleep(self.step_s)
-        ids = self.ids
-        return [SampledTokens([ids[(len(r.output_token_ids) + r.last_token_in_flight) % len(ids)]]) if r.sample
-                else NOTHING for r in out.requests]  # fmt: skip
+        ids, results = self.ids, []
+        for r in self.batch.update(out):
+            if r.sample:
+                r.output_token_ids.append(ids[len(r.output_token_ids) % len(ids)])
+            results.append(SampledTokens([r.output_token_ids[-1]]) if r.sample else NOTHING)
+        return results
 
     def collect(self, handle: Any) -> Any:
         return handle

@@ -178,10 +178,11 @@ def decode_steps(llm: Any, prompts: list[list[int]], out: int) -> dict[str, Any]
 
 
 def cascade_decode(llm: Any, rng: random.Random, vocab: int, groups: int, per_group: int, prefix: int,
-                   out: int) -> dict[str, Any]:
+                   out: int, auto: bool = False) -> dict[str, Any]:
     """`groups` x `per_group` requests behind a `prefix`-token prefix with 64 own tokens each:
-    decode steps with cascade off (flat) and on, both from CUDA graphs, the same prompts."""
-    from flashserve.attention.cascade import CascadePolicy
+    decode steps with cascade off (flat) and on (and `auto`, `--cascade-attention auto`'s
+    policy), all from CUDA graphs, the same prompts."""
+    from flashserve.attention.cascade import CascadePolicy, cascade_policy
     from flashserve.sampling_params import SamplingParams
 
     prompts = []
@@ -192,7 +193,8 @@ def cascade_decode(llm: Any, rng: random.Random, vocab: int, groups: int, per_gr
     llm.engine.executor.cascade = None
     llm.generate([p[:prefix] for p in prompts[::per_group]], SamplingParams(max_tokens=1))
     result = {}
-    for name, policy in (("cascade off", None), ("cascade on", CascadePolicy())):
+    policies = [("cascade off", None), ("cascade on", CascadePolicy())] + [("cascade auto", cascade_policy("auto"))] * auto
+    for name, policy in policies:
         llm.engine.executor.cascade = policy
         result[name] = decode_steps(llm, prompts, out)
     return result
@@ -267,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="KV pages per LLM instead of a share of memory: fewer than the prefixes need makes the "
                         "cache evict, the case prefix-sharing groups are for")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: offline, profile, run-batch, decode, sweep")
+    p.add_argument("--max-num-seqs", type=int, default=1024, help="the LLMs' (decode graphs are captured up to it)")
     p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
 
@@ -283,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc: dict[str, Any] = {"gpu": gpu, "model": args.model, "args": vars(args)}
     skip = set(args.skip.split(","))
     out_dir = Path(args.out) / gpu.replace(" ", "_") / "batchllm"
-    common = {"load_format": "dummy", "max_num_seqs": 1024, "gpu_memory_utilization": args.gpu_memory_utilization,
+    common = {"load_format": "dummy", "max_num_seqs": args.max_num_seqs, "gpu_memory_utilization": args.gpu_memory_utilization,
               "num_pages": args.num_pages}
     if "offline" not in skip:
         shape = (vocab, args.groups, args.per_group, args.shared, args.unique)
@@ -340,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cascade decode: {args.decode_groups} groups x {args.decode_requests}, {args.decode_prefix}-token "
                   f"prefix, 64 own, {args.decode_out} out")
             doc["decode"] = cascade_decode(llm, rng, vocab, args.decode_groups, args.decode_requests,
-                                           args.decode_prefix, args.decode_out)
+                                           args.decode_prefix, args.decode_out, auto=True)
             for name, r in doc["decode"].items():
                 print(f"{name:>12}: median step {r['median_step_ms']:.2f} ms, p90 {r['p90_step_ms']:.2f} ms "
                       f"over {r['decode_steps']} all-decode steps", flush=True)

@@ -35,14 +35,17 @@ from benchmark.floor import ModelShape, decode_step_floor_s, measure_rates
 PAGE = 16
 
 
-def decode_step(batch: int, kv_len: int) -> Any:
+def decode_step(runner: Any, batch: int, kv_len: int) -> Any:
+    """A decode step of `batch` requests at `kv_len`, repeatable: its new rows go to the runner's
+    batch here, and the step returned continues them (diff rows), as the scheduler's would."""
     from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
     from flashserve.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0)
     per = kv_len // PAGE + 1
-    return SchedulerOutput([ScheduledRequest(f"r{i}", [1], kv_len, list(range(1 + i * per, 1 + (i + 1) * per)), True,
-                                             params, [1] * kv_len, [1]) for i in range(batch)])  # fmt: skip
+    runner.forward(SchedulerOutput([ScheduledRequest(f"r{i}", [1], kv_len, list(range(1 + i * per, 1 + (i + 1) * per)),
+                                                     True, params, [1] * kv_len, [1]) for i in range(batch)]))
+    return SchedulerOutput([ScheduledRequest(f"r{i}", [1], kv_len, (), True) for i in range(batch)])
 
 
 def time_steps(runner: Any, step: Any, steps: int) -> float:
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                   gpu_memory_utilization=args.gpu_memory_utilization, enable_flashinfer_allreduce_fusion=fused)
         runner: Any = llm.engine.executor
         for batch in batches:
-            step = decode_step(batch, args.kv_len)
+            step = decode_step(runner, batch, args.kv_len)
             ms = time_steps(runner, step, args.steps)
             floor = decode_step_floor_s(shape, rates, [args.kv_len] * batch) * 1e3 / tp
             kernels_ms, share = kernel_time(runner, step)

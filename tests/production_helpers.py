@@ -26,6 +26,7 @@ from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.engine.scheduler import Scheduler
 from flashserve.metrics import Metrics
+from flashserve.model.input_batch import InputBatch
 from flashserve.model.runner import ModelRunner
 from flashserve.model.sampler import Sampler
 
@@ -41,10 +42,11 @@ class FakeModelRunner(ModelRunner):
 
     def __init__(self, sampler: Any, delay: float = 0.0, fail_forward: BaseException | None = None) -> None:
         self.sampler = sampler  # no model, no backend: forward() is replaced
+        self.batch = InputBatch()
         self.delay = delay
         self.fail_forward = fail_forward
 
-    def forward(self, out: SchedulerOutput, prompt_rows=(), previous=None) -> torch.Tensor:  # noqa: ANN001
+    def forward(self, out: SchedulerOutput, prompt_rows=(), previous=None, rows=None) -> torch.Tensor:  # noqa: ANN001
         if self.delay:
             time.sleep(self.delay)
         if self.fail_forward is not None:

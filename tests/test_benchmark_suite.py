@@ -231,7 +231,7 @@ def test_batchllm_bench_reports_every_configuration(tiny_model: str, tmp_path: P
                                     "run-batch (groups)"]
     assert doc["offline"]["no caching"]["computed_share"] == 1.0
     assert doc["offline"]["prefix-sharing groups"]["computed_share"] < 0.6  # each prefix computed once
-    assert list(doc["decode"]) == ["cascade off", "cascade on"]
+    assert list(doc["decode"]) == ["cascade off", "cascade on", "cascade auto"]
     assert [(r["prefix"], r["per_group"], r["batch"]) for r in doc["sweep"]] == [(32, 2, 4), (32, 3, 6)]
 
 

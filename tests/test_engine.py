@@ -13,27 +13,30 @@ from flashserve.engine.client import EngineDead
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import NOTHING, SampledTokens, SchedulerOutput, sampled
 from flashserve.engine.scheduler import Scheduler
+from flashserve.model.input_batch import InputBatch
 from flashserve.sampling_params import SamplingParams
 
 
 class ScriptedExecutor:
-    """Emits the i-th token of `script` as a request's i-th output token."""
+    """Emits the i-th token of `script` as a request's i-th output token. Keeps a runner's rows
+    (`InputBatch`): a row's outputs are the tokens sampled for it, the one in flight included."""
 
     def __init__(self, script: list[int], fail_with: BaseException | None = None) -> None:
         self.script = script
         self.fail_with = fail_with
+        self.batch = InputBatch()
         self.steps = 0
 
     def launch(self, out: SchedulerOutput, previous: list[SampledTokens] | None = None) -> list[SampledTokens]:
         self.steps += 1
         if self.fail_with is not None:
             raise self.fail_with
-        # A row whose last token is in flight comes after that token: the request's output lacks it.
-        return [
-            sampled(self.script[(len(r.output_token_ids) + r.last_token_in_flight) % len(self.script)])
-            if r.sample else NOTHING
-            for r in out.requests
-        ]
+        results = []
+        for r in self.batch.update(out):
+            if r.sample:
+                r.output_token_ids.append(self.script[len(r.output_token_ids) % len(self.script)])
+            results.append(sampled(r.output_token_ids[-1]) if r.sample else NOTHING)
+        return results
 
     def collect(self, handle: list[SampledTokens]) -> list[SampledTokens]:
         return handle

@@ -11,6 +11,7 @@ from test_model_hf import VOCAB, Requests, build_model, eager_logits, make_runne
 
 from flashserve.engine.grammar import TokenBitmask, bitmask_words
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from flashserve.model.input_batch import InputBatch
 from flashserve.model.sampler import Sampler
 from flashserve.sampling_params import SamplingParams
 
@@ -78,8 +79,8 @@ def mask_allowing(rows: list[int], allowed: list[set[int]]) -> TokenBitmask:
 def test_bitmask_rows_sample_only_allowed_tokens_and_other_rows_are_untouched() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB)
-    reqs = [ScheduledRequest(f"r{i}", [1], 0, [1], True, SamplingParams(temperature=t))
-            for i, t in enumerate((0.0, 1.0, 0.0))]
+    reqs = InputBatch().update(SchedulerOutput([ScheduledRequest(f"r{i}", [1], 0, [1], True, SamplingParams(temperature=t))
+                                                for i, t in enumerate((0.0, 1.0, 0.0))]))
     allowed = [{5, 100, 210}, {31, 32, 63}]
     mask = mask_allowing([0, 1], allowed)
     sampler = Sampler(0)
@@ -93,8 +94,8 @@ def test_bitmask_rows_sample_only_allowed_tokens_and_other_rows_are_untouched() 
 def test_bitmask_leaves_the_callers_logits_unchanged() -> None:
     logits = torch.randn(1, VOCAB)
     before = logits.clone()
-    req = ScheduledRequest("r", [1], 0, [1], True, SamplingParams(temperature=0.0))
-    Sampler(0).sample(logits, [req], mask_allowing([0], [{7}]))
+    rows = InputBatch().update(SchedulerOutput([ScheduledRequest("r", [1], 0, [1], True, SamplingParams(temperature=0.0))]))
+    Sampler(0).sample(logits, rows, mask_allowing([0], [{7}]))
     assert torch.equal(logits, before)
 
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import warnings
+from array import array
 
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from flashserve.engine.outputs import ScheduledRequest
+from flashserve.model.input_batch import BatchRow
 from flashserve.model.sampler import (
     Sampler,
-    TokenHistory,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -21,17 +21,10 @@ from flashserve.sampling_params import SamplingParams
 
 def make_request(
     prompt: list[int] | None = None, output: list[int] | None = None, **params: object
-) -> ScheduledRequest:
-    return ScheduledRequest(
-        request_id="r",
-        new_token_ids=[0],
-        num_computed_tokens=0,
-        page_ids=[0],
-        sample=True,
-        params=SamplingParams(max_tokens=64, **params),
-        prompt_token_ids=[] if prompt is None else prompt,
-        output_token_ids=[] if output is None else output,
-    )
+) -> BatchRow:
+    """A runner's row of a request that samples this step."""
+    return BatchRow("r", SamplingParams(max_tokens=64, **params), array("i", prompt or []), array("i", output or []),
+                    array("i", [0]), [0], 0, True)
 
 
 def random_logits(batch: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -136,34 +129,19 @@ def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
     torch.testing.assert_close(ours, expected)
 
 
-def test_token_history_follows_appends_and_new_lists() -> None:
-    history = TokenHistory()
-    prompt, output = [5, 6], [7]
-    request = make_request(prompt, output)
-    assert [list(a) for a in history.arrays(request)] == [[5, 6], [7]]
-    output += [8, 9]
-    assert [list(a) for a in history.arrays(request)] == [[5, 6], [7, 8, 9]]
-    replaced = make_request([1], [2])  # same request id, other lists: converted afresh
-    assert [list(a) for a in history.arrays(replaced)] == [[1], [2]]
-    history.retain(set())
-    assert len(history) == 0
-
-
 def test_penalties_stay_exact_over_steps() -> None:
     sampler = Sampler()
     logits = random_logits(1, 30, seed=6)
-    prompt, output = [1, 2, 3], []
-    request = make_request(
-        prompt, output, temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.4
-    )
+    prompt = [1, 2, 3]
+    request = make_request(prompt, [], temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.4)
     for _ in range(6):
         expected = logits.clone()
-        apply_penalties(expected, [make_request(list(prompt), list(output), **_penalties(request))])
+        apply_penalties(expected, [make_request(prompt, list(request.output_token_ids), **_penalties(request))])
         assert sampler.sample(logits, [request]) == expected.argmax(-1).tolist()
-        output.append(sampler.sample(logits, [request])[0])
+        request.output_token_ids.append(sampler.sample(logits, [request])[0])  # as the runner's collect does
 
 
-def _penalties(r: ScheduledRequest) -> dict[str, float]:
+def _penalties(r: BatchRow) -> dict[str, float]:
     p = r.params
     return dict(repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty)
 

@@ -1,12 +1,13 @@
 """Scheduler: budgets, chunked prefill, preemption, stopping rules, aborts, errors.
 
-The model is a fake executor: every ScheduledRequest that samples gets token 1000 (or a scripted
-token), every other chunk nothing.
+The model is a fake executor: every row that samples gets token 1000 (or a scripted token), every
+other chunk nothing. Its rows are a runner's (`InputBatch`), kept from the steps' diffs.
 """
 
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Callable
 
 from flashserve.attention.base import BatchLayout
@@ -15,21 +16,23 @@ from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error, sampled
 from flashserve.engine.request import FinishReason, Request, RequestStatus
 from flashserve.engine.scheduler import Scheduler
+from flashserve.model.input_batch import BatchRow, InputBatch, append_sampled
 from flashserve.sampling_params import SamplingParams
 
 TOKEN = 1000
 EOS = 2
-Executor = Callable[[ScheduledRequest], SampledTokens]
+Executor = Callable[[BatchRow], SampledTokens]
+_batches: weakref.WeakKeyDictionary[Scheduler, InputBatch] = weakref.WeakKeyDictionary()
 
 
-def fixed_token(r: ScheduledRequest) -> SampledTokens:
+def fixed_token(r: BatchRow) -> SampledTokens:
     return sampled(TOKEN) if r.sample else NOTHING
 
 
 def scripted(script: dict[str, list[int]]) -> Executor:
     """Request id -> the tokens it samples, in order; TOKEN once the script runs out."""
 
-    def execute(r: ScheduledRequest) -> SampledTokens:
+    def execute(r: BatchRow) -> SampledTokens:
         if not r.sample:
             return NOTHING
         tokens = script.get(r.request_id, [])
@@ -58,9 +61,14 @@ def req(rid: str, prompt_len: int = 8, **params: object) -> Request:
 
 def step(s: Scheduler, execute: Executor = fixed_token) -> tuple[SchedulerOutput, list[Request]]:
     out = s.schedule()
-    # Every step's page tables must describe a valid batch for the attention backend.
-    BatchLayout.build(out.requests, s.kv_cache.page_size)
-    return out, s.update(out, [execute(r) for r in out.requests])
+    rows = _batches.setdefault(s, InputBatch()).update(out)
+    # Every step's page tables, as a runner keeps them from the diffs, must describe a valid batch
+    # for the attention backend.
+    BatchLayout.build(rows, s.kv_cache.page_size)
+    results = [execute(r) for r in rows]
+    for row, result in zip(rows, results):  # what the runner's collect keeps
+        append_sampled([row] * len(result.token_ids), result.token_ids)
+    return out, s.update(out, results)
 
 
 def run(s: Scheduler, execute: Executor = fixed_token, max_steps: int = 1000) -> list[SchedulerOutput]:
@@ -143,7 +151,9 @@ def test_abort_frees_pages_immediately() -> None:
     assert r.finish_reason is FinishReason.ABORT and r.is_finished
     assert_all_pages_free(s)
     assert not s.has_unfinished
-    assert s.schedule().released_ids == ["a"]
+    assert s.schedule().is_empty  # nothing to run: the runner learns of "a" with the next step
+    s.add_request(req("b"))
+    assert s.schedule().finished_ids == ["a"]
 
 
 def test_abort_of_unknown_or_finished_request_returns_none() -> None:
@@ -160,6 +170,7 @@ def test_abort_between_schedule_and_update_is_safe() -> None:
     s.add_request(a)
     s.add_request(b)
     out = s.schedule()
+    _batches.setdefault(s, InputBatch()).update(out)  # launched: the runner has both rows
     s.abort("a")
     touched = s.update(out, [fixed_token(r) for r in out.requests])
     assert touched == [b]
@@ -204,7 +215,7 @@ def test_preemption_takes_the_newest_request_which_resumes_and_finishes() -> Non
     step(s)
     assert s.kv_cache.num_free_pages == 0
     out, _ = step(s)
-    assert out.released_ids == ["r2"]
+    assert out.preempted_ids == ["r2"] and not out.finished_ids
     assert [r.request_id for r in out.requests] == ["r0", "r1"]
     assert reqs[2].status is RequestStatus.WAITING and reqs[2].num_preemptions == 1
     assert reqs[2].num_computed_tokens == 0
@@ -245,7 +256,7 @@ def test_a_running_request_that_is_itself_the_newest_preempts_itself() -> None:
     s.add_request(b)
     step(s)
     out, _ = step(s)
-    assert [r.request_id for r in out.requests] == ["a"] and out.released_ids == ["b"]
+    assert [r.request_id for r in out.requests] == ["a"] and out.preempted_ids == ["b"]
     assert b.num_preemptions == 1 and b.status is RequestStatus.WAITING
     run(s)
     assert a.num_output_tokens == 6 and b.num_output_tokens == 3
@@ -412,13 +423,13 @@ def test_update_returns_requests_in_schedule_order() -> None:
     assert [r.request_id for r in touched] == [r.request_id for r in out.requests] == ["a", "b", "c"]
 
 
-def test_released_ids_list_finished_requests_once() -> None:
+def test_finished_ids_list_finished_requests_once() -> None:
     s = make()
     s.add_request(req("a", max_tokens=1))
-    s.add_request(req("b", max_tokens=2))
+    s.add_request(req("b", max_tokens=3))
     step(s)
-    assert s.schedule().released_ids == ["a"]
-    assert s.schedule().released_ids == []
+    assert step(s)[0].finished_ids == ["a"]
+    assert step(s)[0].finished_ids == []
 
 
 def test_random_workload_with_aborts_keeps_pages_consistent_and_ends_clean() -> None:
@@ -426,6 +437,7 @@ def test_random_workload_with_aborts_keeps_pages_consistent_and_ends_clean() -> 
     s = make(num_pages=24, page_size=4, max_num_seqs=5, max_tokens_per_step=16, max_model_len=48)
     reqs = [req(f"r{i}", prompt_len=rng.randint(1, 30), max_tokens=rng.randint(1, 15)) for i in range(40)]
     pending = list(reqs)
+    batch = InputBatch()
 
     def execute(r: ScheduledRequest) -> SampledTokens:
         return sampled(EOS if rng.random() < 0.05 else TOKEN) if r.sample else NOTHING
@@ -436,7 +448,7 @@ def test_random_workload_with_aborts_keeps_pages_consistent_and_ends_clean() -> 
         if not (s.has_unfinished or pending):
             break
         out = s.schedule()
-        BatchLayout.build(out.requests, 4)
+        BatchLayout.build(batch.update(out), 4)
         if out.requests and rng.random() < 0.1:
             s.abort(rng.choice(out.requests).request_id)
         s.update(out, [execute(r) for r in out.requests])
@@ -508,7 +520,7 @@ def test_a_step_scheduled_ahead_gives_a_sampling_request_a_decode_row_whose_toke
     (row,) = ahead.requests
     assert row.last_token_in_flight and row.sample
     assert row.num_computed_tokens == 8 and row.num_new_tokens == 1
-    assert row.output_token_ids == []  # the token in flight is not on the host yet
+    assert s.get("a").output_token_ids == []  # the token in flight is not on the host yet
     s.update(first, [sampled(TOKEN)])
     s.update(ahead, [sampled(TOKEN + 1)])
     assert s.get("a").output_token_ids == [TOKEN, TOKEN + 1]

@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import torch
 
-from flashserve.engine.outputs import ScheduledRequest
+from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from flashserve.model.input_batch import BatchRow, InputBatch
 from flashserve.model.gpu_sampler import FlashInferSampler
 from flashserve.model.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from flashserve.sampling_params import SamplingParams
@@ -14,8 +15,11 @@ from flashserve.sampling_params import SamplingParams
 
 def request(
     params: SamplingParams, output: list[int] | None = None, prompt: list[int] | None = None, request_id: str = "r"
-) -> ScheduledRequest:
-    return ScheduledRequest(request_id, [0], 0, [], True, params, prompt or [1, 2, 3], output or [])
+) -> BatchRow:
+    """A runner's row of a request that samples this step."""
+    (row,) = InputBatch().update(SchedulerOutput([
+        ScheduledRequest(request_id, [0], 0, [], True, params, prompt or [1, 2, 3], output or [])]))
+    return row
 
 
 def designed_logits(rows: int) -> torch.Tensor:

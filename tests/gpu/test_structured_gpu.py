@@ -15,7 +15,8 @@ import torch
 from test_engine_gpu import RecordingSampler
 
 from flashserve.engine.grammar import TokenBitmask, bitmask_words
-from flashserve.engine.outputs import ScheduledRequest
+from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from flashserve.model.input_batch import InputBatch
 from flashserve.llm import LLM
 from flashserve.model.logprobs import compute_logprobs
 from flashserve.model.sampler import Sampler
@@ -50,7 +51,8 @@ def test_masked_sampling_on_the_gpu_agrees_with_the_cpu_sampler() -> None:
     logits = torch.randn(8, VOCAB, device="cuda") * 4
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9),
               SamplingParams(temperature=0.0, logit_bias=((5, 100.0),)), SamplingParams(temperature=0.7, top_k=50)] * 2
-    reqs = [ScheduledRequest(f"r{i}", [1], 0, [1], True, p) for i, p in enumerate(params)]
+    reqs = InputBatch().update(SchedulerOutput([ScheduledRequest(f"r{i}", [1], 0, [1], True, p)
+                                                for i, p in enumerate(params)]))
     mask, allowed = random_mask([0, 1, 2, 3, 4, 6], rng)
     gpu = FlashInferSampler(0).sample_ids(logits, reqs, mask).tolist()
     cpu = Sampler(0).sample_ids(logits.cpu(), reqs, mask).tolist()

@@ -20,7 +20,20 @@ from flashserve.attention.cascade import CascadePolicy, PrefixLevel, build_prefi
 if TYPE_CHECKING:
     import torch
 
-    from flashserve.engine.outputs import ScheduledRequest
+
+class LayoutRow(Protocol):
+    """A request's share of a step as a layout reads it (`input_batch.BatchRow`, or a new
+    `ScheduledRequest`, whose `page_ids` is its whole table)."""
+
+    request_id: str
+    num_computed_tokens: int
+    page_ids: Sequence[int]  # the request's whole page table
+
+    @property
+    def num_new_tokens(self) -> int: ...
+
+    @property
+    def kv_len(self) -> int: ...
 
 
 def last_page_len(kv_len: int, page_size: int) -> int:
@@ -66,7 +79,7 @@ class BatchLayout:
     @classmethod
     def build(
         cls,
-        requests: Sequence[ScheduledRequest],
+        requests: Sequence[LayoutRow],
         page_size: int,
         cascade: CascadePolicy | None = None,
     ) -> BatchLayout:

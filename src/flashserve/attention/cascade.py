@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
-    from flashserve.engine.outputs import ScheduledRequest
+    from flashserve.attention.base import LayoutRow
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ def saved_page_reads(groups: Iterable[tuple[int, int, int]]) -> int:
     return sum((end - first - 1) * pages for first, end, pages in groups)
 
 
-def shareable_pages(request: ScheduledRequest, page_size: int) -> int:
+def shareable_pages(request: LayoutRow, page_size: int) -> int:
     """Leading pages a request may read at the non-causal level: whole pages of computed tokens.
 
     A page that holds any of this step's new tokens (or that they will write) stays causal.
@@ -202,7 +202,7 @@ class _Run:
 
 
 def find_groups(
-    requests: Sequence[ScheduledRequest], page_size: int, min_group: int = 2, min_pages: int = 1
+    requests: Sequence[LayoutRow], page_size: int, min_group: int = 2, min_pages: int = 1
 ) -> list[tuple[int, int, int]]:
     """Groups of consecutive requests as (first, end, shared pages), chosen to save many reads.
 
@@ -257,7 +257,7 @@ def find_groups(
 
 
 def build_prefix_level(
-    requests: Sequence[ScheduledRequest],
+    requests: Sequence[LayoutRow],
     page_size: int,
     qo_indptr: list[int],
     kv_indptr: list[int],

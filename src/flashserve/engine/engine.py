@@ -143,7 +143,7 @@ class LLMEngine:
         if self._launched is not None:
             out, handle = self._launched
             self._launched = None
-            if self.overlap and all(r.params.schedules_ahead for r in out.requests):
+            if self.overlap and out.schedules_ahead:
                 touched += self._launch(handle)  # behind the step on the device, before its results
                 touched += self.scheduler.update(out, self.executor.collect(handle))
             else:

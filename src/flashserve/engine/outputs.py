@@ -11,7 +11,13 @@ from flashserve.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step: a prefill chunk or one decode token.
+    """One request's share of a step: a prefill chunk or one decode token. Plain data: nothing in
+    it is shared with the scheduler, so a step can be pickled to other ranks or processes.
+
+    A request's first row (at admission, and again when it resumes after a preemption) is *new*:
+    it carries the request's sampling parameters and its tokens known so far, and `page_ids` is
+    its whole page table. Every later row is a diff: the tokens it computes and the pages added
+    to its table since its last row. The runner keeps the rest (`model/input_batch.py`).
 
     Read-only by convention, not frozen: a frozen dataclass's __init__ sets every field through
     object.__setattr__, 0.68 against 0.15 us here, paid for every running request every step.
@@ -20,23 +26,23 @@ class ScheduledRequest:
     request_id: str
     new_token_ids: list[int]  # tokens whose K/V this step computes
     num_computed_tokens: int  # tokens already cached = position of new_token_ids[0]
-    page_ids: Sequence[int]  # the request's pages (a view for this step), enough for kv_len tokens
+    # New row: the request's pages; later rows: the pages added since its last row (mostly none).
+    page_ids: Sequence[int]
     # True when the chunk ends at the request's last known token, so the step samples its next one.
     sample: bool
-    params: SamplingParams
-    # Read-only views for the sampler (penalties, min_tokens, per-step seeds); not copies.
+    params: SamplingParams | None = None  # set on a new row only
+    # A new row's tokens known so far (copies): the prompt, and the outputs before a preemption.
     prompt_token_ids: list[int] = field(repr=False, default_factory=list)
     output_token_ids: list[int] = field(repr=False, default_factory=list)
     # The last of new_token_ids is a placeholder for the token that the step before this one (still
     # on the device) samples for this request; the runner takes it from that step's ids. Only a
-    # decode row has one, and then output_token_ids lacks that token.
+    # decode row has one.
     last_token_in_flight: bool = False
 
     @property
-    def num_prior_outputs(self) -> int:
-        """Output tokens before the one this row samples (min_tokens and per-token seeds count
-        them), the one in flight included."""
-        return len(self.output_token_ids) + self.last_token_in_flight
+    def is_new(self) -> bool:
+        """The request's first row since it was admitted or resumed: the runner (re)builds its state."""
+        return self.params is not None
 
     @property
     def num_new_tokens(self) -> int:
@@ -51,11 +57,15 @@ class ScheduledRequest:
 @dataclass(frozen=True)
 class SchedulerOutput:
     requests: list[ScheduledRequest]
-    # Requests that left the running set since the last step (finished, aborted, preempted):
-    # a runner that keeps per-request state drops it.
-    released_ids: list[str] = field(default_factory=list)
+    # Requests that left the running set since the last step: finished (or aborted) and
+    # preempted; the runner drops their state. A preempted one comes back as a new row.
+    finished_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
     # The allowed tokens of the sampling rows that follow a grammar; None when none does.
     token_bitmask: TokenBitmask | None = None
+    # Every request of the step may have its next step scheduled before this one's results are
+    # on the host (`SamplingParams.schedules_ahead`).
+    schedules_ahead: bool = True
 
     @property
     def num_batched_tokens(self) -> int:
@@ -64,6 +74,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+    def for_ranks(self) -> SchedulerOutput:
+        """The step as the other tensor-parallel ranks take it: no grammar (compiled grammars stay
+        with rank 0, which alone samples) and no bitmask."""
+        rows = [r if r.params is None or r.params.grammar is None else replace(r, params=replace(r.params, grammar=None))
+                for r in self.requests]
+        return SchedulerOutput(rows, self.finished_ids, self.preempted_ids, None, self.schedules_ahead)
 
 
 @dataclass(frozen=True)

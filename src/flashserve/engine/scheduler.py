@@ -11,6 +11,12 @@ it a decode row whose token the runner takes from that step's sampled ids on the
 not scheduled again; one that it finishes otherwise (EOS, a stop id or string) computes one
 discarded row, whose result `update()` drops. Updates come in the order of the schedules.
 
+A step is data (`SchedulerOutput`): a request's first row after its admission (or its resumption
+after a preemption) is new and carries its parameters, tokens and page table, copied; later rows
+carry only what changed (the tokens they compute, the pages added since). Requests that left the
+running set go out as finished or preempted ids with the next step that runs, and the runner keeps
+the rest (`model/input_batch.py`). Nothing in a step is shared with the scheduler's own lists.
+
 Policy (like vLLM v1): running requests first, oldest first, each gets one decode token or its next
 prefill chunk; then waiting requests are admitted first-come first-served while the token budget,
 the sequence cap and the free pages allow. A step in which no running request has output yet may
@@ -60,7 +66,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the newest
         self._requests: dict[str, Request] = {}  # every unfinished request
-        self._released: list[str] = []  # left the running set since the last schedule()
+        # Left the running set since the last step that went out: the runner drops their rows.
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        # Pages of each running request's table that a step has told the runner of: the next
+        # row carries only the pages after them. A request missing here gets a new row.
+        self._sent_pages: dict[str, int] = {}
         # Finished by the scheduler itself outside update() (invalid or impossible requests);
         # the next update() reports them so the engine has one place to emit outputs.
         self._finished_unreported: list[Request] = []
@@ -198,11 +209,14 @@ class Scheduler:
             scheduled.append((request, n))
             budget -= n
 
-        released, self._released = self._released, []
+        if not scheduled:  # nothing runs: the released ids wait for the next step that does
+            return SchedulerOutput([])
+        finished, self._finished_ids = self._finished_ids, []
+        preempted, self._preempted_ids = self._preempted_ids, []
         requests = [self._scheduled_request(r, n) for r, n in scheduled]  # advances each request
-        if scheduled:
-            self._in_flight.append({r.request_id: r for r, _ in scheduled})
-        return SchedulerOutput(requests, released, self._bitmask(scheduled, requests))
+        self._in_flight.append({r.request_id: r for r, _ in scheduled})
+        ahead = all(r.params.schedules_ahead for r, _ in scheduled)
+        return SchedulerOutput(requests, finished, preempted, self._bitmask(scheduled, requests), ahead)
 
     def _bitmask(self, scheduled: list[tuple[Request, int]], requests: list[ScheduledRequest]) -> TokenBitmask | None:
         """The token bitmask of this step's sampling rows, if any follows a grammar."""
@@ -311,9 +325,10 @@ class Scheduler:
             f"{self.kv_cache.page_size} tokens"
         )
 
-    def _leave_running(self, request: Request) -> None:
+    def _leave_running(self, request: Request, preempted: bool = False) -> None:
         self.running.remove(request)
-        self._released.append(request.request_id)
+        if self._sent_pages.pop(request.request_id, None) is not None:  # the runner has its row
+            (self._preempted_ids if preempted else self._finished_ids).append(request.request_id)
         self.prefix_cache.released(request)
         if request.group is not None:
             left = self._group_running[request.group] - 1
@@ -324,7 +339,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop its K/V and queue it first, to be recomputed in full."""
-        self._leave_running(request)
+        self._leave_running(request, preempted=True)
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -342,7 +357,9 @@ class Scheduler:
         request.finish(reason, error)
 
     def _scheduled_request(self, request: Request, n: int) -> ScheduledRequest:
-        """The request's share of the step; its computed tokens (and placeholders) advance by it."""
+        """The request's share of the step; its computed tokens (and placeholders) advance by it.
+        Its first row since admission is new (parameters, tokens and pages), later ones are diffs."""
+        rid = request.request_id
         start = request.num_computed_tokens
         end = start + n
         known = request.num_tokens
@@ -354,19 +371,18 @@ class Scheduler:
         request.num_computed_tokens = end
         if sample:
             request.num_output_placeholders += 1
-        return ScheduledRequest(
-            request_id=request.request_id,
-            new_token_ids=tokens,
-            num_computed_tokens=start,
-            # The live table, like the token lists below: valid for this step, which is all a
-            # runner reads (it grows only in a later schedule(); free() leaves it as it was).
-            page_ids=self.kv_cache.pages(request.request_id),
-            sample=sample,
-            params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            last_token_in_flight=in_flight,
-        )
+        table = self.kv_cache.pages(rid)
+        sent = self._sent_pages.get(rid)
+        self._sent_pages[rid] = len(table)
+        if sent is None:
+            # Copies: the request's lists and table keep changing after this step is built.
+            return ScheduledRequest(rid, tokens, start, table[:], sample, request.params,
+                                    request.prompt_token_ids[:], request.output_token_ids[:], in_flight)
+        return ScheduledRequest(rid, tokens, start, table[sent:] if len(table) > sent else _NO_PAGES, sample,
+                                last_token_in_flight=in_flight)
+
+
+_NO_PAGES: tuple[int, ...] = ()  # a diff row's pages when its table did not grow (most steps)
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:

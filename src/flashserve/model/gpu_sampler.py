@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flashserve.engine.outputs import ScheduledRequest
-from flashserve.model.sampler import Sampler, _to_device, step_seed
+from flashserve.model.sampler import Sampler, SamplingRow, _to_device, step_seed
 from flashserve.sampling_params import SamplingParams
 
 
@@ -29,7 +28,7 @@ class FlashInferSampler(Sampler):
         super().__init__(seed)
         self._fi = flashinfer.sampling
 
-    def _sample_random(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
         """One token per row: the argmax for greedy rows, a FlashInfer draw for the others."""
         device = logits.device
         params = [r.params for r in requests]

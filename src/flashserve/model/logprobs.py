@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from flashserve.engine.grammar import TokenBitmask
-from flashserve.engine.outputs import ScheduledRequest, TokenLogprob
+from flashserve.engine.outputs import TokenLogprob
 from flashserve.pinned import PinnedStaging
+
+if TYPE_CHECKING:
+    from flashserve.model.input_batch import BatchRow
 
 
 @dataclass
@@ -67,7 +71,7 @@ class PromptLogprobs:
     pending: PendingLogprobs | None = None
 
     @classmethod
-    def plan(cls, requests: Sequence[ScheduledRequest]) -> PromptLogprobs | None:
+    def plan(cls, requests: Sequence[BatchRow]) -> PromptLogprobs | None:
         """None when no request of the step asks (the usual case)."""
         plan: PromptLogprobs | None = None
         offset = 0

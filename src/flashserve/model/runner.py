@@ -12,15 +12,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from flashserve.attention import get_backend_cls
-from flashserve.attention.base import AttentionBackend, BatchLayout
+from flashserve.attention.base import AttentionBackend
 from flashserve.attention.cascade import CascadePolicy, cascade_policy
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error
 from flashserve.model.hf import HFCausalLM, attention_scale
 from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
+from flashserve.model.input_batch import BatchRow, InputBatch, append_sampled
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
 from flashserve.model.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
+from flashserve.model.step_inputs import StepInputBuilder, StepInputs
 
 if TYPE_CHECKING:
     from flashserve.parallel.checkpoint import DummyCheckpoint
@@ -32,7 +34,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class TokenSampler(Protocol):
     def sample_ids(
-        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest], bitmask: TokenBitmask | None = None
+        self, logits: torch.Tensor, requests: Sequence[BatchRow], bitmask: TokenBitmask | None = None
     ) -> torch.Tensor:
         """`logits` [B, V] -> B token ids on the logits' device, without waiting for them."""
         ...
@@ -45,6 +47,7 @@ class LaunchedStep:
     num_requests: int
     sampling: list[int]  # indices of the requests that sample
     sampled_request_ids: list[str] = field(default_factory=list)  # their ids, in that order
+    sampled_rows: list[BatchRow] = field(default_factory=list)  # their rows, which collect extends
     ids: torch.Tensor | None = None  # their token ids, still on the device
     results: list[SampledTokens] | None = None  # or already on the host (per-row fallback)
     # Copies to the host, enqueued behind the sampling, and the event that says they are there:
@@ -60,7 +63,8 @@ class LaunchedStep:
 
 class StepModel(Protocol):
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, logits_indices: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """input_ids/positions [T] (backend already planned) -> float32 logits [len(logits_indices), V]."""
         ...
@@ -77,9 +81,11 @@ class NativeCausalLM:
         self.model = model
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, logits_indices: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, backend)[logits_indices])
+        hidden = self.model(input_ids, positions, backend)
+        return self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
 
     def decode_logits(self, backend: AttentionBackend) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         return lambda ids, pos: self.model.compute_logits(self.model(ids, pos, backend))
@@ -111,56 +117,27 @@ class ModelRunner:
         self.device = loaded.device
         self.model: StepModel = model if model is not None else HFCausalLM(loaded.model)
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
+        self.batch = InputBatch()  # the running requests, kept across steps
+        self.inputs = StepInputBuilder(self.device, page_size)
 
     def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
-                previous: LaunchedStep | None = None) -> torch.Tensor:
+                previous: LaunchedStep | None = None, rows: list[BatchRow] | None = None) -> torch.Tensor:
         """float32 logits: one row per request with sample=True, in schedule order, then the
         token rows `prompt_rows` (indices into the step's tokens) for prompt logprobs.
-        `previous`: the step before, for the rows whose last token it samples."""
+        `previous`: the step before, for the rows whose last token it samples. `rows`: the step's
+        rows when the caller applied its diffs to the batch already."""
         with torch.inference_mode():
-            layout = BatchLayout.build(out.requests, self.page_size, self.cascade)
-            token_ids = [t for r in out.requests for t in r.new_token_ids]
-            input_ids = self._input_ids(out, layout, token_ids, previous)
-            positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device, non_blocking=True)
-            all_sample = all(r.sample for r in out.requests)
-            if self.graphs is not None and layout.is_decode_only and all_sample and not prompt_rows:
+            if rows is None:
+                rows = self.batch.update(out)
+            inputs = self._step_inputs(rows, prompt_rows, previous)
+            if self.graphs is not None and inputs.logits_indices is None:
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
-                return self.graphs(input_ids, positions, layout)
-            self.backend.plan(layout)
-            # The last new token of a sampling request is the row whose logits pick its next token.
-            rows = [layout.qo_indptr[i + 1] - 1 for i, r in enumerate(out.requests) if r.sample]
-            logits_indices = torch.tensor(rows + list(prompt_rows), dtype=torch.long).to(self.device, non_blocking=True)
-            return self.model.forward(input_ids, positions, self.backend, logits_indices)
+                return self.graphs(inputs.input_ids, inputs.positions, inputs.layout)
+            self.backend.plan(inputs.layout)
+            return self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.logits_indices)
 
-    def _input_ids(self, out: SchedulerOutput, layout: BatchLayout, token_ids: list[int],
-                   previous: LaunchedStep | None) -> torch.Tensor:
-        """The step's token ids on the device, the tokens in flight copied from `previous`'s ids."""
-        in_flight = [(layout.qo_indptr[i + 1] - 1, r.request_id)
-                     for i, r in enumerate(out.requests) if r.last_token_in_flight]
-        dst, src = [d for d, _ in in_flight], []
-        if in_flight:
-            if previous is None:
-                raise ValueError("a step with tokens in flight needs the step that samples them")
-            k, ids = len(dst), [rid for _, rid in in_flight]
-            # Steady decoding: the step opens with the requests that sampled last step, in their order.
-            if dst[-1] == k - 1 and ids == previous.sampled_request_ids[:k]:
-                src = dst
-            else:
-                row_of = {rid: j for j, rid in enumerate(previous.sampled_request_ids)}
-                src = [row_of[rid] for rid in ids]
-            if previous.ids is None:  # sampled row by row: the ids are on the host already
-                assert previous.results is not None
-                for d, j in zip(dst, src):
-                    token_ids[d] = previous.results[j].token_ids[0] if previous.results[j].token_ids else 0
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        if not in_flight or previous is None or previous.ids is None:
-            return input_ids
-        if src is dst:  # steady: one slice
-            input_ids[: len(dst)] = previous.ids[: len(dst)]
-        else:
-            index = torch.tensor([dst, src], dtype=torch.long).to(self.device, non_blocking=True)
-            input_ids.index_copy_(0, index[0], previous.ids.index_select(0, index[1]).long())
-        return input_ids
+    def _step_inputs(self, rows: list[BatchRow], prompt_rows: Sequence[int], previous: LaunchedStep | None) -> StepInputs:
+        return self.inputs.build(rows, prompt_rows, self.cascade, previous)
 
     def execute(self, out: SchedulerOutput) -> list[SampledTokens]:
         """One result per `out.requests`, in order (no tokens for a chunk that does not sample)."""
@@ -181,13 +158,15 @@ class ModelRunner:
         return step
 
     def _launch(self, out: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
-        sampling = [i for i, r in enumerate(out.requests) if r.sample]
-        step = LaunchedStep(len(out.requests), sampling, [out.requests[i].request_id for i in sampling])
+        rows = self.batch.update(out)
+        sampling = [i for i, r in enumerate(rows) if r.sample]
+        requests = [rows[i] for i in sampling]
+        step = LaunchedStep(len(rows), sampling, [r.request_id for r in requests], requests)
         if out.is_empty:
             return step
-        step.prompt_logprobs = PromptLogprobs.plan(out.requests)
-        logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else (), previous)
-        requests = [out.requests[i] for i in sampling]
+        step.prompt_logprobs = PromptLogprobs.plan(rows)
+        logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else (), previous,
+                              rows)
         with torch.inference_mode():
             if step.prompt_logprobs is not None:
                 step.prompt_logprobs.compute(logits[len(sampling):])
@@ -216,11 +195,14 @@ class ModelRunner:
         if step.results is not None:
             for i, result in zip(step.sampling, step.results):
                 results[i] = result
+            for row, result in zip(step.sampled_rows, step.results):
+                row.output_token_ids.extend(result.token_ids)
         elif step.ids is not None:
             if step.ready is not None:
                 step.ready.synchronize()
             assert step.host_ids is not None  # launch() enqueues the copy with the ids
             ids = step.host_ids.tolist()
+            append_sampled(step.sampled_rows, ids)
             logprobs: dict[int, object] = {}
             if step.logprobs is not None:
                 chosen = [ids[j] for j in step.logprob_rows]
@@ -232,7 +214,7 @@ class ModelRunner:
             results[i] = SampledTokens(results[i].token_ids, results[i].logprobs, entries, results[i].error)
         return results
 
-    def _sample_one(self, logits: torch.Tensor, row: int, request: ScheduledRequest,
+    def _sample_one(self, logits: torch.Tensor, row: int, request: BatchRow,
                     bitmask: TokenBitmask | None) -> SampledTokens:
         mask = None
         if bitmask is not None and row in bitmask.rows:
@@ -434,6 +416,7 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
             runner.execute(SchedulerOutput(step))
     finally:
         runner.cascade = policy
+        runner.batch.clear()  # no scheduler releases the warm-up's rows
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("warm-up (kernel builds and compilation included) took %.1f s", time.perf_counter() - t0)

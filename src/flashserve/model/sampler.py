@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from flashserve.engine.grammar import TokenBitmask
-from flashserve.engine.outputs import ScheduledRequest
 from flashserve.model.logprobs import apply_token_bitmask
 from flashserve.pinned import PinnedStaging
+from flashserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -44,51 +45,29 @@ def _to_device(data: Sequence[float] | Sequence[int] | torch.Tensor, device: tor
     return t.pin_memory().to(device, non_blocking=True)
 
 
-class TokenHistory:
-    """Each sampled request's prompt and output ids as int32 arrays, kept across steps and
-    extended by the new outputs only: penalties then cost a memcpy per step rather than a
-    conversion of every Python int of long histories. Relies on a request's token lists being
-    append-only (they are); a list that is not the one seen last step is converted afresh."""
+class SamplingRow(Protocol):
+    """What the sampler reads of a row (`input_batch.BatchRow`): its parameters, its token
+    history for penalties and its output count for min_tokens and per-token seeds."""
 
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[list[int], array, list[int], array]] = {}
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def arrays(self, r: ScheduledRequest) -> tuple[array, array]:
-        """(prompt ids, output ids) of `r`."""
-        entry = self._entries.get(r.request_id)
-        if (
-            entry is None
-            or entry[0] is not r.prompt_token_ids
-            or entry[2] is not r.output_token_ids
-            or len(entry[3]) > len(r.output_token_ids)
-        ):
-            entry = (r.prompt_token_ids, array("i", r.prompt_token_ids), r.output_token_ids, array("i"))
-            self._entries[r.request_id] = entry
-        output = entry[3]
-        output.extend(r.output_token_ids[len(output):])
-        return entry[1], output
-
-    def retain(self, request_ids: set[str]) -> None:
-        """Forgets the requests not in `request_ids` (finished, preempted or not sampled)."""
-        for request_id in [k for k in self._entries if k not in request_ids]:
-            del self._entries[request_id]
+    @property
+    def num_prior_outputs(self) -> int: ...
 
 
-def apply_penalties(
-    logits: torch.Tensor, requests: Sequence[ScheduledRequest], history: TokenHistory | None = None
-) -> None:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     """In place on `logits` [B, V]: HF's repetition penalty over prompt + output tokens, then
-    OpenAI's frequency and presence penalties over output tokens."""
+    OpenAI's frequency and presence penalties over output tokens. The rows' histories are int32
+    arrays kept by the input batch, so this costs a memcpy per row, not a conversion of ints."""
     batch, vocab = logits.shape
     device = logits.device
-    history = history if history is not None else TokenHistory()
     rep_rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
     if rep_rows:
         seen = _token_counts(
-            [history.arrays(requests[i]) for i in rep_rows], rep_rows, batch, vocab, device
+            [(requests[i].prompt_token_ids, requests[i].output_token_ids) for i in rep_rows], rep_rows, batch, vocab, device
         ) > 0
         penalty = _to_device([r.params.repetition_penalty for r in requests], device).unsqueeze(1)
         # Dividing a negative logit would raise it: shrink both signs towards "less likely".
@@ -100,7 +79,7 @@ def apply_penalties(
     ]
     if out_rows:
         counts = _token_counts(
-            [history.arrays(requests[i])[1:] for i in out_rows], out_rows, batch, vocab, device
+            [(requests[i].output_token_ids,) for i in out_rows], out_rows, batch, vocab, device
         )
         freq_pres = _to_device(
             [(r.params.frequency_penalty, r.params.presence_penalty) for r in requests], device
@@ -110,7 +89,7 @@ def apply_penalties(
 
 
 def _token_counts(
-    token_arrays: Sequence[Sequence[array]], rows: list[int], batch: int, vocab: int,
+    token_arrays: Sequence[Sequence[Sequence[int]]], rows: list[int], batch: int, vocab: int,
     device: torch.device,
 ) -> torch.Tensor:
     """[B, V] float32 occurrence counts; row rows[j] counts the ids of all arrays in
@@ -136,7 +115,7 @@ def _token_counts(
     return counts.view(batch, vocab + 1)[:, :vocab]
 
 
-def apply_min_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
+def apply_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     """In place: until a request has min_tokens outputs, its EOS (unless ignore_eos) and stop
     token ids get -inf, so that it cannot end early."""
     rows: list[int] = []
@@ -158,7 +137,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[ScheduledRequest])
         logits.view(-1).index_fill_(0, flat_idx, float("-inf"))
 
 
-def apply_logit_bias(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     """In place: each request's logit_bias added to its row (OpenAI's logit_bias; -100 bans a
     token in practice, +100 all but forces it)."""
     vocab = logits.shape[1]
@@ -218,7 +197,6 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._history = TokenHistory()
         self._staging: PinnedStaging | None = None  # grammar masks' uploads, on a GPU
 
     def _mask_staging(self, device: torch.device) -> PinnedStaging | None:
@@ -236,13 +214,13 @@ class Sampler:
             self._generators[device] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
+    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRow],
                bitmask: TokenBitmask | None = None) -> list[int]:
         """`logits` [B, V] (float32), row i for requests[i]; returns B token ids. `bitmask`: the
         tokens that rows following a grammar may take (applied after penalties and bias)."""
         return self.sample_ids(logits, requests, bitmask).tolist()
 
-    def sample_ids(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[SamplingRow],
                    bitmask: TokenBitmask | None = None) -> torch.Tensor:
         """As `sample`, but the ids stay on the logits' device ([B] int64), not synchronised: the
         host may do other work while the device computes them."""
@@ -254,8 +232,6 @@ class Sampler:
         needs_penalties = any(r.params.needs_penalties for r in requests)
         needs_bias = any(r.params.logit_bias for r in requests)
         all_greedy = all(r.params.greedy for r in requests)
-        if len(self._history):
-            self._history.retain({r.request_id for r in requests})
         if all_greedy and not needs_penalties and not needs_min_tokens and not needs_bias and bitmask is None:
             return logits.argmax(dim=-1)
 
@@ -264,7 +240,7 @@ class Sampler:
         if needs_bias:
             apply_logit_bias(logits, requests)
         if needs_penalties:
-            apply_penalties(logits, requests, self._history)
+            apply_penalties(logits, requests)
         if needs_min_tokens:
             apply_min_tokens(logits, requests)
         if bitmask is not None:
@@ -274,7 +250,7 @@ class Sampler:
         return self._sample_random(logits, requests)
 
     def _sample_random(
-        self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]
+        self, logits: torch.Tensor, requests: Sequence[SamplingRow]
     ) -> torch.Tensor:
         device = logits.device
         vocab = logits.shape[1]

@@ -53,7 +53,9 @@ def measure_prefill_seconds_per_token(runner: object, num_pages: int, page_size:
         return time.perf_counter() - t0
 
     step(page_size)
-    return min(step(len(tokens)) for _ in range(2)) / len(tokens)
+    seconds = min(step(len(tokens)) for _ in range(2)) / len(tokens)
+    runner.batch.clear()  # type: ignore[attr-defined]  # no scheduler releases the probe's row
+    return seconds
 
 
 def default_step_budget(runner: object, device_type: str, num_pages: int, page_size: int) -> int:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import SchedulerOutput
+from flashserve.model.input_batch import BatchRow
 from flashserve.model.loader import LoadedModel
 from flashserve.model.runner import LaunchedStep, capture_decode_graphs, pick_backend, pick_device, warm_up
 from flashserve.parallel.channel import GlooSteps, StepChannel
@@ -39,7 +40,7 @@ from flashserve.parallel.channel import available as channel_available
 from flashserve.parallel.comm import DEFAULT_TIMEOUT, TPGroup, close_tp_group, init_tp_group
 from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
 from flashserve.parallel.worker import (
-    RankRunner, WireCapture, WireStep, build_rank_runner, capture_message, control_group, encode_step, rank_device,
+    RankRunner, WireCapture, WireStep, build_rank_runner, capture_message, control_group, rank_device,
     check_allreduce_fusion, release_before_group_end, run_worker,
 )  # fmt: skip
 
@@ -63,10 +64,10 @@ class TensorParallelRunner(RankRunner):
         self.num_threads = torch.get_num_threads()  # this process's CPU threads to restore at close
 
     def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
-                previous: LaunchedStep | None = None) -> torch.Tensor:
-        self._send(encode_step(out, list(prompt_rows)))
+                previous: LaunchedStep | None = None, rows: list[BatchRow] | None = None) -> torch.Tensor:
+        self._send((out.for_ranks(), list(prompt_rows)))  # every rank applies the same diffs
         try:
-            return super().forward(out, prompt_rows, previous)
+            return super().forward(out, prompt_rows, previous, rows)
         except Exception:
             self.workers.check()  # a dead worker is the better explanation of a failed collective
             raise

@@ -6,12 +6,13 @@ the smallest rank can hold, so that the page ids rank 0's scheduler hands out ar
 everywhere. Rank 0 schedules and samples; ranks 1..N-1 run `run_worker`: receive a step, run
 the same forward (the collectives inside it pair up with rank 0's), drop the logits.
 
-A step crosses as plain data (`encode_step`), not as a `SchedulerOutput`: the forward depends
-only on each request's new tokens, its first position, its pages, whether it samples and whether
-its last token is still in flight on rank 0's device (`RankRunner` then broadcasts the ids), plus
-the token rows rank 0 wants prompt logprobs for (they set the logits' rows, and the vocabulary
-all-gather needs the same shape on every rank). Sampling parameters, grammars and bitmasks
-stay on rank 0, which alone samples, so structured output works unchanged over N ranks.
+Every rank takes the same steps: the `SchedulerOutput` rank 0's scheduler made (new requests
+once, then diffs), which each rank applies to its own input batch, plus the token rows rank 0
+wants prompt logprobs for (they set the logits' rows, and the vocabulary all-gather needs the
+same shape on every rank). A request's last token still in flight on rank 0's device reaches the
+others by a broadcast of the step's ids (`RankRunner`). Grammars and bitmasks stay on rank 0
+(`SchedulerOutput.for_ranks`), which alone samples, so structured output works unchanged over N
+ranks.
 
 Steps travel through rank 0's shared-memory channel when rank 0 started the workers on its node
 (`channel.StepChannel`), else over a gloo group of their own whose timeout is long: a worker
@@ -27,27 +28,28 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from flashserve.attention import get_backend_cls
-from flashserve.attention.base import BatchLayout
 from flashserve.config import CacheConfig, ModelConfig
-from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from flashserve.engine.outputs import SchedulerOutput
 from flashserve.model.hf import attention_scale
 from flashserve.model.llama import LlamaModel, UnsupportedModelError
+from flashserve.model.input_batch import BatchRow
 from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.model.runner import (
     LaunchedStep, ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, capture_decode_graphs, kv_page_bytes,
     num_kv_pages, pick_backend, pick_device, pick_sampler,
 )  # fmt: skip
+from flashserve.model.step_inputs import StepInputs
 from flashserve.parallel.channel import GlooSteps, StepChannel
 from flashserve.parallel.comm import (
     TPGroup, allreduce_fusion_blocker, close_tp_group, init_tp_group, local_rank, nvlink_gap,
 )  # fmt: skip
-from flashserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -60,30 +62,11 @@ FUSED_ALLREDUCE_MAX_TOKENS = 128
 # How long a worker may wait for the next step: as long as the server may stay idle.
 CONTROL_TIMEOUT = timedelta(days=365)
 
-# One request of a step: (new token ids, tokens already computed, page ids, samples, last token
-# in flight).
-WireRequest = tuple[list[int], int, list[int], bool, bool]
-# A step: its requests and the prompt-logprob token rows; None ends the workers' loop.
-WireStep = tuple[list[WireRequest], list[int]] | None
+# A step (`SchedulerOutput.for_ranks`) and its prompt-logprob token rows; None ends the workers' loop.
+WireStep = tuple[SchedulerOutput, list[int]] | None
 # Capture decode CUDA graphs for batch sizes up to this one, as rank 0 does at the same time.
 WireCapture = tuple[str, int]
 CAPTURE = "capture"
-
-_WIRE_PARAMS = SamplingParams()  # workers never sample: any params do
-
-
-def encode_step(out: SchedulerOutput, prompt_rows: list[int]) -> WireStep:
-    """What a worker needs of a step, copied: `ScheduledRequest`s hold views of live lists."""
-    requests = [(list(r.new_token_ids), r.num_computed_tokens, list(r.page_ids), r.sample, r.last_token_in_flight)
-                for r in out.requests]  # fmt: skip
-    return requests, list(prompt_rows)
-
-
-def decode_step(step: tuple[list[WireRequest], list[int]]) -> tuple[SchedulerOutput, list[int]]:
-    requests, prompt_rows = step
-    scheduled = [ScheduledRequest(str(i), new, computed, pages, sample, _WIRE_PARAMS, last_token_in_flight=in_flight)
-                 for i, (new, computed, pages, sample, in_flight) in enumerate(requests)]  # fmt: skip
-    return SchedulerOutput(scheduled), prompt_rows
 
 
 def control_group() -> Any:
@@ -110,15 +93,11 @@ class RankRunner(ModelRunner):
         super().__init__(loaded, backend, sampler, page_size, model)
         self.group = group
 
-    def _input_ids(self, out: SchedulerOutput, layout: BatchLayout, token_ids: list[int],
-                   previous: LaunchedStep | None) -> torch.Tensor:
-        if not any(r.last_token_in_flight for r in out.requests):
-            return super()._input_ids(out, layout, token_ids, previous)
-        if self.group.rank == 0:
-            input_ids = super()._input_ids(out, layout, token_ids, previous)
-        else:  # rank 0's tokens overwrite it
-            input_ids = torch.empty(len(token_ids), dtype=torch.long, device=self.device)
-        return self.group.broadcast(input_ids)
+    def _step_inputs(self, rows: list[BatchRow], prompt_rows: Sequence[int], previous: LaunchedStep | None) -> StepInputs:
+        inputs = self.inputs.build(rows, prompt_rows, self.cascade, previous, fill_in_flight=self.group.rank == 0)
+        if inputs.has_in_flight:  # rank 0's ids, tokens in flight filled in, replace the placeholders
+            inputs.input_ids = self.group.broadcast(inputs.input_ids)
+        return inputs
 
 
 def check_allreduce_fusion(model_config: ModelConfig) -> None:
@@ -265,7 +244,7 @@ def run_worker(model_config: ModelConfig, cache_config: CacheConfig, channel_pat
             if step[0] == CAPTURE:
                 capture_decode_graphs(runner, runner.model, step[1])
                 continue
-            out, prompt_rows = decode_step(step)
+            out, prompt_rows = step
             runner.forward(out, prompt_rows)
     finally:
         steps.close()
