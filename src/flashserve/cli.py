@@ -126,6 +126,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--tool-call-parser", str, "auto", "the model's tool-call format, parsed into tool_calls for "
            "tool_choice auto: llama3_json, hermes, mistral, or auto (detected from the chat template)",
            ["auto", "llama3_json", "hermes", "mistral"]),
+    Option("--api-server-count", _positive_int, 1, "front-end processes (HTTP, tokenizing, detokenizing) "
+           "that share the port and feed the one engine core process"),
     Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "
            "(new ones get 503) before the rest end with an error"),
 )
@@ -136,6 +138,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
 SERVER_ONLY_FLAGS = frozenset({
     "--host", "--port", "--log-requests", "--access-log", "--max-waiting", "--queue-timeout", "--api-key",
     "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials", "--shutdown-timeout",
+    "--api-server-count",
 })
 
 RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag not in SERVER_ONLY_FLAGS) + (
@@ -203,6 +206,7 @@ class ServeArgs:
     queue_timeout: float | None = None
     shutdown_timeout: float = 30.0
     access_log: bool = False
+    api_server_count: int = 1
 
 
 def to_configs(ns: argparse.Namespace) -> ServeArgs:
@@ -232,7 +236,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
     )
     return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
                      queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,
-                     access_log=ns.access_log)
+                     access_log=ns.access_log, api_server_count=ns.api_server_count)
 
 
 @dataclass(frozen=True)

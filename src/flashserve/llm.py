@@ -49,7 +49,10 @@ def build_engine(
     cache: CacheConfig = CacheConfig(),
     scheduler: SchedulerConfig = SchedulerConfig(),
     cuda_graph: bool = True,
+    detokenize: bool = True,
 ) -> EngineStack:
+    """detokenize=False: the engine sees token ids only and leaves text and stop strings to its
+    caller (the server's front ends)."""
     from flashserve.model.runner import build_runner  # torch is imported here, not at package import
 
     if model.tensor_parallel_size > 1:  # this process is rank 0; the workers start here
@@ -71,7 +74,7 @@ def build_engine(
     kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching)
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
     overlap = scheduler.overlap_scheduling and runner.overlap_capable
-    engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size, overlap=overlap)
+    engine = LLMEngine(sched, runner, loaded.tokenizer if detokenize else None, vocab_size=loaded.vocab_size, overlap=overlap)
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
 
 

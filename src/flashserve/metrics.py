@@ -1,19 +1,28 @@
 """Prometheus metrics of one server, in a registry of its own (no global default registry).
 
-Two writers: the engine loop thread sets the engine's gauges and counters once per step
-(`record_step`), and the API records what clients see: time to first token, inter-token latency,
-end-to-end latency, finish reasons and errors (`RequestRecord`, `record_error`). prometheus-client's
-metrics are thread-safe, so both may write while `/metrics` renders.
+Two writers: the engine loop sets the engine's gauges and counters once per step (`record_step`),
+and the API records what clients see: time to first token, inter-token latency, end-to-end
+latency, finish reasons and errors (`RequestRecord`, `record_error`). prometheus-client's metrics
+are thread-safe, so both may write while `/metrics` renders.
+
+Under `flashserve serve` the writers are processes (the engine core, each front end):
+prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the supervisor before it
+starts them) keeps every process's figures in files of that directory, and `render` adds them up,
+so any front end's /metrics shows the engine's and all front ends' figures. The engine's gauges
+are written by the engine core only: the most recent value is the one shown.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 # Seconds. Wide on purpose: a CPU server takes seconds per token, a GPU one milliseconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
@@ -49,14 +58,14 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests_running = Gauge("flashserve_num_requests_running", "Requests in the running batch", registry=r)
-        self.requests_waiting = Gauge(
-            "flashserve_num_requests_waiting", "Requests queued for the engine (new or preempted)", registry=r)
-        self.kv_pages_used = Gauge("flashserve_kv_pages_used", "KV cache pages held by requests", registry=r)
-        self.kv_pages_free = Gauge("flashserve_kv_pages_free", "KV cache pages free (cached ones included)",
-                                   registry=r)
-        self.kv_pages_cached = Gauge("flashserve_kv_pages_cached",
-                                     "Free KV cache pages that still hold a reusable prefix", registry=r)
+        # Gauges only the engine sets; under several processes the most recent value is shown.
+        gauge = functools.partial(Gauge, registry=r, multiprocess_mode="mostrecent")
+        self.requests_running = gauge("flashserve_num_requests_running", "Requests in the running batch")
+        self.requests_waiting = gauge("flashserve_num_requests_waiting",
+                                      "Requests queued for the engine (new or preempted)")
+        self.kv_pages_used = gauge("flashserve_kv_pages_used", "KV cache pages held by requests")
+        self.kv_pages_free = gauge("flashserve_kv_pages_free", "KV cache pages free (cached ones included)")
+        self.kv_pages_cached = gauge("flashserve_kv_pages_cached", "Free KV cache pages that still hold a reusable prefix")
         self.prefix_queries = Counter("flashserve_prefix_cache_queries", "Tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("flashserve_prefix_cache_hits", "Tokens found in the prefix cache", registry=r)
@@ -100,6 +109,11 @@ class Metrics:
         self.errors.labels(type, code or "").inc()
 
     def render(self) -> bytes:
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory:  # every process's figures, this one's included
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, directory)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

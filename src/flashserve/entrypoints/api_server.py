@@ -1,0 +1,69 @@
+"""A front-end process of `flashserve serve`: uvicorn and the OpenAI app on the shared listening
+socket, over an `EngineCoreClient` to the engine core.
+
+Its life follows the rules of `flashserve.serve`: SIGTERM drains (new requests get 503, running
+ones finish for up to `--shutdown-timeout` s) and exits 0; a dead engine core fails every open
+request and exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+from flashserve.client.codec import PROTOCOL_VERSION, Dead, EngineSetup, Hello, recv, send
+from flashserve.entrypoints.processes import FRONTEND_NAME, become_child
+
+logger = logging.getLogger("flashserve")
+
+EXIT_ENGINE_DIED = 1
+
+
+def main(index: int, conn: Connection, sock: socket.socket, args: Any) -> None:
+    """The process's target: front end number `index` of a server started with `args` (ServeArgs)."""
+    become_child(FRONTEND_NAME.format(index), args.server.log_level)
+    from flashserve.batch_app import import_tokenizer_classes
+
+    import_tokenizer_classes()  # while the engine core loads the model
+    try:
+        send(conn, Hello(PROTOCOL_VERSION, index))
+        setup = recv(conn)
+    except (EOFError, OSError):
+        logger.error("the engine core exited before it was ready")
+        sys.exit(EXIT_ENGINE_DIED)
+    if isinstance(setup, Dead) or not isinstance(setup, EngineSetup) or setup.version != PROTOCOL_VERSION:
+        logger.error("the engine core cannot serve: %s", getattr(setup, "reason", repr(setup)))
+        sys.exit(EXIT_ENGINE_DIED)
+    code = asyncio.run(serve(conn, sock, setup, args))
+    sys.exit(code)
+
+
+async def serve(conn: Connection, sock: socket.socket, setup: EngineSetup, args: Any) -> int:
+    import uvicorn
+
+    from flashserve.api.options import ServerState
+    from flashserve.api.server import build_app
+    from flashserve.client.core_client import EngineCoreClient
+    from flashserve.metrics import Metrics
+    from flashserve.serve import drain, graceful_server, stop_when_dead
+
+    metrics, state = Metrics(), ServerState()
+    engine = EngineCoreClient(conn, setup, max_waiting=args.max_waiting)
+    names = list(args.model.served_model_names) or [setup.model_name]
+    app = build_app(engine, setup.tokenizer, names, setup.max_model_len, eos_token_ids=setup.eos_token_ids,
+                    options=args.api, metrics=metrics, state=state, vocab_size=setup.vocab_size)
+    config = uvicorn.Config(app, log_level=args.server.log_level, access_log=args.access_log,
+                            timeout_graceful_shutdown=5)
+    server: Any = None
+    server = graceful_server(config, lambda: drain(server, state, engine, args.shutdown_timeout))
+    engine.on_dead = stop_when_dead(server, state)
+    engine.start()
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        engine.shutdown()
+    return EXIT_ENGINE_DIED if engine.dead_reason is not None else 0
