@@ -1,21 +1,23 @@
 """The server's host path under many streams, without a device: what each streamed token costs the
-server process's CPU, and how fast steps can go when the device takes no time.
+server's CPU, per process, and how fast steps can go when the device takes no time.
 
     python -m benchmark.api_host [--concurrency 5,25,100] [--step-ms 2] [--tokenizer PATH]
+        [--process-models thread,processes] [--api-server-count 1] [--out FILE]
 
-The server is the real one short of the model: uvicorn, the app, `AsyncEngine`, `LLMEngine`, the
-scheduler, the KV cache manager and the detokenizer, in a process of its own, over an executor
-that answers each step at once (after `--step-ms` of sleep standing for the device) with the
-token ids of an English text in turn, so that detokenizing costs what it does on real output.
-The tokenizer is the embedded SmolLM2's unless `--tokenizer` names a Hugging Face tokenizer
-directory. The client is `benchmark.serve_bench`'s concurrency workload (24 prompt tokens, 384
-out, streamed, one client process per `--client-workers`).
+The server is the real one short of the model: uvicorn, the app, the engine client, `LLMEngine`,
+the scheduler, the KV cache manager and the detokenizer, over an executor that answers each step
+at once (after `--step-ms` of sleep standing for the device) with the token ids of an English text
+in turn, so that detokenizing costs what it does on real output. Two process models, one after
+the other in the same run: `thread` (the engine loop a thread beside the event loop in one
+process, as the server was before the engine core got a process of its own) and `processes`
+(`flashserve serve`'s supervisor, engine core and `--api-server-count` front ends). The tokenizer
+is the embedded SmolLM2's unless `--tokenizer` names a Hugging Face tokenizer directory. The client
+is `benchmark.serve_bench`'s concurrency workload (24 prompt tokens, 384 out, streamed, one client
+process per `--client-workers`).
 
-For each concurrency it reports the server's CPU seconds per streamed token (user + system time of
-its process over the phase, from /proc), the engine's steps per second, and the median TPOT the
-client saw. At N streams the host's part of a step is about N x the CPU time per token (the
-engine thread and the event loop share the GIL); where that exceeds the device's step, the host
-sets the pace. Prints a table; writes `api_host.json` under `benchmark/results/<machine>/`.
+For each concurrency it reports the server's CPU seconds per streamed token (user + system time
+over the phase, from /proc), in all and per process, the engine's steps per second, and the median
+TPOT the client saw. Prints a table; writes `--out` (JSON).
 """
 
 from __future__ import annotations

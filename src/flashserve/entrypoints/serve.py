@@ -137,8 +137,23 @@ class Supervisor:
             self._join([self.core], STOP_SECONDS)
 
 
+def is_launched_worker_rank(args: Any) -> bool:
+    """Whether a launcher (torchrun) started this process as a tensor-parallel rank other than 0,
+    which serves no HTTP: it runs rank 0's steps, here, until rank 0 ends them."""
+    if args.model.tensor_parallel_size <= 1 or "WORLD_SIZE" not in os.environ:
+        return False
+    from flashserve.parallel.executor import launched_rank
+
+    return launched_rank(args.model.tensor_parallel_size) not in (None, 0)
+
+
 def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.load_serve_core) -> int:
     """Serves until shutdown; returns the exit code."""
+    if is_launched_worker_rank(args):
+        from flashserve.server_stack import load_engine
+
+        load_engine(args)  # runs the rank's steps, then exits 0
+        return 0
     metrics_dir = tempfile.mkdtemp(prefix="flashserve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the children inherit it
     try:
