@@ -9,7 +9,8 @@ Under `flashserve serve` the writers are processes (the engine core, each front 
 prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the supervisor before it
 starts them) keeps every process's figures in files of that directory, and `render` adds them up,
 so any front end's /metrics shows the engine's and all front ends' figures. The engine's gauges
-are written by the engine core only: the most recent value is the one shown.
+are written by the engine core only: the most recent value is the one shown. The engine's figures
+carry an `engine` label, one value per engine core of `--data-parallel-size` ("0" with one).
 """
 
 from __future__ import annotations
@@ -55,24 +56,31 @@ class StepStats:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, engine: str = "0") -> None:
+        """`engine`: the label of the engine-side figures this process writes (its index among
+        the engine cores of `--data-parallel-size`; "0" with one)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        # Gauges only the engine sets; under several processes the most recent value is shown.
-        gauge = functools.partial(Gauge, registry=r, multiprocess_mode="mostrecent")
-        self.requests_running = gauge("flashserve_num_requests_running", "Requests in the running batch")
+        # Gauges only an engine sets; under several processes the most recent value per engine
+        # label is shown. The engine's figures carry `engine="i"`, as vLLM's do.
+        labels = ["engine"]
+        gauge = functools.partial(Gauge, labelnames=labels, registry=r, multiprocess_mode="mostrecent")
+        counter = functools.partial(Counter, labelnames=labels, registry=r)
+        self.requests_running = gauge("flashserve_num_requests_running", "Requests in the running batch").labels(engine)
         self.requests_waiting = gauge("flashserve_num_requests_waiting",
-                                      "Requests queued for the engine (new or preempted)")
-        self.kv_pages_used = gauge("flashserve_kv_pages_used", "KV cache pages held by requests")
-        self.kv_pages_free = gauge("flashserve_kv_pages_free", "KV cache pages free (cached ones included)")
-        self.kv_pages_cached = gauge("flashserve_kv_pages_cached", "Free KV cache pages that still hold a reusable prefix")
-        self.prefix_queries = Counter("flashserve_prefix_cache_queries", "Tokens looked up in the prefix cache",
-                                      registry=r)
-        self.prefix_hits = Counter("flashserve_prefix_cache_hits", "Tokens found in the prefix cache", registry=r)
-        self.preemptions = Counter("flashserve_num_preemptions", "Preemptions by recompute", registry=r)
-        self.prompt_tokens = Counter("flashserve_prompt_tokens", "Prompt tokens of requests that began generating "
-                                     "(prefix-cached ones included)", registry=r)
-        self.generation_tokens = Counter("flashserve_generation_tokens", "Tokens generated", registry=r)
+                                      "Requests queued for the engine (new or preempted)").labels(engine)
+        self.kv_pages_used = gauge("flashserve_kv_pages_used", "KV cache pages held by requests").labels(engine)
+        self.kv_pages_free = gauge("flashserve_kv_pages_free",
+                                   "KV cache pages free (cached ones included)").labels(engine)
+        self.kv_pages_cached = gauge("flashserve_kv_pages_cached",
+                                     "Free KV cache pages that still hold a reusable prefix").labels(engine)
+        self.prefix_queries = counter("flashserve_prefix_cache_queries",
+                                      "Tokens looked up in the prefix cache").labels(engine)
+        self.prefix_hits = counter("flashserve_prefix_cache_hits", "Tokens found in the prefix cache").labels(engine)
+        self.preemptions = counter("flashserve_num_preemptions", "Preemptions by recompute").labels(engine)
+        self.prompt_tokens = counter("flashserve_prompt_tokens", "Prompt tokens of requests that began generating "
+                                     "(prefix-cached ones included)").labels(engine)
+        self.generation_tokens = counter("flashserve_generation_tokens", "Tokens generated").labels(engine)
         self.ttft = Histogram("flashserve_time_to_first_token_seconds", "Time to first token, as the API saw it",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("flashserve_inter_token_latency_seconds", "Time between output tokens of a request",
