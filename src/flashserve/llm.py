@@ -111,6 +111,11 @@ class LLM:
     """Offline generation without HTTP: `LLM(model).generate(prompts, params)`."""
 
     def __init__(self, model: str = "", **kwargs: Any) -> None:
+        if kwargs.pop("data_parallel_size", 1) != 1:
+            # One engine in this process steps one batch at a time; several engine cores are
+            # processes of `flashserve serve`, behind its front ends' router.
+            raise ValueError("LLM runs one engine in this process: for data parallelism serve the model with "
+                             "`flashserve serve --data-parallel-size N` (or run one LLM per GPU)")
         cache_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
         sched_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
         cuda_graph = kwargs.pop("cuda_graph", True)

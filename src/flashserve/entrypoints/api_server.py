@@ -1,5 +1,6 @@
 """A front-end process of `flashserve serve`: uvicorn and the OpenAI app on the shared listening
-socket, over an `EngineCoreClient` to the engine core.
+socket, over an `EngineCoreClient` to the engine core (with `--data-parallel-size N`, a
+`DataParallelClient` over one per engine core).
 
 Its life follows the rules of `flashserve.serve`: SIGTERM drains (new requests get 503, running
 ones finish for up to `--shutdown-timeout` s) and exits 0; a dead engine core fails every open
@@ -23,12 +24,20 @@ logger = logging.getLogger("flashserve")
 EXIT_ENGINE_DIED = 1
 
 
-def main(index: int, conn: Connection, sock: socket.socket, args: Any) -> None:
-    """The process's target: front end number `index` of a server started with `args` (ServeArgs)."""
+def main(index: int, conns: list[Connection], sock: socket.socket, args: Any) -> None:
+    """The process's target: front end number `index` of a server started with `args` (ServeArgs),
+    with a pipe to each engine core in `conns` (several under `--data-parallel-size`)."""
     become_child(FRONTEND_NAME.format(index), args.server.log_level)
     from flashserve.batch_app import import_tokenizer_classes
 
     import_tokenizer_classes()  # while the engine core loads the model
+    setups = [_handshake(index, conn) for conn in conns]
+    code = asyncio.run(serve(conns, sock, setups, args))
+    sys.exit(code)
+
+
+def _handshake(index: int, conn: Connection) -> EngineSetup:
+    """The engine core's setup, or exit 1 if it cannot serve."""
     try:
         send(conn, Hello(PROTOCOL_VERSION, index))
         setup = recv(conn)
@@ -38,21 +47,34 @@ def main(index: int, conn: Connection, sock: socket.socket, args: Any) -> None:
     if isinstance(setup, Dead) or not isinstance(setup, EngineSetup) or setup.version != PROTOCOL_VERSION:
         logger.error("the engine core cannot serve: %s", getattr(setup, "reason", repr(setup)))
         sys.exit(EXIT_ENGINE_DIED)
-    code = asyncio.run(serve(conn, sock, setup, args))
-    sys.exit(code)
+    return setup
 
 
-async def serve(conn: Connection, sock: socket.socket, setup: EngineSetup, args: Any) -> int:
+def engine_client(conns: list[Connection], setups: list[EngineSetup], args: Any) -> Any:
+    """One EngineCoreClient, or a DataParallelClient over one per engine core."""
+    from flashserve.client.core_client import EngineCoreClient
+
+    clients = [EngineCoreClient(conn, setup, max_waiting=args.max_waiting) for conn, setup in zip(conns, setups)]
+    if len(clients) == 1:
+        return clients[0]
+    from flashserve.client.dp_client import DataParallelClient
+    from flashserve.client.router import PrefixRouter
+
+    router = PrefixRouter(len(clients), args.cache.page_size, args.data_parallel_routing == "prefix")
+    return DataParallelClient(clients, router)
+
+
+async def serve(conns: list[Connection], sock: socket.socket, setups: list[EngineSetup], args: Any) -> int:
     import uvicorn
 
     from flashserve.api.options import ServerState
     from flashserve.api.server import build_app
-    from flashserve.client.core_client import EngineCoreClient
     from flashserve.metrics import Metrics
     from flashserve.serve import drain, graceful_server, stop_when_dead
 
     metrics, state = Metrics(), ServerState()
-    engine = EngineCoreClient(conn, setup, max_waiting=args.max_waiting)
+    engine = engine_client(conns, setups, args)
+    setup = setups[0]
     names = list(args.model.served_model_names) or [setup.model_name]
     app = build_app(engine, setup.tokenizer, names, setup.max_model_len, eos_token_ids=setup.eos_token_ids,
                     options=args.api, metrics=metrics, state=state, vocab_size=setup.vocab_size)

@@ -64,9 +64,10 @@ def _stop(signum: int, frame: Any) -> None:
 
 
 def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection],
-         queue_timeout: float | None, log_level: str) -> None:
-    """The process's target: `load(load_arg)` builds the engine; `conns` lead to the front ends."""
-    become_child(ENGINE_CORE_NAME, log_level)
+         queue_timeout: float | None, log_level: str, engine_index: int = 0, name: str = ENGINE_CORE_NAME) -> None:
+    """The process's target: `load(load_arg)` builds the engine; `conns` lead to the front ends.
+    `engine_index`: this engine core's index under `--data-parallel-size` (its metrics' label)."""
+    become_child(name, log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the core stops
     signal.signal(signal.SIGTERM, _stop)
     parts: CoreParts | None = None
@@ -79,7 +80,7 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
             _tell_all(conns, Dead(f"the model did not load: {exc!r}"))
             code = EXIT_ENGINE_DIED
             return
-        code = serve_front_ends(parts, conns, queue_timeout)
+        code = serve_front_ends(parts, conns, queue_timeout, engine_index)
     except _Stop:
         logger.info("engine core stopping")
     finally:
@@ -90,11 +91,12 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
         sys.exit(code)
 
 
-def serve_front_ends(parts: CoreParts, conns: list[Connection], queue_timeout: float | None) -> int:
+def serve_front_ends(parts: CoreParts, conns: list[Connection], queue_timeout: float | None,
+                     engine_index: int = 0) -> int:
     from flashserve.engine.core import EngineCore
     from flashserve.metrics import Metrics
 
-    core = EngineCore(parts.engine, parts.setup, parts.compile_grammar, Metrics(), queue_timeout)
+    core = EngineCore(parts.engine, parts.setup, parts.compile_grammar, Metrics(str(engine_index)), queue_timeout)
     for conn in conns:
         if not core.connect(conn):
             logger.warning("a front end did not connect")

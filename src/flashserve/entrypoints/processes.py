@@ -13,6 +13,7 @@ PR_SET_NAME = 15
 
 # Names as `ps -o comm` and /proc/<pid>/comm show them (at most 15 characters).
 ENGINE_CORE_NAME = "flashserve-core"
+DP_ENGINE_CORE_NAME = "flashserve-dp{}"  # engine core i of --data-parallel-size > 1 (15 characters at most)
 FRONTEND_NAME = "flashserve-api{}"
 
 

@@ -13,6 +13,10 @@ ends, which share one listening socket (bound here, so they all accept on one po
 - A front end dies: the others go on serving; once none is left, the engine core stops and this
   process exits 1 (0 if they all ended because they were told to).
 - This process is killed: the children get SIGTERM from the kernel (PR_SET_PDEATHSIG).
+- `--data-parallel-size N`: N engine cores (flashserve-dp0 ...), each on GPUs of its own
+  (`CUDA_VISIBLE_DEVICES`: core i gets [i*tp, (i+1)*tp) of the visible ones), each front end with
+  a pipe to every one and a router that picks one per request (`client/router.py`). One engine
+  core that dies takes the server down, as the one engine core does.
 The front ends' and the engine core's metrics meet in one prometheus-client multiprocess
 directory, made here and removed at exit, so that every front end's /metrics shows them all.
 """
@@ -27,12 +31,16 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
 from flashserve.entrypoints import api_server, engine_core
+from flashserve.entrypoints.processes import DP_ENGINE_CORE_NAME, ENGINE_CORE_NAME
 
 logger = logging.getLogger("flashserve")
 
@@ -60,30 +68,37 @@ class Supervisor:
     def __init__(self, args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.load_serve_core) -> None:
         self.args = args
         self.load = load
-        self.core: BaseProcess | None = None
+        self.cores: list[BaseProcess] = []  # one per --data-parallel-size
         self.front_ends: list[BaseProcess] = []
         self.stopping = False
 
     def run(self) -> int:
         args = self.args
-        count = args.api_server_count
+        count, num_cores = args.api_server_count, args.data_parallel_size
+        devices = core_devices(num_cores, args.model.tensor_parallel_size, args.model.device)
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold a GPU
         sock = listening_socket(args.server.host, args.server.port)
-        pipes = [context.Pipe(duplex=True) for _ in range(count)]
-        self.core = context.Process(
-            target=engine_core.main, name="flashserve-core",
-            args=(self.load, args, [a for a, _ in pipes], args.queue_timeout,
-                  args.server.log_level))
-        self.core.start()
-        for i, (_, b) in enumerate(pipes):
-            front = context.Process(target=api_server.main, name=f"flashserve-api{i}", args=(i, b, sock, args))
+        # pipes[e][f]: between engine core e and front end f.
+        pipes = [[context.Pipe(duplex=True) for _ in range(count)] for _ in range(num_cores)]
+        for e, row in enumerate(pipes):
+            name = ENGINE_CORE_NAME if num_cores == 1 else DP_ENGINE_CORE_NAME.format(e)
+            core = context.Process(
+                target=engine_core.main, name=name,
+                args=(self.load, args, [a for a, _ in row], args.queue_timeout, args.server.log_level, e, name))
+            with visible_devices(devices[e] if devices else None):  # a spawned child takes this environment
+                core.start()
+            self.cores.append(core)
+        for i in range(count):
+            front = context.Process(target=api_server.main, name=f"flashserve-api{i}",
+                                    args=(i, [row[i][1] for row in pipes], sock, args))
             front.start()
             self.front_ends.append(front)
-        for a, b in pipes:  # the children hold them now: a pipe whose far end is gone reads EOF
-            a.close()
+        for a, b in (pipe for row in pipes for pipe in row):  # the children hold them now: a pipe
+            a.close()  # whose far end is gone reads EOF
             b.close()
         sock.close()
-        logger.info("engine core process %d; front-end processes %s; listening on %s:%d", self.core.pid,
+        logger.info("engine core processes %s%s; front-end processes %s; listening on %s:%d",
+                    [c.pid for c in self.cores], f" on GPUs {devices}" if devices else "",
                     [f.pid for f in self.front_ends], args.server.host, args.server.port)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -100,14 +115,14 @@ class Supervisor:
                 os.kill(front.pid, signal.SIGTERM)
 
     def _watch(self) -> int:
-        assert self.core is not None
         live = list(self.front_ends)
         while True:
-            wait([self.core.sentinel, *(f.sentinel for f in live)])
-            if not self.core.is_alive():
-                logger.error("the engine core exited with code %s; stopping", self.core.exitcode)
+            wait([*(c.sentinel for c in self.cores), *(f.sentinel for f in live)])
+            gone = [c for c in self.cores if not c.is_alive()]
+            if gone:  # one engine core is gone: the server with it (the front ends fail and exit)
+                logger.error("engine core %s exited with code %s; stopping", gone[0].name, gone[0].exitcode)
                 self._join(live, FRONTEND_EXIT_SECONDS)
-                return EXIT_FAILED if self.core.exitcode != 0 or not self.stopping else 0
+                return EXIT_FAILED if gone[0].exitcode != 0 or not self.stopping else 0
             for front in [f for f in live if not f.is_alive()]:
                 live.remove(front)
                 if front.exitcode != 0 or not self.stopping:
@@ -131,10 +146,47 @@ class Supervisor:
             if front.is_alive():
                 front.terminate()
         self._join(self.front_ends, STOP_SECONDS)
-        if self.core is not None:
-            if self.core.is_alive():
-                self.core.terminate()
-            self._join([self.core], STOP_SECONDS)
+        for core in self.cores:
+            if core.is_alive():
+                core.terminate()
+        self._join(self.cores, STOP_SECONDS)
+
+
+def core_devices(num_cores: int, tp: int, device: str) -> list[str] | None:
+    """The CUDA devices of each engine core (`CUDA_VISIBLE_DEVICES` values): core i takes GPUs
+    [i*tp, (i+1)*tp) of those visible. None with one engine core, on the CPU, or on a machine
+    without NVIDIA GPUs (the cores run on the CPU then, as one would)."""
+    if num_cores == 1 or device == "cpu":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    else:
+        gpus = sorted((p.name[len("nvidia"):] for p in Path("/dev").glob("nvidia[0-9]*")), key=int)
+    if not gpus and device == "auto":
+        return None
+    needed = num_cores * tp
+    if len(gpus) < needed:
+        raise SystemExit(f"--data-parallel-size {num_cores} x --tensor-parallel-size {tp} needs {needed} GPUs; "
+                         f"{len(gpus)} visible")
+    return [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(num_cores)]
+
+
+@contextmanager
+def visible_devices(devices: str | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES set to `devices` (unless None) for the processes started meanwhile."""
+    if devices is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def is_launched_worker_rank(args: Any) -> bool:
