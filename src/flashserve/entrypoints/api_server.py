@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import sys
 from multiprocessing.connection import Connection
@@ -26,6 +27,9 @@ EXIT_ENGINE_DIED = 1
 def main(index: int, conn: Connection, sock: socket.socket, args: Any) -> None:
     """The process's target: front end number `index` of a server started with `args` (ServeArgs)."""
     become_child(FRONTEND_NAME.format(index), args.server.log_level)
+    # Told to stop before it serves (while the model loads): nothing to drain. uvicorn installs
+    # its own handlers once it serves.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     from flashserve.batch_app import import_tokenizer_classes
 
     import_tokenizer_classes()  # while the engine core loads the model
