@@ -65,7 +65,8 @@ class Metrics:
                                       "Requests queued for the engine (new or preempted)")
         self.kv_pages_used = gauge("flashserve_kv_pages_used", "KV cache pages held by requests")
         self.kv_pages_free = gauge("flashserve_kv_pages_free", "KV cache pages free (cached ones included)")
-        self.kv_pages_cached = gauge("flashserve_kv_pages_cached", "Free KV cache pages that still hold a reusable prefix")
+        self.kv_pages_cached = gauge("flashserve_kv_pages_cached",
+                                     "Free KV cache pages that still hold a reusable prefix")
         self.prefix_queries = Counter("flashserve_prefix_cache_queries", "Tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("flashserve_prefix_cache_hits", "Tokens found in the prefix cache", registry=r)
