@@ -221,6 +221,7 @@ def run_model(args: argparse.Namespace, model: str, tmp: str) -> list[dict[str, 
                    "cpu_us_per_token_by_process": {k: v / tokens * 1e6 for k, v in per_process.items()},
                    "engine_steps": steps, "steps_per_s": steps / m["duration_s"], "tpot_p50_ms": m["tpot_ms"]["median"],
                    "output_tok_per_s": m["output_token_throughput"]}
+            row["load_average_1min"] = os.getloadavg()[0]  # the machine's other work, which TPOT feels
             rows.append(row)
             shares = ", ".join(f"{k} {v:.1f}" for k, v in row["cpu_us_per_token_by_process"].items())
             print(f"{c:8d} {tokens:8d} {row['server_cpu_us_per_token']:20.1f} {row['steps_per_s']:8.0f} "

@@ -31,7 +31,8 @@ def prompt_flags(tokenizer: str | None) -> list[str]:
     return ["--text", "--tokenizer", tokenizer] if tokenizer else ["--token-ids", "--empty-text-chunks"]
 
 
-def start_server(model: str, tokenizer: str | None, flags: list[str], log: IO[str]) -> tuple[subprocess.Popen, str, str | None]:
+def start_server(model: str, tokenizer: str | None, flags: list[str],
+                 log: IO[str]) -> tuple[subprocess.Popen, str, str | None]:
     """A dummy-weight server of `model` with `flags`, warmed up: (process, base URL, None once ready,
     else why not). Stop it with `server_process.stop`."""
     port = free_port()

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from multiprocessing import Pipe
-from typing import Any
+from typing import Any, Callable
 
 from test_engine import VOCAB, make_engine
 
@@ -73,6 +74,16 @@ class CoreThread:
         return made
 
 
+async def soon(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+    """Whether `condition` holds within `seconds` (it depends on the core thread's next turns)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 async def _collect(client: EngineCoreClient, rid: str, prompt: list[int], params: SamplingParams) -> list:
     return [out async for out in client.generate(rid, prompt, params)]
 
@@ -102,11 +113,8 @@ def test_a_stop_string_found_by_the_front_end_ends_the_request_and_frees_its_pag
         outs = await _collect(client, "r", [1, 2, 3], SamplingParams(max_tokens=len(script), stop=(".",)))
         assert "".join(o.new_text for o in outs) == " Hello world"
         assert outs[-1].finish_reason == "stop"
-        for _ in range(100):  # the abort reaches the core at its next loop turn
-            if core.engine.scheduler.kv_cache.num_used_pages == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert core.engine.scheduler.kv_cache.num_used_pages == 0
+        # The abort reaches the core at its next loop turn.
+        assert await soon(lambda: core.engine.scheduler.kv_cache.num_used_pages == 0)
         client.shutdown()
         core.thread.join(5)
 
@@ -123,11 +131,7 @@ def test_a_front_end_that_goes_away_loses_its_requests_and_the_other_is_served()
         gone._conn.close()  # as a killed process's pipe closes
         outs = await _collect(staying, "stays", [5], SamplingParams(max_tokens=4))
         assert outs[-1].finish_reason == "length"
-        for _ in range(100):
-            if not core.engine.has_unfinished:
-                break
-            await asyncio.sleep(0.01)
-        assert not core.engine.has_unfinished
+        assert await soon(lambda: not core.engine.has_unfinished)
         assert core.engine.scheduler.kv_cache.num_used_pages == 0
         staying.shutdown()
         core.thread.join(5)

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from live_server import live_server
-from test_production_one_request import TINY_LLAMA, dummy_args
+from test_production_one_request import dummy_args, model_config  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -73,13 +73,6 @@ def assert_nothing_left(server: Server) -> None:
     assert not os.path.exists(server.metrics_dir)
     with socket.socket() as s:  # the port is free again
         s.bind(("127.0.0.1", server.port))
-
-
-@pytest.fixture(scope="module")
-def model_config(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TINY_LLAMA))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,8 @@ def build_engine(
     kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching)
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
     overlap = scheduler.overlap_scheduling and runner.overlap_capable
-    engine = LLMEngine(sched, runner, loaded.tokenizer if detokenize else None, vocab_size=loaded.vocab_size, overlap=overlap)
+    tokenizer = loaded.tokenizer if detokenize else None
+    engine = LLMEngine(sched, runner, tokenizer, vocab_size=loaded.vocab_size, overlap=overlap)
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
 
 

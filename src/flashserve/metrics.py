@@ -66,7 +66,8 @@ class Metrics:
         labels = ["engine"]
         gauge = functools.partial(Gauge, labelnames=labels, registry=r, multiprocess_mode="mostrecent")
         counter = functools.partial(Counter, labelnames=labels, registry=r)
-        self.requests_running = gauge("flashserve_num_requests_running", "Requests in the running batch").labels(engine)
+        self.requests_running = gauge("flashserve_num_requests_running",
+                                      "Requests in the running batch").labels(engine)
         self.requests_waiting = gauge("flashserve_num_requests_waiting",
                                       "Requests queued for the engine (new or preempted)").labels(engine)
         self.kv_pages_used = gauge("flashserve_kv_pages_used", "KV cache pages held by requests").labels(engine)

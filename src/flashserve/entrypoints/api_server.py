@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import sys
 from multiprocessing.connection import Connection
@@ -28,6 +29,9 @@ def main(index: int, conns: list[Connection], sock: socket.socket, args: Any) ->
     """The process's target: front end number `index` of a server started with `args` (ServeArgs),
     with a pipe to each engine core in `conns` (several under `--data-parallel-size`)."""
     become_child(FRONTEND_NAME.format(index), args.server.log_level)
+    # Told to stop before it serves (while the model loads): nothing to drain. uvicorn installs
+    # its own handlers once it serves.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     from flashserve.batch_app import import_tokenizer_classes
 
     import_tokenizer_classes()  # while the engine core loads the model
