@@ -18,7 +18,7 @@ from flashserve.client.router import BALANCE_SLACK, PrefixRouter
 from flashserve.entrypoints.serve import core_devices
 from live_server import live_server
 from production_helpers import metric
-from test_production_one_request import TINY_LLAMA, dummy_args
+from test_production_one_request import dummy_args, model_config  # noqa: F401  (a fixture)
 from test_production_processes import Server, assert_nothing_left, children_of
 
 PAGE = 16
@@ -85,13 +85,6 @@ def test_too_few_gpus_for_the_engine_cores_is_an_error(monkeypatch: pytest.Monke
 
 
 # ---- a server with two engine cores --------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_config(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TINY_LLAMA))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def two_engines(model_config: str) -> Iterator[Server]:
     with live_server(dummy_args(model_config, "--data-parallel-size", "2", "--page-size", str(PAGE))) as (url, proc):

@@ -162,7 +162,9 @@ def core_devices(num_cores: int, tp: int, device: str) -> list[str] | None:
     if visible is not None:
         gpus = [g.strip() for g in visible.split(",") if g.strip()]
     else:
-        gpus = sorted((p.name[len("nvidia"):] for p in Path("/dev").glob("nvidia[0-9]*")), key=int)
+        # CUDA numbers the GPUs it sees 0..n-1, whatever the device nodes' numbers (a container
+        # may hold /dev/nvidia3 and /dev/nvidia5 only).
+        gpus = [str(i) for i in range(len(list(Path("/dev").glob("nvidia[0-9]*"))))]
     if not gpus and device == "auto":
         return None
     needed = num_cores * tp
