@@ -96,7 +96,7 @@ def headline(workload: str, phases: Sequence[dict[str, Any]], goodput: dict[str,
             out[f"{n}_output_tok_per_s"] = m["output_token_throughput"]
             out[f"{n}_ttft_p99_ms"] = m["ttft_ms"]["p99"]
             out[f"{n}_itl_median_ms"] = m["itl_ms"]["median"]
-        elif workload == "offline":
+        elif workload in ("offline", "max_throughput"):
             out[f"{n}_output_tok_per_s"] = m["output_token_throughput"]
             out[f"{n}_duration_s"] = m["duration_s"]
         elif workload.startswith("shared_prefix"):

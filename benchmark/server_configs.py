@@ -19,9 +19,40 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 from benchmark.server_process import free_port, stop, wait_ready
 from benchmark.suite import model_config
+
+
+def prompt_flags(tokenizer: str | None) -> list[str]:
+    """serve_bench's prompt flags: text through `tokenizer`, else token ids."""
+    # A dummy model's server without a tokenizer streams chunks of empty text: count them as tokens.
+    return ["--text", "--tokenizer", tokenizer] if tokenizer else ["--token-ids", "--empty-text-chunks"]
+
+
+def start_server(model: str, tokenizer: str | None, flags: list[str],
+                 log: IO[str]) -> tuple[subprocess.Popen, str, str | None]:
+    """A dummy-weight server of `model` with `flags`, warmed up: (process, base URL, None once ready,
+    else why not). Stop it with `server_process.stop`."""
+    port = free_port()
+    tok = ["--tokenizer", tokenizer] if tokenizer else []
+    proc = subprocess.Popen([sys.executable, "-m", "flashserve", "serve", "--load-format", "dummy", "--model",
+                             model, *tok, "--port", str(port), "--log-level", "warning",
+                             "--shutdown-timeout", "2", *flags],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    return proc, base, wait_ready(proc, base, time.monotonic() + 600, model_config(model)["vocab_size"])
+
+
+def bench(base: str, tokenizer: str | None, bench_args: list[str], label: str, out: Path) -> dict | None:
+    """One serve_bench run against `base`; its result JSON (None if it wrote none)."""
+    before = set(out.glob("*.json"))
+    subprocess.run([sys.executable, "-m", "benchmark.serve_bench", "--base-url", base, *prompt_flags(tokenizer),
+                    *bench_args, "--label", label, "--out-dir", str(out), "--no-summary", "--no-progress"],
+                   check=False)
+    new = sorted(set(out.glob("*.json")) - before)
+    return json.loads(new[-1].read_text()) if new else None
 
 
 def run_configs(model: str, tokenizer: str | None, configs: list[tuple[str, list[str]]], bench_args: list[str],
@@ -30,29 +61,15 @@ def run_configs(model: str, tokenizer: str | None, configs: list[tuple[str, list
     (None where the server did not come up)."""
     out.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "benchmark.floor", "--out", str(out / "rates.json")], check=False)
-    tok = ["--tokenizer", tokenizer] if tokenizer else []
-    # A dummy model's server without a tokenizer streams chunks of empty text: count them as tokens.
-    prompts = ["--text", *tok] if tokenizer else ["--token-ids", "--empty-text-chunks"]
     results = []
     for label, flags in configs:
-        port = free_port()
         result = None
         with open(out / f"server-{label}.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "flashserve", "serve", "--load-format", "dummy", "--model",
-                                     model, *tok, "--port", str(port), "--log-level", "warning",
-                                     "--shutdown-timeout", "2", *flags],
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc, base, error = start_server(model, tokenizer, flags, log)
             try:
-                base = f"http://127.0.0.1:{port}"
-                error = wait_ready(proc, base, time.monotonic() + 600, model_config(model)["vocab_size"])
                 print(label, "ready" if error is None else error, flush=True)
                 if error is None:
-                    before = set(out.glob("*.json"))
-                    subprocess.run([sys.executable, "-m", "benchmark.serve_bench", "--base-url", base, *prompts,
-                                    *bench_args, "--label", label, "--out-dir", str(out), "--no-summary",
-                                    "--no-progress"], check=False)
-                    new = sorted(set(out.glob("*.json")) - before)
-                    result = json.loads(new[-1].read_text()) if new else None
+                    result = bench(base, tokenizer, bench_args, label, out)
             finally:
                 stop(proc)
         results.append({"label": label, "flags": flags, "result": result})

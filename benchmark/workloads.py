@@ -14,7 +14,8 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 PromptKind = Literal["token_ids", "text"]
-WORKLOAD_NAMES: tuple[str, ...] = ("latency", "random", "goodput", "concurrency", "offline", "shared_prefix")
+WORKLOAD_NAMES: tuple[str, ...] = ("latency", "random", "goodput", "concurrency", "offline", "shared_prefix",
+                                   "max_throughput")
 
 # Words that are a single token (with their leading space) in the Llama, GPT and SmolLM vocabularies.
 COMMON_WORDS: tuple[str, ...] = tuple(
@@ -195,6 +196,8 @@ def build_phases(
         return concurrency_phases(spec, seed, concurrencies or (5, 10, 25, 50, 100), repeats or 3)
     if workload == "offline":
         return offline_phases(spec, seed, num_requests or 256)
+    if workload == "max_throughput":  # in 1024 +-50%, out 256 +-50%, all at once (SGLang bench_serving's defaults)
+        return [Phase(f"all{num_requests or 512}", random_requests(num_requests or 512, 1024, 256, 0.5, spec, seed))]
     if workload == "shared_prefix":  # --concurrency names the group counts here
         return shared_prefix_phases(spec, seed, concurrencies or (16,))
     raise ValueError(f"unknown workload {workload!r}; expected one of {WORKLOAD_NAMES}")

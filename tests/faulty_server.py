@@ -1,5 +1,8 @@
 """`python -m faulty_server serve ...`: flashserve whose model runner raises, like a CUDA error
-would, on a step holding a prompt that starts with FAULT_TOKEN. Only tests start it."""
+would, on a step holding a prompt that starts with FAULT_TOKEN. Only tests start it.
+
+The patch is made at import, not under `__main__`: the engine core is a spawned process, which
+imports this module (as `__mp_main__`) before it loads the model."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ def _faulty(launch: Any) -> Any:
     return launch_or_fail
 
 
+ModelRunner.launch = _faulty(ModelRunner.launch)  # type: ignore[method-assign]
+
 if __name__ == "__main__":
-    ModelRunner.launch = _faulty(ModelRunner.launch)  # type: ignore[method-assign]
     sys.exit(main())

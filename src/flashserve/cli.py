@@ -128,6 +128,14 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "where none is known or the template does not render tools (and with generic), the tools are shown "
            "to the model as text and its calls follow a generic format that a grammar enforces",
            ["auto", "llama3_json", "hermes", "mistral", "generic"]),
+    Option("--api-server-count", _positive_int, 1, "front-end processes (HTTP, tokenizing, detokenizing) "
+           "that share the port and feed the one engine core process"),
+    Option("--data-parallel-size", _positive_int, 1, "engine cores on this node, each with its own GPUs "
+           "(--tensor-parallel-size of them) and KV cache, behind the front ends; each request goes to the "
+           "engine with the longest cached prefix for it, then the least loaded (alias --dp)"),
+    Option("--data-parallel-routing", str, "prefix", "how front ends pick an engine core under "
+           "--data-parallel-size: prefix (longest cached prefix, then least load) or load (least load only)",
+           ["prefix", "load"]),
     Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "
            "(new ones get 503) before the rest end with an error"),
     Option("--ui", _bool, True, "the chat page at / (--no-ui: / answers 404)"),
@@ -139,7 +147,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
 SERVER_ONLY_FLAGS = frozenset({
     "--host", "--port", "--log-requests", "--access-log", "--max-waiting", "--queue-timeout", "--api-key",
     "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials", "--shutdown-timeout",
-    "--ui",
+    "--ui", "--api-server-count", "--data-parallel-size", "--data-parallel-routing",
 })
 
 RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag not in SERVER_ONLY_FLAGS) + (
@@ -182,6 +190,8 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
                        help="alias of --no-cuda-graph")
     serve.add_argument("--tp", dest="tensor_parallel_size", type=_positive_int, default=argparse.SUPPRESS,
                        help="alias of --tensor-parallel-size")
+    serve.add_argument("--dp", dest="data_parallel_size", type=_positive_int, default=argparse.SUPPRESS,
+                       help="alias of --data-parallel-size")
     batch = sub.add_parser(
         "run-batch", help="run a file of OpenAI batch requests (JSONL) offline",
         description="Run an OpenAI Batch API input file (one JSON request a line: custom_id, method, url, "
@@ -209,6 +219,9 @@ class ServeArgs:
     queue_timeout: float | None = None
     shutdown_timeout: float = 30.0
     access_log: bool = False
+    api_server_count: int = 1
+    data_parallel_size: int = 1  # engine cores, each on GPUs of its own
+    data_parallel_routing: str = "prefix"  # prefix | load
 
 
 def to_configs(ns: argparse.Namespace) -> ServeArgs:
@@ -239,7 +252,8 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
     )
     return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
                      queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,
-                     access_log=ns.access_log)
+                     access_log=ns.access_log, api_server_count=ns.api_server_count,
+                     data_parallel_size=ns.data_parallel_size, data_parallel_routing=ns.data_parallel_routing)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,10 @@ def build_engine(
     cache: CacheConfig = CacheConfig(),
     scheduler: SchedulerConfig = SchedulerConfig(),
     cuda_graph: bool = True,
+    detokenize: bool = True,
 ) -> EngineStack:
+    """detokenize=False: the engine sees token ids only and leaves text and stop strings to its
+    caller (the server's front ends)."""
     from flashserve.model.runner import build_runner  # torch is imported here, not at package import
 
     if model.tensor_parallel_size > 1:  # this process is rank 0; the workers start here
@@ -71,7 +74,8 @@ def build_engine(
     kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching)
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
     overlap = scheduler.overlap_scheduling and runner.overlap_capable
-    engine = LLMEngine(sched, runner, loaded.tokenizer, vocab_size=loaded.vocab_size, overlap=overlap)
+    tokenizer = loaded.tokenizer if detokenize else None
+    engine = LLMEngine(sched, runner, tokenizer, vocab_size=loaded.vocab_size, overlap=overlap)
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
 
 
@@ -108,6 +112,11 @@ class LLM:
     """Offline generation without HTTP: `LLM(model).generate(prompts, params)`."""
 
     def __init__(self, model: str = "", **kwargs: Any) -> None:
+        if kwargs.pop("data_parallel_size", 1) != 1:
+            # One engine in this process steps one batch at a time; several engine cores are
+            # processes of `flashserve serve`, behind its front ends' router.
+            raise ValueError("LLM runs one engine in this process: for data parallelism serve the model with "
+                             "`flashserve serve --data-parallel-size N` (or run one LLM per GPU)")
         cache_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
         sched_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
         cuda_graph = kwargs.pop("cuda_graph", True)

@@ -1,19 +1,32 @@
 """Prometheus metrics of one server, in a registry of its own (no global default registry).
 
-Two writers: the engine loop thread sets the engine's gauges and counters once per step
-(`record_step`), and the API records what clients see: time to first token, inter-token latency,
-end-to-end latency, finish reasons and errors (`RequestRecord`, `record_error`). prometheus-client's
-metrics are thread-safe, so both may write while `/metrics` renders.
+Two writers: the engine loop sets the engine's gauges and counters once per step (`record_step`),
+and the API records what clients see: time to first token, inter-token latency, end-to-end
+latency, finish reasons and errors (`RequestRecord`, `record_error`). prometheus-client's metrics
+are thread-safe, so both may write while `/metrics` renders.
+
+Under `flashserve serve` the writers are processes (the engine core, each front end):
+prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the supervisor before it
+starts them) keeps every process's figures in files of that directory, and `render` adds them up,
+so any front end's /metrics shows the engine's and all front ends' figures. The engine's gauges
+are written by the engine core only: the most recent value is the one shown. The engine's figures
+carry an `engine` label, one value per engine core of `--data-parallel-size` ("0" with one).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from flashserve.metrics_vllm import vllm_families
 
 # Seconds. Wide on purpose: a CPU server takes seconds per token, a GPU one milliseconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
@@ -46,27 +59,34 @@ class StepStats:
 
 
 class Metrics:
-    """The server's metrics. With `model_name`, also under vLLM's names (`metrics_vllm`), labelled
-    with it, for routers and autoscalers that read those."""
-
-    def __init__(self, model_name: str | None = None) -> None:
+    def __init__(self, engine: str = "0", model_name: str | None = None) -> None:
+        """`engine`: the label of the engine-side figures this process writes (its index among
+        the engine cores of `--data-parallel-size`; "0" with one). With `model_name`, `render`
+        shows every figure under vLLM's names too (`metrics_vllm`), labelled with it."""
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests_running = Gauge("flashserve_num_requests_running", "Requests in the running batch", registry=r)
-        self.requests_waiting = Gauge(
-            "flashserve_num_requests_waiting", "Requests queued for the engine (new or preempted)", registry=r)
-        self.kv_pages_used = Gauge("flashserve_kv_pages_used", "KV cache pages held by requests", registry=r)
-        self.kv_pages_free = Gauge("flashserve_kv_pages_free", "KV cache pages free (cached ones included)",
-                                   registry=r)
-        self.kv_pages_cached = Gauge("flashserve_kv_pages_cached",
-                                     "Free KV cache pages that still hold a reusable prefix", registry=r)
-        self.prefix_queries = Counter("flashserve_prefix_cache_queries", "Tokens looked up in the prefix cache",
-                                      registry=r)
-        self.prefix_hits = Counter("flashserve_prefix_cache_hits", "Tokens found in the prefix cache", registry=r)
-        self.preemptions = Counter("flashserve_num_preemptions", "Preemptions by recompute", registry=r)
-        self.prompt_tokens = Counter("flashserve_prompt_tokens", "Prompt tokens of requests that began generating "
-                                     "(prefix-cached ones included)", registry=r)
-        self.generation_tokens = Counter("flashserve_generation_tokens", "Tokens generated", registry=r)
+        # Gauges only an engine sets; under several processes the most recent value per engine
+        # label is shown. The engine's figures carry `engine="i"`, as vLLM's do.
+        labels = ["engine"]
+        gauge = functools.partial(Gauge, labelnames=labels, registry=r, multiprocess_mode="mostrecent")
+        counter = functools.partial(Counter, labelnames=labels, registry=r)
+        self.requests_running = gauge("flashserve_num_requests_running",
+                                      "Requests in the running batch").labels(engine)
+        self.requests_waiting = gauge("flashserve_num_requests_waiting",
+                                      "Requests queued for the engine (new or preempted)").labels(engine)
+        self.kv_pages_used = gauge("flashserve_kv_pages_used", "KV cache pages held by requests").labels(engine)
+        self.kv_pages_free = gauge("flashserve_kv_pages_free",
+                                   "KV cache pages free (cached ones included)").labels(engine)
+        self.kv_pages_cached = gauge("flashserve_kv_pages_cached",
+                                     "Free KV cache pages that still hold a reusable prefix").labels(engine)
+        self.prefix_queries = counter("flashserve_prefix_cache_queries",
+                                      "Tokens looked up in the prefix cache").labels(engine)
+        self.prefix_hits = counter("flashserve_prefix_cache_hits", "Tokens found in the prefix cache").labels(engine)
+        self.preemptions = counter("flashserve_num_preemptions", "Preemptions by recompute").labels(engine)
+        self.prompt_tokens = counter("flashserve_prompt_tokens", "Prompt tokens of requests that began generating "
+                                     "(prefix-cached ones included)").labels(engine)
+        self.generation_tokens = counter("flashserve_generation_tokens", "Tokens generated").labels(engine)
         self.ttft = Histogram("flashserve_time_to_first_token_seconds", "Time to first token, as the API saw it",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("flashserve_inter_token_latency_seconds", "Time between output tokens of a request",
@@ -79,10 +99,6 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter("flashserve_request_errors", "Error responses and error events by OpenAI error type",
                               ["type", "code"], registry=r)
-        if model_name is not None:
-            from flashserve.metrics_vllm import VllmNames
-
-            r.register(VllmNames(self, model_name))
 
     def record_step(self, stats: StepStats) -> None:
         self.requests_running.set(stats.num_running)
@@ -107,7 +123,25 @@ class Metrics:
         self.errors.labels(type, code or "").inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        registry = self.registry
+        if directory:  # every process's figures, this one's included
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, directory)
+        if self.model_name is None:
+            return generate_latest(registry)
+        families = list(registry.collect())
+        return generate_latest(_Families(families + vllm_families(families, self.model_name)))
+
+
+class _Families:
+    """Families already collected, in the shape `generate_latest` reads."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
 
 
 def observe_repeated(histogram: Histogram, value: float, count: int) -> None:

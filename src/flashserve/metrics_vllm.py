@@ -5,35 +5,32 @@ Extension's endpoint picker (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_p
 production-stack router and its Grafana dashboards. Served always, not behind a flag: they cost a
 few lines of text per scrape, and a flag would be one more thing to get wrong when deploying.
 
-Nothing is counted twice: the collector reads the server's own metric objects when scraped and
-renames their samples (`flashserve_prompt_tokens_total` -> `vllm:prompt_tokens_total`), adding the
-`model_name` label that vLLM's metrics carry.
+Nothing is counted twice: at each scrape the families `/metrics` is about to show (this process's,
+or every process's under `flashserve serve`) are renamed (`flashserve_prompt_tokens_total` ->
+`vllm:prompt_tokens_total`), with the `model_name` label that vLLM's metrics carry added.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections import defaultdict
+from typing import Iterable
 
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from flashserve.metrics import Metrics
-
-# vLLM's name -> the attribute of `Metrics` that holds the same figure.
+# Our family's name -> vLLM's.
 RENAMED = {
-    "vllm:num_requests_running": "requests_running",
-    "vllm:num_requests_waiting": "requests_waiting",
-    "vllm:num_preemptions": "preemptions",
-    "vllm:prefix_cache_queries": "prefix_queries",
-    "vllm:prefix_cache_hits": "prefix_hits",
-    "vllm:prompt_tokens": "prompt_tokens",
-    "vllm:generation_tokens": "generation_tokens",
-    "vllm:request_success": "finished",
-    "vllm:time_to_first_token_seconds": "ttft",
-    "vllm:inter_token_latency_seconds": "itl",
-    "vllm:e2e_request_latency_seconds": "e2e",
-    "vllm:request_queue_time_seconds": "queue_time",
+    "flashserve_num_requests_running": "vllm:num_requests_running",
+    "flashserve_num_requests_waiting": "vllm:num_requests_waiting",
+    "flashserve_num_preemptions": "vllm:num_preemptions",
+    "flashserve_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "flashserve_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "flashserve_prompt_tokens": "vllm:prompt_tokens",
+    "flashserve_generation_tokens": "vllm:generation_tokens",
+    "flashserve_requests_finished": "vllm:request_success",
+    "flashserve_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "flashserve_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "flashserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "flashserve_request_queue_time_seconds": "vllm:request_queue_time_seconds",
 }
 # vLLM's labels where ours are named otherwise.
 LABELS = {"finish_reason": "finished_reason"}
@@ -42,37 +39,31 @@ LABELS = {"finish_reason": "finished_reason"}
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
-class VllmNames(Collector):
-    """Collects `metrics`' figures under vLLM's names, labelled with the served model's name."""
-
-    def __init__(self, metrics: Metrics, model_name: str) -> None:
-        self.metrics = metrics
-        self.model_name = model_name
-
-    def collect(self) -> Iterator[Metric]:
-        for name, attribute in RENAMED.items():
-            for family in getattr(self.metrics, attribute).collect():
-                yield self._renamed(family, name)
-        used = _value(self.metrics.kv_pages_used)
-        total = used + _value(self.metrics.kv_pages_free)
-        for name in KV_USAGE:
-            gauge = GaugeMetricFamily(name, "KV cache usage, 1 means full", labels=["model_name"])
-            gauge.add_metric([self.model_name], used / total if total else 0.0)
-            yield gauge
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())  # names are only known when collected; don't let the registry collect early
-
-    def _renamed(self, family: Metric, name: str) -> Metric:
-        renamed = Metric(name, family.documentation, family.type, family.unit)
-        for sample in family.samples:
-            labels = {LABELS.get(k, k): v for k, v in sample.labels.items()}
-            labels["model_name"] = self.model_name
-            renamed.add_sample(name + sample.name[len(family.name):], labels, sample.value, sample.timestamp,
-                               sample.exemplar)
-        return renamed
+def vllm_families(families: Iterable[Metric], model_name: str) -> list[Metric]:
+    """`families` (as a registry collects them) under vLLM's names, labelled `model_name`."""
+    out: list[Metric] = []
+    pages: dict[str, dict[tuple, float]] = {"used": defaultdict(float), "free": defaultdict(float)}
+    for family in families:
+        if family.name in RENAMED:
+            out.append(_renamed(family, RENAMED[family.name], model_name))
+        for kind in pages:
+            if family.name == f"flashserve_kv_pages_{kind}":
+                for sample in family.samples:  # per engine, where there are several
+                    pages[kind][tuple(sorted(sample.labels.items()))] += sample.value
+    for name in KV_USAGE:
+        gauge = GaugeMetricFamily(name, "KV cache usage, 1 means full")
+        for labels in pages["used"].keys() | pages["free"].keys():
+            used, total = pages["used"][labels], pages["used"][labels] + pages["free"][labels]
+            gauge.add_sample(name, {**dict(labels), "model_name": model_name}, used / total if total else 0.0)
+        out.append(gauge)
+    return out
 
 
-def _value(gauge: object) -> float:
-    samples = [sample for family in gauge.collect() for sample in family.samples]  # type: ignore[attr-defined]
-    return samples[0].value if samples else 0.0
+def _renamed(family: Metric, name: str, model_name: str) -> Metric:
+    renamed = Metric(name, family.documentation, family.type, family.unit)
+    for sample in family.samples:
+        labels = {LABELS.get(k, k): v for k, v in sample.labels.items()}
+        labels["model_name"] = model_name
+        renamed.add_sample(name + sample.name[len(family.name):], labels, sample.value, sample.timestamp,
+                           sample.exemplar)
+    return renamed

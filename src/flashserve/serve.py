@@ -1,10 +1,11 @@
-"""`flashserve serve`: load the model, start the engine loop, serve HTTP with uvicorn.
+"""`flashserve serve`: the engine core in a process of its own, uvicorn and the app in front-end
+processes (`flashserve.entrypoints`); here, the front end's rules for its life.
 
 Shutdown on SIGTERM (or Ctrl+C) is graceful: the server keeps listening but answers new requests
 with 503, lets the running ones finish for up to `--shutdown-timeout` seconds, ends the rest with
 an error, then stops and exits 0. A second signal stops at once.
 
-If the engine loop dies (a CUDA error poisons the process; nothing more can run on it), every open
+If the engine core dies (a CUDA error poisons the process; nothing more can run on it), every open
 request ends with an error, the server stops and the process exits 1, so that its supervisor
 (Docker's restart policy, systemd, Kubernetes) starts a fresh one.
 """
@@ -91,34 +92,12 @@ def stop_when_dead(server: Any, state: Any) -> Callable[[str], None]:
     return on_dead
 
 
-async def serve(args: ServeArgs) -> int:
-    """Serves until shutdown; returns the process's exit code."""
-    import uvicorn
-
-    from flashserve.server_stack import build_server, load_engine
-
-    built = build_server(args, load_engine(args))
-    engine, app, state = built.engine, built.app, built.state
-    config = uvicorn.Config(
-        app, host=args.server.host, port=args.server.port, log_level=args.server.log_level,
-        access_log=args.access_log, timeout_graceful_shutdown=5,
-    )
-    server: Any = None
-    server = graceful_server(config, lambda: drain(server, state, engine, args.shutdown_timeout))
-    engine.on_dead = stop_when_dead(server, state)
-    engine.start()
-    try:
-        await server.serve()
-    finally:
-        engine.shutdown()
-    logger.info("stopped")
-    return EXIT_ENGINE_DIED if engine.dead_reason is not None else 0
-
-
 def run_serve(args: ServeArgs) -> None:
     logging.basicConfig(
         level=args.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    code = asyncio.run(serve(args))
+    from flashserve.entrypoints.serve import run
+
+    code = run(args)
     if code:
         sys.exit(code)

@@ -38,12 +38,13 @@ class ServerStack:
     state: ServerState
 
 
-def load_engine(args: ServeArgs) -> EngineStack:
-    """Load the model and build the synchronous engine (torch is imported here)."""
+def load_engine(args: ServeArgs, detokenize: bool = True) -> EngineStack:
+    """Load the model and build the synchronous engine (torch is imported here); `detokenize=False`
+    for an engine that leaves text and stop strings to its front ends."""
     from flashserve.llm import build_engine
 
     t0 = time.perf_counter()
-    stack = build_engine(args.model, args.cache, args.scheduler, cuda_graph=args.cuda_graph)
+    stack = build_engine(args.model, args.cache, args.scheduler, cuda_graph=args.cuda_graph, detokenize=detokenize)
     loaded = stack.loaded
     logger.info(
         "model %s ready in %.1f s: %s on %s, max_model_len %d, KV cache %d pages x %d tokens, step budget %d tokens",

@@ -403,6 +403,11 @@ class GrammarCompiler:
         found = self._lookup(spec)
         return found if isinstance(found, XGrammar) else found.result()
 
+    def submit(self, spec: GrammarSpec) -> XGrammar | concurrent.futures.Future[XGrammar]:
+        """The compiled grammar for `spec` if cached, else a future of it (compiling in a worker
+        thread), for a caller that must not block (the engine core's loop)."""
+        return self._lookup(spec)
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 

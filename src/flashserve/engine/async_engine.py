@@ -22,8 +22,9 @@ from flashserve.engine.client import EngineOverloaded
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.streams import Abort, Add, OutputStreams, error_output
-from flashserve.metrics import Metrics, StepStats
+from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
+from flashserve.engine.streams import Abort, Add, OutputStreams
+from flashserve.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,7 @@ class AsyncEngine(OutputStreams):
         self._thread: threading.Thread | None = None
         self._stop = False
         self._dead: str | None = None
-        # Engine-loop only: ids scheduled at least once and not finished (for queue times).
-        self._scheduled: set[str] = set()
-        # Scheduler counters (preemptions, prefix-cache queries and hits) as of the last metrics.
-        self._counters_seen = (0, 0, 0)
+        self._recorder = StepRecorder(engine, metrics)  # engine-loop only
 
     # ---- event-loop side -------------------------------------------------------------------
     def start(self) -> None:
@@ -134,7 +132,7 @@ class AsyncEngine(OutputStreams):
                     inbox, self._inbox = self._inbox, []
                 start = time.monotonic()
                 outputs = self._apply(inbox)
-                outputs.extend(self._expire(start))
+                outputs.extend(expire(self.engine, self.queue_timeout, start))
                 generated = 0
                 if self.engine.has_unfinished:
                     outputs.extend(self.engine.step())
@@ -152,71 +150,15 @@ class AsyncEngine(OutputStreams):
                     pass
 
     def _apply(self, inbox: list[Add | Abort]) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        for item in inbox:
-            if isinstance(item, Abort):
-                aborted = self.engine.abort(item.request_id, item.error)
-                if aborted is not None:
-                    outputs.append(aborted)
-                continue
-            try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.group,
-                                        item.cache_salt, item.stream)
-            except Exception as exc:
-                outputs.append(error_output(item.request_id, len(item.prompt_token_ids), str(exc)))
-        return outputs
-
-    def _expire(self, now: float) -> list[RequestOutput]:
-        """Abort requests never scheduled `queue_timeout` seconds after they arrived."""
-        if self.queue_timeout is None:
-            return []
-        expired: list[str] = []
-        # New requests join the back in arrival order; preempted ones (already served once,
-        # never expired) go to the front. So the first young new request ends the scan.
-        for request in self.engine.scheduler.waiting:
-            if request.num_preemptions:
-                continue
-            if now - request.arrival_time < self.queue_timeout:
-                break
-            expired.append(request.request_id)
-        message = (f"the request waited more than {self.queue_timeout:g} s to be scheduled; "
-                   "the server is overloaded, retry later")
-        outputs = [self.engine.abort(rid, message) for rid in expired]
+        outputs = [apply_abort(self.engine, item) if isinstance(item, Abort) else apply_add(self.engine, item)
+                   for item in inbox]
         return [out for out in outputs if out is not None]
 
     def _record(self, outputs: list[RequestOutput], step_start: float, generation_tokens: int = 0) -> None:
-        """Publish the queue length for `generate()` and this step's numbers to the metrics
-        (`generation_tokens`: the step's output tokens, those held for requests not streamed included)."""
-        scheduler = self.engine.scheduler
+        """Publish the queue length for `generate()` and this step's numbers to the metrics."""
         with self._wakeup:
-            self._num_waiting = scheduler.num_waiting + sum(isinstance(i, Add) for i in self._inbox)
-        if self.metrics is None:
-            return
-        queue_times: list[float] = []
-        for request in scheduler.running:
-            if request.request_id not in self._scheduled:
-                self._scheduled.add(request.request_id)
-                queue_times.append(step_start - request.arrival_time)
-        prompt_tokens = 0
-        for out in outputs:
-            n = len(out.new_token_ids)
-            if n and out.num_output_tokens == n:  # its first tokens: its prompt was prefilled
-                prompt_tokens += out.num_prompt_tokens
-            if out.finished:
-                if n and out.request_id not in self._scheduled:  # scheduled and done in one step
-                    queue_times.append(step_start - out.arrival_time)
-                self._scheduled.discard(out.request_id)
-        kv_cache, prefix = scheduler.kv_cache, scheduler.prefix_cache
-        counters = (scheduler.num_preemptions, prefix.num_queries, prefix.num_hits)
-        preemptions, queries, hits = (now - seen for now, seen in zip(counters, self._counters_seen))
-        self._counters_seen = counters
-        self.metrics.record_step(StepStats(
-            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
-            kv_pages_used=kv_cache.num_used_pages, kv_pages_free=kv_cache.num_free_pages,
-            kv_pages_cached=kv_cache.num_cached_pages, num_preemptions=preemptions,
-            prefix_cache_queries=queries, prefix_cache_hits=hits, num_prompt_tokens=prompt_tokens,
-            num_generation_tokens=generation_tokens, queue_times=queue_times,
-        ))
+            self._num_waiting = self.engine.scheduler.num_waiting + sum(isinstance(i, Add) for i in self._inbox)
+        self._recorder.record(outputs, step_start, generation_tokens)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None

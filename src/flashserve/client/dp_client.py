@@ -1,0 +1,81 @@
+"""`DataParallelClient`: the `EngineClient` of a front end over the N engine cores of
+`--data-parallel-size N`, one `EngineCoreClient` (and one pipe) per engine core.
+
+Each request goes, whole, to the engine `PrefixRouter` picks (`client/router.py`): its outputs,
+aborts and stop strings then stay with that engine's client. The engine cores share nothing; when
+any one dies, this front end fails every open request, on every engine, and stops (`on_dead`), as
+with one engine: the server exits non-zero and its supervisor starts a fresh one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from flashserve.client.core_client import EngineCoreClient
+from flashserve.client.router import PrefixRouter
+from flashserve.engine.outputs import RequestOutput
+from flashserve.sampling_params import SamplingParams
+
+
+class DataParallelClient:
+    def __init__(self, clients: Sequence[EngineCoreClient], router: PrefixRouter) -> None:
+        self.clients = list(clients)
+        self.router = router
+        self.max_model_len = self.clients[0].max_model_len
+        self.vocab_size = self.clients[0].vocab_size
+        self._on_dead: Callable[[str], None] | None = None
+
+    @property
+    def on_dead(self) -> Callable[[str], None] | None:
+        return self._on_dead
+
+    @on_dead.setter
+    def on_dead(self, callback: Callable[[str], None] | None) -> None:
+        self._on_dead = callback
+        for client in self.clients:
+            client.on_dead = self._engine_died
+
+    def _engine_died(self, reason: str) -> None:
+        """One engine core is gone: the requests on the others fail too, and the server stops."""
+        for client in self.clients:
+            client._fail_all(reason)  # noqa: SLF001 (one client's failure is the whole server's)
+        if self._on_dead is not None:
+            self._on_dead(reason)
+            self._on_dead = None
+
+    def start(self) -> None:
+        for client in self.clients:
+            client.start()
+
+    def shutdown(self) -> None:
+        for client in self.clients:
+            client.shutdown()
+
+    def is_healthy(self) -> bool:
+        return all(client.is_healthy() for client in self.clients)
+
+    @property
+    def dead_reason(self) -> str | None:
+        return next((c.dead_reason for c in self.clients if c.dead_reason is not None), None)
+
+    @property
+    def num_streams(self) -> int:
+        return sum(client.num_streams for client in self.clients)
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
+        cache_salt: str | None = None, stream: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        loads = [client.num_streams for client in self.clients]
+        engine = self.router.choose(prompt_token_ids, cache_salt, loads)
+        return self.clients[engine].generate(request_id, prompt_token_ids, params, group, cache_salt, stream)
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        for client in self.clients:
+            if request_id in client._streams:  # noqa: SLF001 (the engine that runs it)
+                client.abort(request_id, error)
+                return
+
+    def abort_all(self, error: str) -> None:
+        for client in self.clients:
+            client.abort_all(error)

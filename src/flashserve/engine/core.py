@@ -1,0 +1,207 @@
+"""The engine core's busy loop: an `LLMEngine` fed by one or more front ends over pipes.
+
+Each front end holds one end of a duplex pipe; the engine core reads what they sent between steps
+(new requests, aborts), runs a step, and sends each front end ONE message per step with the
+outputs of its own requests (`client/codec.py`). It sees token ids only: detokenizing and stop
+strings are the front ends' (a stop string found there comes back as an abort).
+
+A request's grammar arrives as a spec; the engine core compiles it in the compiler's threads, and
+the request joins the engine once it is compiled, so that a compilation never stalls the step loop.
+
+A front end that goes away (its pipe reads EOF or refuses a write) loses its requests, which are
+aborted and free their pages; the others go on. When the step loop itself fails (a device error),
+every front end gets a `Dead` and `run` returns the reason: the process exits non-zero then.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+from flashserve.client.codec import PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, Hello, StepOutputs, recv, send
+from flashserve.engine.engine import LLMEngine
+from flashserve.engine.heap import existing_objects_frozen
+from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
+from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.streams import Abort, error_output
+from flashserve.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+# While grammars compile and nothing runs: how long to wait for messages before checking again.
+COMPILE_POLL_SECONDS = 0.002
+
+
+class EngineCore:
+    """`compile_grammar(spec)` returns a compiled grammar or a concurrent Future of one."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        setup: EngineSetup,
+        compile_grammar: Callable[[Any], Any] | None = None,
+        metrics: Metrics | None = None,
+        queue_timeout: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.setup = setup
+        self.compile_grammar = compile_grammar
+        self.queue_timeout = queue_timeout
+        self._recorder = StepRecorder(engine, metrics)
+        self._conns: list[Connection] = []
+        self._owner: dict[str, Connection] = {}  # request id -> the front end it answers
+        self._compiling: list[tuple[AddRequest, Connection, Any]] = []  # (request, front end, future)
+        self._waiting_sent: dict[Connection, int] = {}  # the queue length each front end last heard
+
+    def connect(self, conn: Connection) -> bool:
+        """The handshake with one front end: its Hello, then the setup (or a Dead on a version
+        mismatch); False if it did not come through."""
+        try:
+            hello = recv(conn)
+            if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
+                send(conn, Dead(f"front end speaks {hello!r}; this engine core speaks version {PROTOCOL_VERSION}"))
+                return False
+            send(conn, self.setup)
+        except (EOFError, OSError):
+            return False
+        self._conns.append(conn)
+        self._waiting_sent[conn] = 0
+        return True
+
+    def run(self) -> str | None:
+        """Serves until every front end is gone (returns None) or the step loop fails (returns why)."""
+        with existing_objects_frozen():
+            while self._conns:
+                start = time.monotonic()
+                outputs = self._receive(wait_for=self._idle_wait())
+                outputs += self._admit_compiled()
+                outputs += expire(self.engine, self.queue_timeout, start)
+                generated = 0
+                if self.engine.has_unfinished:
+                    try:
+                        outputs += self.engine.step()
+                    except Exception as exc:  # the loop died: every front end hears it
+                        logger.exception("engine loop died")
+                        return self._die(f"engine loop died: {exc!r}")
+                    generated = self.engine.num_step_tokens
+                self._recorder.record(outputs, start, generated)
+                self._deliver(outputs)
+        return None
+
+    def _idle_wait(self) -> float | None:
+        if self.engine.has_unfinished:
+            return 0.0
+        return COMPILE_POLL_SECONDS if self._compiling else None
+
+    # ---- from the front ends -------------------------------------------------------------------
+    def _receive(self, wait_for: float | None) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for conn in wait(self._conns, wait_for):
+            try:
+                while conn.poll():
+                    out = self._apply(conn, recv(conn))
+                    if out is not None:
+                        outputs.append(out)
+            except (EOFError, OSError):
+                self._drop(conn)
+        return outputs
+
+    def _apply(self, conn: Connection, message: Any) -> RequestOutput | None:
+        if isinstance(message, Abort):
+            out = apply_abort(self.engine, message)
+            if out is None:  # unknown to the engine: finished already, or its grammar still compiles
+                self._owner.pop(message.request_id, None)
+            return out
+        if not isinstance(message, AddRequest):
+            logger.warning("ignoring an unexpected message from a front end: %r", type(message).__name__)
+            return None
+        add = message.add
+        self._owner[add.request_id] = conn
+        if message.grammar_spec is None:
+            return apply_add(self.engine, add)
+        if self.compile_grammar is None:
+            return error_output(add.request_id, len(add.prompt_token_ids), "this engine compiles no grammars")
+        try:
+            compiled = self.compile_grammar(message.grammar_spec)
+        except Exception as exc:
+            return error_output(add.request_id, len(add.prompt_token_ids), f"grammar compilation failed: {exc}")
+        if isinstance(compiled, concurrent.futures.Future):
+            self._compiling.append((message, conn, compiled))
+            return None
+        return apply_add(self.engine, add, replace(add.params, grammar=compiled))
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        if not self._compiling:
+            return []
+        outputs: list[RequestOutput] = []
+        still: list[tuple[AddRequest, Connection, Any]] = []
+        for message, conn, future in self._compiling:
+            add = message.add
+            if conn not in self._waiting_sent or add.request_id not in self._owner:  # gone, or aborted meanwhile
+                continue
+            if not future.done():
+                still.append((message, conn, future))
+                continue
+            try:
+                grammar = future.result()
+            except Exception as exc:
+                outputs.append(error_output(add.request_id, len(add.prompt_token_ids),
+                                            f"grammar compilation failed: {exc}"))
+                continue
+            out = apply_add(self.engine, add, replace(add.params, grammar=grammar))
+            if out is not None:
+                outputs.append(out)
+        self._compiling = still
+        return outputs
+
+    def _drop(self, conn: Connection) -> None:
+        """A front end is gone: abort its requests, forget it."""
+        if conn not in self._waiting_sent:
+            return
+        num_open = sum(owner is conn for owner in self._owner.values())
+        logger.log(logging.WARNING if num_open else logging.INFO,
+                   "a front end went away; aborting its %d requests", num_open)
+        self._conns.remove(conn)
+        del self._waiting_sent[conn]
+        for request_id in [rid for rid, owner in self._owner.items() if owner is conn]:
+            del self._owner[request_id]
+            self.engine.abort(request_id)
+        conn.close()
+
+    # ---- to the front ends ---------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """One message per front end that has outputs, or whose idea of the queue length is stale."""
+        by_conn: dict[Connection, list[RequestOutput]] = {}
+        owner = self._owner
+        for out in outputs:
+            conn = owner.pop(out.request_id, None) if out.finished else owner.get(out.request_id)
+            if conn is not None:
+                by_conn.setdefault(conn, []).append(out)
+        # Grammars still compiling count as waiting: they are in the engine's queue for the client.
+        num_waiting = self.engine.scheduler.num_waiting + len(self._compiling)
+        for conn in list(self._conns):
+            mine = by_conn.get(conn)
+            if mine is None and self._waiting_sent[conn] == num_waiting:
+                continue
+            self._waiting_sent[conn] = num_waiting
+            try:
+                send(conn, StepOutputs(mine or [], num_waiting))
+            except OSError:
+                self._drop(conn)
+
+    def _die(self, reason: str) -> str:
+        for conn in self._conns:
+            try:
+                send(conn, Dead(reason))
+            except OSError:
+                pass
+        return reason
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        self._conns.clear()

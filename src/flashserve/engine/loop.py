@@ -1,0 +1,90 @@
+"""What every engine loop does besides stepping, whether it runs in a thread of the server
+(`AsyncEngine`) or in a process of its own (`engine/core.py`): apply the inbox, end requests that
+waited too long for their first schedule, and publish each step's numbers to the metrics."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from flashserve.engine.engine import LLMEngine
+from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.streams import Abort, Add, error_output
+from flashserve.metrics import Metrics, StepStats
+
+
+def apply_add(engine: LLMEngine, add: Add, params: Any = None) -> RequestOutput | None:
+    """Queue `add` (with `params` instead of its own, when given); an error output if the engine
+    refuses it (that request fails alone)."""
+    try:
+        engine.add_request(add.request_id, add.prompt_token_ids, params if params is not None else add.params,
+                           add.group, add.cache_salt, add.stream)
+    except Exception as exc:
+        return error_output(add.request_id, len(add.prompt_token_ids), str(exc))
+    return None
+
+
+def apply_abort(engine: LLMEngine, abort: Abort) -> RequestOutput | None:
+    return engine.abort(abort.request_id, abort.error)
+
+
+def expire(engine: LLMEngine, queue_timeout: float | None, now: float) -> list[RequestOutput]:
+    """Abort requests never scheduled `queue_timeout` seconds after they arrived."""
+    if queue_timeout is None:
+        return []
+    expired: list[str] = []
+    # New requests join the back in arrival order; preempted ones (already served once, never
+    # expired) go to the front. So the first young new request ends the scan.
+    for request in engine.scheduler.waiting:
+        if request.num_preemptions:
+            continue
+        if now - request.arrival_time < queue_timeout:
+            break
+        expired.append(request.request_id)
+    message = (f"the request waited more than {queue_timeout:g} s to be scheduled; "
+               "the server is overloaded, retry later")
+    outputs = [engine.abort(rid, message) for rid in expired]
+    return [out for out in outputs if out is not None]
+
+
+class StepRecorder:
+    """Publishes each loop turn's numbers to `metrics` (engine-loop only)."""
+
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        # Ids scheduled at least once and not finished (for queue times).
+        self._scheduled: set[str] = set()
+        # Scheduler counters (preemptions, prefix-cache queries and hits) as of the last record.
+        self._counters_seen = (0, 0, 0)
+
+    def record(self, outputs: Sequence[RequestOutput], step_start: float, generation_tokens: int = 0) -> None:
+        """`generation_tokens`: the step's output tokens, those held for requests not streamed included."""
+        if self.metrics is None:
+            return
+        scheduler = self.engine.scheduler
+        queue_times: list[float] = []
+        for request in scheduler.running:
+            if request.request_id not in self._scheduled:
+                self._scheduled.add(request.request_id)
+                queue_times.append(step_start - request.arrival_time)
+        prompt_tokens = 0
+        for out in outputs:
+            n = len(out.new_token_ids)
+            if n and out.num_output_tokens == n:  # its first tokens: its prompt was prefilled
+                prompt_tokens += out.num_prompt_tokens
+            if out.finished:
+                if n and out.request_id not in self._scheduled:  # scheduled and done in one step
+                    queue_times.append(step_start - out.arrival_time)
+                self._scheduled.discard(out.request_id)
+        kv_cache, prefix = scheduler.kv_cache, scheduler.prefix_cache
+        counters = (scheduler.num_preemptions, prefix.num_queries, prefix.num_hits)
+        preemptions, queries, hits = (now - seen for now, seen in zip(counters, self._counters_seen))
+        self._counters_seen = counters
+        self.metrics.record_step(StepStats(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            kv_pages_used=kv_cache.num_used_pages, kv_pages_free=kv_cache.num_free_pages,
+            kv_pages_cached=kv_cache.num_cached_pages, num_preemptions=preemptions,
+            prefix_cache_queries=queries, prefix_cache_hits=hits, num_prompt_tokens=prompt_tokens,
+            num_generation_tokens=generation_tokens, queue_times=queue_times,
+        ))
+

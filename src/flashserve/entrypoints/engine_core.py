@@ -1,0 +1,114 @@
+"""The engine core process of `flashserve serve`: load the model, then run `engine.core.EngineCore`
+for the front ends at the other ends of its pipes until they are all gone.
+
+Exit codes: 0 once every front end is gone (or on SIGTERM); 1 when the model did not load or the
+step loop died (a device error poisons the whole process: a fresh one must take over).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from flashserve.client.codec import PROTOCOL_VERSION, Dead, EngineSetup, recv, send
+from flashserve.entrypoints.processes import ENGINE_CORE_NAME, become_child
+
+logger = logging.getLogger("flashserve")
+
+EXIT_ENGINE_DIED = 1
+
+
+@dataclass
+class CoreParts:
+    """What a loader hands the engine core: the engine (without a tokenizer: it sees ids only),
+    what the front ends are told, a grammar compiler (spec -> grammar or a Future of one) and
+    what to call at the end (stops tensor-parallel workers)."""
+
+    engine: Any  # engine.engine.LLMEngine
+    setup: EngineSetup
+    compile_grammar: Callable[[Any], Any] | None
+    close: Callable[[], None]
+
+
+def load_serve_core(args: Any) -> CoreParts:
+    """The engine of `flashserve serve` for `args` (a `cli.ServeArgs`)."""
+    from flashserve.server_stack import load_engine
+
+    stack = load_engine(args, detokenize=False)
+    loaded = stack.loaded
+    compiler = None
+
+    def compile_grammar(spec: Any) -> Any:
+        nonlocal compiler
+        if compiler is None:  # built on the first grammar: the token table takes a moment
+            from flashserve.api.structured import GrammarCompiler
+
+            compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        return compiler.submit(spec)
+
+    setup = EngineSetup(PROTOCOL_VERSION, loaded.tokenizer, loaded.name, stack.max_model_len,
+                        tuple(loaded.eos_token_ids), loaded.vocab_size)
+    return CoreParts(stack.engine, setup, compile_grammar, stack.close)
+
+
+class _Stop(BaseException):
+    """SIGTERM: leave the loop wherever it is."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise _Stop
+
+
+def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection],
+         queue_timeout: float | None, log_level: str, engine_index: int = 0, name: str = ENGINE_CORE_NAME) -> None:
+    """The process's target: `load(load_arg)` builds the engine; `conns` lead to the front ends.
+    `engine_index`: this engine core's index under `--data-parallel-size` (its metrics' label)."""
+    become_child(name, log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the core stops
+    signal.signal(signal.SIGTERM, _stop)
+    parts: CoreParts | None = None
+    code = 0
+    try:
+        try:
+            parts = load(load_arg)
+        except Exception as exc:
+            logger.exception("the model did not load")
+            _tell_all(conns, Dead(f"the model did not load: {exc!r}"))
+            code = EXIT_ENGINE_DIED
+            return
+        code = serve_front_ends(parts, conns, queue_timeout, engine_index)
+    except _Stop:
+        logger.info("engine core stopping")
+    finally:
+        if parts is not None:
+            parts.close()
+        for conn in conns:
+            conn.close()
+        sys.exit(code)
+
+
+def serve_front_ends(parts: CoreParts, conns: list[Connection], queue_timeout: float | None,
+                     engine_index: int = 0) -> int:
+    from flashserve.engine.core import EngineCore
+    from flashserve.metrics import Metrics
+
+    core = EngineCore(parts.engine, parts.setup, parts.compile_grammar, Metrics(str(engine_index)), queue_timeout)
+    for conn in conns:
+        if not core.connect(conn):
+            logger.warning("a front end did not connect")
+    dead = core.run()
+    core.close()
+    return EXIT_ENGINE_DIED if dead is not None else 0
+
+
+def _tell_all(conns: list[Connection], message: Any) -> None:
+    for conn in conns:
+        try:
+            recv(conn)  # its Hello
+            send(conn, message)
+        except (EOFError, OSError):
+            pass

@@ -1,0 +1,167 @@
+"""`--data-parallel-size 2` on the CPU: two engine cores behind one front end, on a small dummy
+model. Requests spread over both; requests sharing a prefix go to one; each engine's pages come
+back; one engine core killed takes the server down, leaving nothing behind. The router's rules are
+tested on their own first, without processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from flashserve.client.router import BALANCE_SLACK, PrefixRouter
+from flashserve.entrypoints.serve import core_devices
+from live_server import live_server
+from production_helpers import metric
+from test_production_one_request import dummy_args, model_config  # noqa: F401  (a fixture)
+from test_production_processes import Server, assert_nothing_left, children_of
+
+PAGE = 16
+PREFIX = list(range(10, 10 + 4 * PAGE))  # four full pages
+
+
+# ---- the router ----------------------------------------------------------------------------------
+def test_requests_without_a_shared_prefix_alternate_between_idle_engines() -> None:
+    router = PrefixRouter(2, PAGE)
+    assert [router.choose([i, i + 1, i + 2], None, [0, 0]) for i in range(4)] == [0, 1, 0, 1]
+
+
+def test_a_request_goes_to_the_engine_that_has_its_prefix() -> None:
+    router = PrefixRouter(2, PAGE)
+    first = router.choose(PREFIX + [1], None, [0, 0])
+    assert all(router.choose(PREFIX + [i], None, [0, 0]) == first for i in range(2, 6))
+
+
+def test_among_equal_prefixes_the_least_loaded_engine_wins() -> None:
+    router = PrefixRouter(3, PAGE)
+    assert router.choose([1, 2, 3], None, [4, 1, 2]) == 1
+
+
+def test_a_prefix_does_not_pull_requests_past_the_balance_slack() -> None:
+    router = PrefixRouter(2, PAGE)
+    first = router.choose(PREFIX, None, [0, 0])
+    loads = [0, 0]
+    loads[first] = BALANCE_SLACK + 1
+    assert router.choose(PREFIX + [1], None, loads) == 1 - first
+
+
+def test_a_different_cache_salt_is_a_different_prefix() -> None:
+    router = PrefixRouter(2, PAGE)
+    first = router.choose(PREFIX, "alice", [0, 0])
+    assert router.choose(PREFIX, "bob", [0, 0]) == 1 - first
+
+
+def test_load_routing_ignores_prefixes() -> None:
+    router = PrefixRouter(2, PAGE, prefix_routing=False)
+    assert [router.choose(PREFIX, None, [0, 0]) for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_the_record_of_an_engine_forgets_its_oldest_pages() -> None:
+    router = PrefixRouter(1, PAGE, record_pages=4)
+    router.choose(PREFIX, None, [0])
+    router.choose(list(range(500, 500 + 2 * PAGE)), None, [0])
+    hashes: list[bytes] = []
+    router._hasher.extend(hashes, PREFIX)
+    assert router.matched_pages(0, hashes) == 0  # its first two pages went first
+
+
+# ---- GPUs per engine core ------------------------------------------------------------------------
+def test_each_engine_core_gets_its_own_tensor_parallel_group_of_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert core_devices(2, 2, "auto") == ["4,5", "6,7"]
+    assert core_devices(2, 1, "cuda") == ["4", "5"]
+    assert core_devices(2, 1, "cpu") is None and core_devices(1, 4, "auto") is None
+
+
+def test_too_few_gpus_for_the_engine_cores_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(SystemExit, match="needs 4 GPUs"):
+        core_devices(2, 2, "cuda")
+
+
+# ---- a server with two engine cores --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_engines(model_config: str) -> Iterator[Server]:
+    with live_server(dummy_args(model_config, "--data-parallel-size", "2", "--page-size", str(PAGE))) as (url, proc):
+        kids = children_of(proc.pid)
+        environ = open(f"/proc/{kids['flashserve-dp0']}/environ", "rb").read().split(b"\0")
+        metrics_dir = next(v.split(b"=", 1)[1].decode() for v in environ
+                           if v.startswith(b"PROMETHEUS_MULTIPROC_DIR="))
+        yield Server(url, proc, kids, metrics_dir)
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 3, **extra: object) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            **extra}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def per_engine(url: str, name: str) -> list[float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return [metric(text, name, engine=str(e)) for e in range(2)]
+
+
+def test_two_engine_cores_run_in_processes_of_their_own(two_engines: Server) -> None:
+    assert {"flashserve-dp0", "flashserve-dp1", "flashserve-api0"} <= set(two_engines.children)
+
+
+def test_requests_spread_over_both_engines(two_engines: Server) -> None:
+    before = per_engine(two_engines.url, "flashserve_generation_tokens_total")
+    for i in range(6):
+        complete(two_engines.url, [100 + i, 3, 4])
+    after = per_engine(two_engines.url, "flashserve_generation_tokens_total")
+    assert [a - b for a, b in zip(after, before)] == [9, 9]
+
+
+def test_requests_sharing_a_prefix_go_to_one_engine(two_engines: Server) -> None:
+    before = per_engine(two_engines.url, "flashserve_generation_tokens_total")
+    for i in range(6):
+        complete(two_engines.url, [7, *PREFIX, 200 + i])
+    grew = [a - b for a, b in zip(per_engine(two_engines.url, "flashserve_generation_tokens_total"), before)]
+    assert sorted(grew) == [0, 18]
+    hits = per_engine(two_engines.url, "flashserve_prefix_cache_hits_total")
+    assert hits[grew.index(18)] >= 5 * len(PREFIX)  # the later five found the prefix cached there
+
+
+def test_every_page_of_both_engines_comes_back(two_engines: Server) -> None:
+    threads = [threading.Thread(target=complete, args=(two_engines.url, [1 + i] * 40, 8)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert per_engine(two_engines.url, "flashserve_kv_pages_used") == [0, 0]
+    assert per_engine(two_engines.url, "flashserve_num_requests_running") == [0, 0]
+
+
+def test_killing_one_engine_core_fails_open_requests_and_exits_non_zero_leaving_nothing(two_engines: Server) -> None:
+    events: list[list[str]] = [[], []]
+    started = threading.Semaphore(0)
+
+    def stream(i: int) -> None:
+        body = {"model": "tiny", "prompt": [300 + i], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{two_engines.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    if not events[i]:
+                        started.release()
+                    events[i].append(line)
+
+    readers = [threading.Thread(target=stream, args=(i,)) for i in range(2)]  # one on each engine
+    for reader in readers:
+        reader.start()
+    for _ in readers:
+        assert started.acquire(timeout=60)
+    os.kill(two_engines.children["flashserve-dp1"], signal.SIGKILL)
+    for reader in readers:
+        reader.join(30)
+    assert two_engines.proc.wait(60) != 0  # type: ignore[attr-defined]
+    for lines in events:
+        assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][len("data: "):])
+    assert_nothing_left(two_engines)

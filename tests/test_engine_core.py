@@ -1,0 +1,179 @@
+"""The engine core and its front ends' client, in one process: the engine core's loop in a thread,
+each front end an `EngineCoreClient` on this event loop, a pipe between each (the same pipes and
+messages as `flashserve serve`'s processes), and the codec's messages round-tripping."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from multiprocessing import Pipe
+from typing import Any, Callable
+
+from test_engine import VOCAB, make_engine
+
+from flashserve.api.structured import GrammarSpec
+from flashserve.client.codec import (
+    PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, Hello, StepOutputs, decode, encode, recv, send,
+)
+from flashserve.client.core_client import EngineCoreClient
+from flashserve.engine.client import EngineDead, EngineOverloaded
+from flashserve.engine.core import EngineCore
+from flashserve.engine.engine import LLMEngine
+from flashserve.engine.outputs import RequestOutput, TokenLogprob
+from flashserve.engine.streams import Abort, Add
+from flashserve.sampling_params import SamplingParams
+
+
+def test_a_steps_messages_round_trip_through_the_codec():
+    params = SamplingParams(max_tokens=7, temperature=0.5, stop=("\n",), stop_token_ids=(2,), logit_bias=((5, 1.0),),
+                            logprobs=2, seed=3)
+    output = RequestOutput("r-0", [11, 12], "", False, None, 4, 2, arrival_time=1.5, num_cached_tokens=16,
+                           logprobs=[TokenLogprob(11, -0.1, ((11, -0.1), (9, -2.5))), TokenLogprob(12, -0.2)],
+                           prompt_logprobs=[None, TokenLogprob(3, -1.0)])
+    messages = [
+        Hello(PROTOCOL_VERSION, 1),
+        EngineSetup(PROTOCOL_VERSION, None, "m", 512, (2,), VOCAB),
+        AddRequest(Add("r-0", [1, 2, 3], params, group="g", cache_salt="s", stream=False),
+                   GrammarSpec("json", '{"type": "object"}', "response_format")),
+        Abort("r-0", "the server is shutting down"),
+        StepOutputs([output, RequestOutput("r-1", [], "", True, "length", 3, 9)], num_waiting=4),
+        Dead("engine loop died"),
+    ]
+    for message in messages:
+        assert decode(encode(message)) == message
+
+
+class CoreThread:
+    """An EngineCore serving `n` front-end pipes from a thread; `clients` made on the running loop."""
+
+    def __init__(self, engine: LLMEngine, n: int = 1, tokenizer: Any = None) -> None:
+        self.engine = engine
+        pairs = [Pipe(duplex=True) for _ in range(n)]
+        self.setup = EngineSetup(PROTOCOL_VERSION, tokenizer, "m", 512, (), VOCAB)
+        self.core = EngineCore(engine, self.setup)
+        self.front_conns = [b for _, b in pairs]
+        self.result: list[str | None] = []
+        for _, b in pairs:
+            send(b, Hello(PROTOCOL_VERSION, 0))
+
+        def run() -> None:
+            for a, _ in pairs:
+                assert self.core.connect(a)
+            self.result.append(self.core.run())
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        for b in self.front_conns:
+            assert isinstance(recv(b), EngineSetup)
+
+    def clients(self, **kw: Any) -> list[EngineCoreClient]:
+        made = [EngineCoreClient(conn, self.setup, **kw) for conn in self.front_conns]
+        for client in made:
+            client.start()
+        return made
+
+
+async def soon(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+    """Whether `condition` holds within `seconds` (it depends on the core thread's next turns)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def _collect(client: EngineCoreClient, rid: str, prompt: list[int], params: SamplingParams) -> list:
+    return [out async for out in client.generate(rid, prompt, params)]
+
+
+def test_two_front_ends_get_their_own_requests_tokens_each_step():
+    async def main() -> None:
+        core = CoreThread(make_engine([3, 4, 5]), n=2)
+        first, second = core.clients()
+        a, b = await asyncio.gather(_collect(first, "a", [1, 2], SamplingParams(max_tokens=3)),
+                                    _collect(second, "b", [7], SamplingParams(max_tokens=2)))
+        assert [t for o in a for t in o.new_token_ids] == [3, 4, 5] and a[-1].finish_reason == "length"
+        assert [t for o in b for t in o.new_token_ids] == [3, 4] and b[-1].finish_reason == "length"
+        for client in (first, second):
+            client.shutdown()
+        core.thread.join(5)
+        assert core.result == [None]  # every front end gone: the core ends normally
+
+    asyncio.run(main())
+
+
+def test_a_stop_string_found_by_the_front_end_ends_the_request_and_frees_its_pages(smollm2_tokenizer):
+    script = smollm2_tokenizer.encode(" Hello world. More text here.", add_special_tokens=False)
+
+    async def main() -> None:
+        core = CoreThread(make_engine(script), tokenizer=smollm2_tokenizer)
+        (client,) = core.clients()
+        outs = await _collect(client, "r", [1, 2, 3], SamplingParams(max_tokens=len(script), stop=(".",)))
+        assert "".join(o.new_text for o in outs) == " Hello world"
+        assert outs[-1].finish_reason == "stop"
+        # The abort reaches the core at its next loop turn.
+        assert await soon(lambda: core.engine.scheduler.kv_cache.num_used_pages == 0)
+        client.shutdown()
+        core.thread.join(5)
+
+    asyncio.run(main())
+
+
+def test_a_front_end_that_goes_away_loses_its_requests_and_the_other_is_served():
+    async def main() -> None:
+        core = CoreThread(make_engine([3] * 50, num_pages=64), n=2)
+        gone, staying = core.clients()
+        abandoned = gone.generate("gone", [1, 2], SamplingParams(max_tokens=500, ignore_eos=True))
+        await abandoned.__anext__()
+        gone._stop_reading()
+        gone._conn.close()  # as a killed process's pipe closes
+        outs = await _collect(staying, "stays", [5], SamplingParams(max_tokens=4))
+        assert outs[-1].finish_reason == "length"
+        assert await soon(lambda: not core.engine.has_unfinished)
+        assert core.engine.scheduler.kv_cache.num_used_pages == 0
+        staying.shutdown()
+        core.thread.join(5)
+
+    asyncio.run(main())
+
+
+def test_an_engine_core_whose_step_fails_fails_every_stream_and_reports_dead():
+    async def main() -> None:
+        engine = make_engine([3], fail_with=RuntimeError("device lost"))
+        core = CoreThread(engine)
+        reasons: list[str] = []
+        (client,) = core.clients(on_dead=reasons.append)
+        outs = await _collect(client, "r", [1], SamplingParams(max_tokens=2))
+        assert outs[-1].finish_reason == "error" and "device lost" in (outs[-1].error or "")
+        assert reasons and not client.is_healthy()
+        try:
+            await client.generate("later", [1], SamplingParams()).__anext__()
+        except EngineDead:
+            pass
+        else:
+            raise AssertionError("a dead engine core took a request")
+        core.thread.join(5)
+        assert core.result and "device lost" in (core.result[0] or "")
+
+    asyncio.run(main())
+
+
+def test_a_front_end_refuses_requests_past_max_waiting_as_the_engine_core_reported_it():
+    async def main() -> None:
+        core_end, front_end = Pipe(duplex=True)
+        client = EngineCoreClient(front_end, EngineSetup(PROTOCOL_VERSION, None, "m", 512, (), VOCAB), max_waiting=2)
+        client.start()
+        send(core_end, StepOutputs([], num_waiting=2))
+        await asyncio.sleep(0.05)  # the reader takes it
+        try:
+            await client.generate("r", [1], SamplingParams()).__anext__()
+        except EngineOverloaded:
+            pass
+        else:
+            raise AssertionError("max_waiting was not enforced")
+        assert not core_end.poll()  # nothing was sent
+        client.shutdown()
+
+    asyncio.run(main())

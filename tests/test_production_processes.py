@@ -1,0 +1,172 @@
+"""`flashserve serve`'s processes: a supervisor, one engine core, `--api-server-count` front ends on
+one port, on a small dummy model. Whatever ends the server, nothing is left behind: no process,
+no listening socket, no metrics directory.
+
+One server with two front ends for the first tests (the last of them kills its engine core), and
+one more for SIGTERM with streams open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from live_server import live_server
+from test_production_one_request import dummy_args, model_config  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Server:
+    url: str
+    proc: object
+    children: dict[str, int]  # process name (/proc/PID/comm) -> pid
+    metrics_dir: str
+    port: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+
+def children_of(pid: int) -> dict[str, int]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found[comm] = int(entry.name)
+    return found
+
+
+def serving(proc: object, url: str) -> Server:
+    pid = proc.pid  # type: ignore[attr-defined]
+    kids = children_of(pid)
+    core = kids["flashserve-core"]
+    environ = Path(f"/proc/{core}/environ").read_bytes().split(b"\0")
+    metrics_dir = next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"PROMETHEUS_MULTIPROC_DIR="))
+    return Server(url, proc, kids, metrics_dir)
+
+
+def assert_nothing_left(server: Server) -> None:
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{pid}").exists() for pid in server.children.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [name for name, pid in server.children.items() if Path(f"/proc/{pid}").exists()
+             and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+    assert not alive, f"left running: {alive}"
+    assert not os.path.exists(server.metrics_dir)
+    with socket.socket() as s:  # the port is free again
+        s.bind(("127.0.0.1", server.port))
+
+
+@pytest.fixture(scope="module")
+def two_front_ends(model_config: str) -> Iterator[Server]:
+    with live_server(dummy_args(model_config, "--api-server-count", "2")) as (url, proc):
+        yield serving(proc, url)
+
+
+def complete(url: str, **extra: object) -> httpx.Response:
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def finished_requests(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("flashserve_requests_finished_total"))
+
+
+def test_the_engine_core_and_each_front_end_run_in_processes_of_their_own(two_front_ends: Server) -> None:
+    assert set(two_front_ends.children) >= {"flashserve-core", "flashserve-api0", "flashserve-api1"}
+
+
+def test_one_metrics_page_adds_up_every_front_end_and_the_engine(two_front_ends: Server) -> None:
+    before = finished_requests(two_front_ends.url)
+    for _ in range(8):  # each on a new connection, so both front ends take some
+        assert complete(two_front_ends.url).status_code == 200
+    text = httpx.get(f"{two_front_ends.url}/metrics", timeout=10).text
+    assert finished_requests(two_front_ends.url) == before + 8
+    generated = [line for line in text.splitlines() if line.startswith("flashserve_generation_tokens_total")]
+    assert generated and float(generated[0].rsplit(" ", 1)[1]) >= 24  # the engine core's counter
+
+
+def test_killing_one_front_end_leaves_the_other_serving(two_front_ends: Server) -> None:
+    os.kill(two_front_ends.children["flashserve-api1"], signal.SIGKILL)
+    time.sleep(0.5)
+    for _ in range(4):
+        r = complete(two_front_ends.url)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert two_front_ends.proc.poll() is None  # type: ignore[attr-defined]
+
+
+def test_killing_the_engine_core_fails_open_requests_and_exits_non_zero_leaving_nothing(two_front_ends: Server) -> None:
+    events: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{two_front_ends.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    os.kill(two_front_ends.children["flashserve-core"], signal.SIGKILL)
+    reader.join(30)
+    code = two_front_ends.proc.wait(60)  # type: ignore[attr-defined]
+    assert code != 0
+    assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][len("data: "):])
+    assert_nothing_left(two_front_ends)
+
+
+def test_sigterm_with_streams_open_drains_both_front_ends_and_leaves_nothing(model_config: str) -> None:
+    env = {"FLASHSERVE_SHUTDOWN_TIMEOUT": "120"}
+    with live_server(dummy_args(model_config, "--api-server-count", "2"), env=env) as (url, proc):
+        server = serving(proc, url)
+        results: list[list[str]] = []
+        opened = threading.Semaphore(0)
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 30, "ignore_eos": True, "stream": True}
+            events: list[str] = []
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        if not events:
+                            opened.release()
+                        events.append(line)
+            results.append(events)
+
+        readers = [threading.Thread(target=stream) for _ in range(4)]
+        for reader in readers:
+            reader.start()
+        for _ in readers:
+            assert opened.acquire(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(120)
+        assert proc.wait(60) == 0
+    assert len(results) == 4
+    for events in results:  # every stream ran to its end
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert_nothing_left(server)
