@@ -36,6 +36,10 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
+    import os
+    if os.environ.get("APIS_BASE"):
+        yield os.environ["APIS_BASE"]
+        return
     args = ["--tool-call-parser", "hermes", "--responses-store-max-entries", str(STORE_SIZE)]
     with live_server(args) as (base, _proc):
         yield base
@@ -66,7 +70,7 @@ def test_a_stream_sends_the_events_in_order_and_the_same_text(server: str) -> No
     whole = client(server).responses.create(**kwargs)
     with client(server).responses.stream(**kwargs) as stream:
         events = list(stream)
-        final = stream.get_final_response()
+    final = events[-1].response  # response.completed, or response.incomplete at max_output_tokens
     types = [e.type for e in events]
     assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from flashserve.api.errors import APIError, invalid
 
 # A chat field's errors are reported under the Messages field it came from.
-CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
+                          "response_format": "output_config.format"}
 
 # HTTP status -> Anthropic's error type.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -44,6 +45,7 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": ...}}
     # Known, not implemented: a 400 when set.
     thinking: dict[str, Any] | None = None
     mcp_servers: list[Any] | None = None
@@ -55,6 +57,7 @@ def unsupported_field(req: MessagesRequest) -> str | None:
         ("thinking", req.thinking is not None and req.thinking.get("type") != "disabled"),
         ("mcp_servers", bool(req.mcp_servers)),
         ("container", req.container is not None),
+        ("output_config.effort", (req.output_config or {}).get("effort") is not None),
     ]
     return next((name for name, bad in checks if bad), None)
 
@@ -158,10 +161,20 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | No
                   "tool_choice")
 
 
+def chat_response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise invalid('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
+
+
 def chat_fields(req: MessagesRequest) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "messages": chat_messages(req), "model": req.model, "max_completion_tokens": req.max_tokens,
         "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
         "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice), "stream": req.stream,
+        "response_format": chat_response_format(req.output_config),
     }
     return {k: v for k, v in fields.items() if v is not None}

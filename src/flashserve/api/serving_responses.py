@@ -30,7 +30,9 @@ def _id(prefix: str) -> str:
 
 def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     cached = chat_usage["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+    # cache_write_tokens counts OpenAI's explicit cache writes; this server's prefix cache is implicit.
+    details = {"cached_tokens": cached, "cache_write_tokens": 0}
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": details,
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 
