@@ -28,10 +28,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    import os
-    if os.environ.get("APIS_BASE"):
-        yield os.environ["APIS_BASE"]
-        return
     with live_server(["--tool-call-parser", "hermes", "--api-key", KEY]) as (base, _proc):
         yield base
 

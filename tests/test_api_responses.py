@@ -36,10 +36,6 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    import os
-    if os.environ.get("APIS_BASE"):
-        yield os.environ["APIS_BASE"]
-        return
     args = ["--tool-call-parser", "hermes", "--responses-store-max-entries", str(STORE_SIZE)]
     with live_server(args) as (base, _proc):
         yield base

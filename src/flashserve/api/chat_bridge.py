@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Union
 
+import orjson
 from fastapi import Request
 from pydantic import ValidationError
 
@@ -59,6 +60,11 @@ class Finished:
 
 
 ChatEvent = Union[TextDelta, CallStart, ArgumentsDelta, Finished, APIError]  # an APIError ends the stream
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    """A server-sent event named by its type, as both Responses and Messages streams send them."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 def chat_request(fields: dict[str, Any]) -> p.ChatCompletionRequest:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashserve.api.errors import APIError, invalid
+from flashserve.api.errors import invalid, unsupported
 
 # A chat field's errors are reported under the Messages field it came from.
 CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
@@ -60,10 +60,6 @@ def unsupported_field(req: MessagesRequest) -> str | None:
         ("output_config.effort", (req.output_config or {}).get("effort") is not None),
     ]
     return next((name for name, bad in checks if bad), None)
-
-
-def unsupported(field: str, why: str = "") -> APIError:
-    return invalid(f"{field} is not supported by this server{why}", field, code="unsupported_parameter")
 
 
 def _text(blocks: Any, where: str, param: str) -> str:

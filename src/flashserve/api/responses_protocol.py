@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashserve.api.errors import APIError, invalid
+from flashserve.api.errors import invalid, unsupported
 
 # A chat field's errors are reported under the Responses field it came from.
 CHAT_TO_RESPONSES_PARAM = {
@@ -62,10 +62,6 @@ def unsupported_field(req: ResponsesRequest) -> str | None:
         ("truncation", req.truncation == "auto"),
     ]
     return next((name for name, bad in checks if bad), None)
-
-
-def unsupported(field: str, why: str = "") -> APIError:
-    return invalid(f"{field} is not supported by this server{why}", field, code="unsupported_parameter")
 
 
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from flashserve.api import chat_bridge as bridge
 from flashserve.api import messages_protocol as mp
 from flashserve.api.choices import json_arguments
+from flashserve.api.errors import unsupported
 from flashserve.api.streaming import CLIENT_CLOSED, ClientGone, SSEResponse
 
 MESSAGES_PATHS = frozenset({"/v1/messages", "/messages"})
@@ -60,10 +61,6 @@ def _content(message: dict[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
-
-
 class MessagesServing:
     def __init__(self, serving: Any) -> None:
         self.serving = serving  # the chat endpoint's `_OpenAIServing`
@@ -72,7 +69,7 @@ class MessagesServing:
         arrival = time.monotonic()
         field = mp.unsupported_field(body)
         if field is not None:
-            raise mp.unsupported(field)
+            raise unsupported(field)
         chat = bridge.chat_request(mp.chat_fields(body))
         plan = await bridge.plan(self.serving, chat, mp.CHAT_TO_MESSAGES_PARAM)
         try:
@@ -98,17 +95,17 @@ class MessagesServing:
         message_delta (stop reason, output tokens), message_stop."""
         start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
                  "usage": _usage(run.usage(), output_tokens=0)}
-        yield _sse({"type": "message_start", "message": start})
-        yield _sse({"type": "ping"})
+        yield bridge.sse_event({"type": "message_start", "message": start})
+        yield bridge.sse_event({"type": "ping"})
         index = -1  # the open block's
         kind: str | None = None  # its type
         text = ""
 
         def begin(block: dict[str, Any]) -> list[bytes]:
             nonlocal index, kind
-            out = [_sse({"type": "content_block_stop", "index": index})] if kind is not None else []
+            out = [bridge.sse_event({"type": "content_block_stop", "index": index})] if kind is not None else []
             index, kind = index + 1, block["type"]
-            return out + [_sse({"type": "content_block_start", "index": index, "content_block": block})]
+            return out + [bridge.sse_event({"type": "content_block_start", "index": index, "content_block": block})]
 
         async for ev in run.events():
             if isinstance(ev, bridge.TextDelta):
@@ -116,23 +113,23 @@ class MessagesServing:
                     for chunk in begin({"type": "text", "text": ""}):
                         yield chunk
                 text += ev.text
-                yield _sse({"type": "content_block_delta", "index": index,
+                yield bridge.sse_event({"type": "content_block_delta", "index": index,
                             "delta": {"type": "text_delta", "text": ev.text}})
             elif isinstance(ev, bridge.CallStart):
                 for chunk in begin({"type": "tool_use", "id": ev.call_id, "name": ev.name, "input": {}}):
                     yield chunk
             elif isinstance(ev, bridge.ArgumentsDelta):
-                yield _sse({"type": "content_block_delta", "index": index,
+                yield bridge.sse_event({"type": "content_block_delta", "index": index,
                             "delta": {"type": "input_json_delta", "partial_json": ev.text}})
             elif isinstance(ev, bridge.Finished):
                 if kind is not None:
-                    yield _sse({"type": "content_block_stop", "index": index})
+                    yield bridge.sse_event({"type": "content_block_stop", "index": index})
                 reason, sequence = _stop(ev.reason, text, ev.token_ids, body.stop_sequences, self.serving.tokenizer)
-                yield _sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                yield bridge.sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                             "usage": {"output_tokens": ev.usage["completion_tokens"]}})
-                yield _sse({"type": "message_stop"})
+                yield bridge.sse_event({"type": "message_stop"})
             else:  # an APIError ends the stream
-                yield _sse(mp.anthropic_error(ev.status_code, ev.message))
+                yield bridge.sse_event(mp.anthropic_error(ev.status_code, ev.message))
 
 
 class AnthropicErrors:

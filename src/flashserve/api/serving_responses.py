@@ -12,14 +12,13 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
 from flashserve.api import chat_bridge as bridge
 from flashserve.api import responses_protocol as rp
-from flashserve.api.errors import APIError
+from flashserve.api.errors import APIError, unsupported
 from flashserve.api.response_store import MissingResponse, ResponseStore, StoredResponse
 from flashserve.api.streaming import CLIENT_CLOSED, ClientGone, SSEResponse
 
@@ -56,10 +55,6 @@ def _output(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
     return items
 
 
-def _sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
-
-
 class ResponsesServing:
     def __init__(self, serving: Any, store: ResponseStore) -> None:
         self.serving = serving  # the chat endpoint's `_OpenAIServing`
@@ -69,7 +64,7 @@ class ResponsesServing:
         arrival = time.monotonic()
         field = rp.unsupported_field(body)
         if field is not None:
-            raise rp.unsupported(field)
+            raise unsupported(field)
         items = rp.input_items(body)
         history = self._history(body.previous_response_id)
         chat = bridge.chat_request(rp.chat_fields(body, rp.chat_messages(history + items, body.instructions)))
@@ -151,7 +146,7 @@ class ResponsesServing:
         def event(kind: str, **fields: Any) -> bytes:
             nonlocal seq
             seq += 1
-            return _sse({"type": kind, "sequence_number": seq - 1, **fields})
+            return bridge.sse_event({"type": kind, "sequence_number": seq - 1, **fields})
 
         yield event("response.created", response=response)
         yield event("response.in_progress", response=response)
