@@ -67,3 +67,8 @@ async def test_a_bad_text_format_is_a_400_naming_the_responses_field(tokenizer: 
     r = await post(FakeEngine(), tokenizer, "/v1/responses",
                    {"model": MODEL, "input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
+
+
+async def test_a_bad_max_output_tokens_is_a_400_naming_the_responses_field(tokenizer: Any) -> None:
+    r = await post(FakeEngine(), tokenizer, "/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"

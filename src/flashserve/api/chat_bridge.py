@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Union
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Union
 
 import orjson
 from fastapi import Request
@@ -77,11 +78,12 @@ def chat_request(fields: dict[str, Any]) -> p.ChatCompletionRequest:
         raise invalid(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), where or None) from None
 
 
-async def plan(serving: _OpenAIServing, body: p.ChatCompletionRequest, params: Mapping[str, str]) -> ChatPlan:
-    """The chat endpoint's plan for `body`, with the chat field names of its errors renamed to the
-    translated API's (`params`: chat field -> that API's field)."""
+@contextmanager
+def fields_named(params: Mapping[str, str]) -> Iterator[None]:
+    """Errors raised inside (by the chat endpoint's checks and the engine's parameter checks) name
+    the translated API's fields rather than chat's (`params`: chat field -> that API's field)."""
     try:
-        return await serving.plan_chat(body)
+        yield
     except InvalidParameter as exc:
         raise invalid(str(exc), params.get(exc.param or "", exc.param)) from None
     except APIError as exc:

@@ -71,9 +71,10 @@ class MessagesServing:
         if field is not None:
             raise unsupported(field)
         chat = bridge.chat_request(mp.chat_fields(body))
-        plan = await bridge.plan(self.serving, chat, mp.CHAT_TO_MESSAGES_PARAM)
         try:
-            run = await bridge.ChatRun.start(self.serving, raw, chat, plan, arrival)
+            with bridge.fields_named(mp.CHAT_TO_MESSAGES_PARAM):
+                plan = await self.serving.plan_chat(chat)
+                run = await bridge.ChatRun.start(self.serving, raw, chat, plan, arrival)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         head = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": plan.model}

@@ -68,9 +68,10 @@ class ResponsesServing:
         items = rp.input_items(body)
         history = self._history(body.previous_response_id)
         chat = bridge.chat_request(rp.chat_fields(body, rp.chat_messages(history + items, body.instructions)))
-        plan = await bridge.plan(self.serving, chat, rp.CHAT_TO_RESPONSES_PARAM)
         try:
-            run = await bridge.ChatRun.start(self.serving, raw, chat, plan, arrival)
+            with bridge.fields_named(rp.CHAT_TO_RESPONSES_PARAM):
+                plan = await self.serving.plan_chat(chat)
+                run = await bridge.ChatRun.start(self.serving, raw, chat, plan, arrival)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         response = self._response(body, plan.model)
