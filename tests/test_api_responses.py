@@ -7,6 +7,7 @@ answer then is text. Tool calls are forced with tool_choice "required" or a name
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
@@ -193,6 +194,8 @@ def test_an_agents_sdk_agent_with_a_function_tool_runs_to_completion(server: str
     # "required" forces the first call; the SDK then resets tool_choice, so the next turn answers.
     agent = Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
                   model=model, model_settings=ModelSettings(tool_choice="required", max_tokens=40, temperature=0))
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    # A loop of its own, closed and unset on return: Runner.run_sync leaves a closed loop behind as the
+    # thread's event loop, which the next module's anyio tests then failed on ("Event loop is closed").
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
     assert len(calls) == 1
     assert isinstance(result.final_output, str) and result.final_output
