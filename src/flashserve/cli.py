@@ -46,6 +46,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more: {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -136,6 +143,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--data-parallel-routing", str, "prefix", "how front ends pick an engine core under "
            "--data-parallel-size: prefix (longest cached prefix, then least load) or load (least load only)",
            ["prefix", "load"]),
+    Option("--responses-store-max-entries", _count, 1000, "most responses the Responses API keeps for "
+           "previous_response_id and GET /v1/responses/{id}, in this process's memory (lost on restart, not "
+           "shared between processes); past it the least recently used go first; 0: none are kept"),
+    Option("--responses-store-max-age", _positive_float, 3600.0, "seconds a stored response is kept after "
+           "it was last created or read"),
     Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "
            "(new ones get 503) before the rest end with an error"),
     Option("--ui", _bool, True, "the chat page at / (--no-ui: / answers 404)"),
@@ -148,6 +160,7 @@ SERVER_ONLY_FLAGS = frozenset({
     "--host", "--port", "--log-requests", "--access-log", "--max-waiting", "--queue-timeout", "--api-key",
     "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials", "--shutdown-timeout",
     "--ui", "--api-server-count", "--data-parallel-size", "--data-parallel-routing",
+    "--responses-store-max-entries", "--responses-store-max-age",
 })
 
 RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag not in SERVER_ONLY_FLAGS) + (
@@ -249,6 +262,8 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         allow_credentials=ns.allow_credentials, max_body_bytes=ns.max_body_bytes, log_requests=ns.log_requests,
         max_sequences_per_request=ns.max_sequences_per_request, tool_call_parser=ns.tool_call_parser,
         ui=ns.ui,
+        responses_store_max_entries=ns.responses_store_max_entries,
+        responses_store_max_age_s=ns.responses_store_max_age,
     )
     return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
                      queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,

@@ -59,6 +59,11 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, INVALID_REQUEST, param, code)
 
 
+def unsupported(field: str, why: str = "") -> APIError:
+    """A 400 for a field this server knows but does not implement, naming it."""
+    return invalid(f"{field} is not supported by this server{why}", field, code="unsupported_parameter")
+
+
 def engine_dead(message: str = "the engine is not running") -> APIError:
     return APIError(503, message, UNAVAILABLE, code="engine_dead")
 

@@ -93,9 +93,12 @@ class GuardMiddleware:
     def _refusal(self, scope: Scope) -> APIError | None:
         if self.keys:
             auth = _header(scope, b"authorization")
-            if auth is None or not auth.lower().startswith(b"bearer "):
+            if auth is not None and auth.lower().startswith(b"bearer "):
+                given: bytes | None = auth[len(b"bearer "):].strip()
+            else:
+                given = _header(scope, b"x-api-key")  # how Anthropic's clients send the key
+            if given is None:
                 return APIError(401, MISSING_KEY, AUTHENTICATION, headers={"WWW-Authenticate": "Bearer"})
-            given = auth[len(b"bearer "):].strip()
             # Compare with every key, so the time taken says nothing about which one nearly matched.
             matches = [hmac.compare_digest(given, key) for key in self.keys]
             if not any(matches):

@@ -29,12 +29,20 @@ class APIOptions:
     # api/tools/render.py, which is also used where no format is known or the template shows no tools.
     tool_call_parser: str | None = "auto"
     ui: bool = True  # the chat page at / (api/ui.py)
+    # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id}): in this
+    # process's memory, at most this many (0: none stored), each dropped this long after its last use.
+    responses_store_max_entries: int = 1000
+    responses_store_max_age_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.max_sequences_per_request < 1:
             raise ValueError(f"max_sequences_per_request must be positive, got {self.max_sequences_per_request}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.responses_store_max_entries < 0:
+            raise ValueError(f"responses_store_max_entries must be zero or more, got {self.responses_store_max_entries}")
+        if not self.responses_store_max_age_s > 0:
+            raise ValueError(f"responses_store_max_age_s must be positive, got {self.responses_store_max_age_s}")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must not be empty")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, Sequence
 
 from fastapi import FastAPI, Request
@@ -44,6 +45,9 @@ from flashserve.api.streaming import (
 from flashserve.api.structured import spec_from_request
 from flashserve.api.tools.render import TemplateSupport, template_support
 from flashserve.api.ui import add_ui
+from flashserve.api.response_store import ResponseStore
+from flashserve.api.serving_messages import AnthropicErrors, MessagesServing
+from flashserve.api.serving_responses import ResponsesServing
 from flashserve.engine.client import EngineClient
 from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
 from flashserve.sampling_params import SamplingParams
@@ -51,6 +55,17 @@ from flashserve.sampling_params import SamplingParams
 
 def _model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """What one chat request hands the engine: its prompt ids, grammar and tool mode."""
+
+    request_id: str
+    model: str
+    prompt: list[int]
+    grammar: Any
+    tools: ToolMode | None
 
 
 class _OpenAIServing:
@@ -94,6 +109,13 @@ class _OpenAIServing:
     # ---- endpoints -----------------------------------------------------------------------------
     async def chat(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
+        plan = await self.plan_chat(body)
+        return await self._generate(raw, body, plan.request_id, plan.model, [plan.prompt], chat=True,
+                                    arrival=arrival, grammar=plan.grammar, tools=plan.tools)
+
+    async def plan_chat(self, body: p.ChatCompletionRequest) -> ChatPlan:
+        """A chat request checked, rendered by the chat template and its grammar compiled: what the
+        chat endpoint and the endpoints translated onto it (Responses, Messages) hand the engine."""
         model = self._check(body)
         if self.tokenizer is None:
             raise invalid("chat completions need a tokenizer; this server runs without one", "messages")
@@ -119,8 +141,7 @@ class _OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if self.options.log_requests:
             request_logger.info("request %s: messages=%r", request_id, conversation)
-        return await self._generate(raw, body, request_id, model, [prompt], chat=True, arrival=arrival,
-                                    grammar=grammar, tools=tools)
+        return ChatPlan(request_id, model, prompt, grammar, tools)
 
     async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
@@ -341,6 +362,19 @@ class _JSONRoute(APIRoute):
         return route
 
 
+def _add_translated_routes(app: FastAPI, serving: _OpenAIServing, options: APIOptions) -> None:
+    """The APIs translated onto the chat endpoint: OpenAI's Responses, Anthropic's Messages."""
+    store = ResponseStore(options.responses_store_max_entries, options.responses_store_max_age_s)
+    responses, messages = ResponsesServing(serving, store), MessagesServing(serving)
+    for prefix in ("/v1", ""):
+        app.add_api_route(f"{prefix}/responses", responses.create, methods=["POST"], response_model=None)
+        app.add_api_route(f"{prefix}/responses/{{response_id}}", responses.retrieve, methods=["GET"],
+                          response_model=None)
+        app.add_api_route(f"{prefix}/responses/{{response_id}}", responses.delete, methods=["DELETE"],
+                          response_model=None)
+        app.add_api_route(f"{prefix}/messages", messages.create, methods=["POST"], response_model=None)
+
+
 def build_app(
     engine: EngineClient,
     tokenizer: Any,
@@ -371,6 +405,7 @@ def build_app(
         app.add_api_route(f"{prefix}/models", serving.models, methods=["GET"], response_model=None)
         # `path`: model ids such as meta-llama/Llama-3.1-8B-Instruct hold slashes.
         app.add_api_route(f"{prefix}/models/{{model_id:path}}", serving.model, methods=["GET"], response_model=None)
+    _add_translated_routes(app, serving, options)
     app.add_api_route("/health", serving.health, methods=["GET"], response_model=None)
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"], response_model=None, include_in_schema=False)
     if options.ui:
@@ -378,6 +413,7 @@ def build_app(
     # Added last, so outermost: the guard sees requests before routing, CORS answers preflights
     # (which carry no API key) before the guard.
     app.add_middleware(GuardMiddleware, options=options, state=state, metrics=metrics)
+    app.add_middleware(AnthropicErrors)  # outside the guard: its refusals on /v1/messages too
     if options.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=list(options.allowed_methods),
