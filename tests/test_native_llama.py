@@ -49,10 +49,15 @@ def hf_model(config: Any) -> torch.nn.Module:
     return model.eval()
 
 
-def native_teacher_forced(model: LlamaModel, seqs: list[list[int]], schedule: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
-    """Runs each step's chunks [a, b) of every listed sequence; returns logits per sequence and position."""
+def native_teacher_forced(
+    model: LlamaModel, seqs: list[list[int]], schedule: list[list[tuple[int, int]]], backend: Any = None
+) -> list[torch.Tensor]:
+    """Runs each step's chunks [a, b) of every listed sequence; returns logits per sequence and
+    position. backend: one of NUM_PAGES pages of PAGE tokens (default: the float32 reference)."""
     spec = model.spec
-    backend = TorchAttentionBackend(spec.num_layers, NUM_PAGES, PAGE, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
+    if backend is None:
+        backend = TorchAttentionBackend(spec.num_layers, NUM_PAGES, PAGE, spec.num_kv_heads, spec.head_dim,
+                                        torch.float32, "cpu")
     pool = torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(1)).tolist()
     pages = [[pool.pop() for _ in range((len(s) + PAGE - 1) // PAGE)] for s in seqs]
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
