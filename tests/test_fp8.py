@@ -10,13 +10,11 @@ unquantized by the config's ignore list.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from flashserve.layers.fp8 import FP8_DTYPE, dequantize_weight, quantize_rows_torch, quantize_weight_per_channel
@@ -24,63 +22,11 @@ from flashserve.layers.quantization import ProjectionLoader, UnsupportedQuantiza
 from flashserve.model.llama import LlamaModel, LlamaSpec, WeightMismatchError
 from flashserve.parallel.checkpoint import read_llama_shard
 from flashserve.parallel.sharding import ShardLayout
+from fp8_checkpoints import PROJECTIONS, ct_config, with_quantization, write_fp8_checkpoint
 from test_native_llama import SMALL, hf_model, native_teacher_forced
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SEQS = [[3, 17, 40, 2, 9, 100, 33, 7, 81, 5, 6, 12, 200, 150, 1, 8, 44, 45, 46], [11, 12, 13, 14, 15, 90, 91]]
 SCHEDULE = [[(0, 16), (0, 5)], [(16, 17), (5, 7)], [(17, 18), (7, 7)], [(18, 19), (7, 7)]]
-
-
-def ct_config(weights: str, dynamic: bool, ignore: list[str] | None = None) -> dict[str, Any]:
-    """compressed-tensors' quantization_config, as llm-compressor writes it for FP8 schemes."""
-    args = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None}
-    return {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {**args, "strategy": weights, "dynamic": False},
-            "input_activations": {**args, "strategy": "token" if dynamic else "tensor", "dynamic": dynamic},
-        }},
-        "ignore": ["lm_head"] + (ignore or []), "kv_cache_scheme": None,
-    }  # fmt: skip
-
-
-def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = w.abs().max().float() / 448.0
-    return (w.float() / scale).to(FP8_DTYPE), scale.reshape(1)
-
-
-def write_fp8_checkpoint(
-    tmp: Path, hf: torch.nn.Module, config: LlamaConfig, qconfig: dict[str, Any], per_channel: bool,
-    scale_dtype: torch.dtype = torch.float32, static_input: bool = False, skip: tuple[str, ...] = (),
-) -> tuple[Path, torch.nn.Module]:  # fmt: skip
-    """The checkpoint directory, and a float32 copy of `hf` holding the dequantized weights."""
-    reference = copy.deepcopy(hf)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, p in hf.state_dict().items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.endswith(PROJECTIONS) and not module.endswith(skip):
-            if per_channel:
-                q, s = quantize_weight_per_channel(p)
-                s = s.to(scale_dtype)
-                tensors[module + ".weight_scale"] = s.reshape(-1, 1)
-            else:
-                q, s = quantize_per_tensor(p)
-                tensors[module + ".weight_scale"] = s.to(scale_dtype)
-            tensors[name] = q
-            if static_input:
-                tensors[module + ".input_scale"] = torch.tensor([0.05])
-            reference.get_parameter(name).data.copy_(dequantize_weight(q, s.float().reshape(-1).expand(q.shape[0]),
-                                                                        torch.float32))
-        elif name != "lm_head.weight" or not config.tie_word_embeddings:
-            tensors[name] = p.detach().clone().contiguous()
-    save_file(tensors, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps({**config.to_dict(), "quantization_config": qconfig}))
-    return tmp, reference
-
-
-def with_quantization(config: LlamaConfig, qconfig: dict[str, Any]) -> LlamaConfig:
-    return LlamaConfig(**{**config.to_dict(), "quantization_config": qconfig})
 
 
 def assert_same_logits(a: LlamaModel, b: LlamaModel, atol: float = 1e-5) -> None:
@@ -203,3 +149,25 @@ def test_an_activation_bound_saturates_rows_beyond_it() -> None:
     q, scale = quantize_rows_torch(x, scale_ub=1200.0)
     assert float(scale) == pytest.approx(1200.0 / 448.0)
     assert float(q.float()[0, 1] * scale) == pytest.approx(-1200.0)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_an_fp8_linear_computes_the_product_of_its_quantized_operands(static: bool) -> None:
+    # Row-wise torch._scaled_mm also runs on a CPU: the layer's GEMM path, checked here on the
+    # same operands the GPU gets (tests/gpu/test_fp8_gpu.py measures the CUDA kernels).
+    from flashserve.layers.fp8 import quantize_static
+    from flashserve.layers.linear import Linear
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    w, bias = torch.randn(48, 64, generator=gen) * 0.05, torch.randn(48, generator=gen).bfloat16()
+    layer = Linear(48, 64, bias=True, fp8=True, static_input=static)
+    wq, ws = quantize_weight_per_channel(w)
+    input_scale = torch.tensor(x.float().abs().max().item() / 448.0) if static else None
+    layer.load_state_dict({"weight": wq, "bias": bias, "weight_scale": ws.view(1, -1),
+                           **({"input_scale": input_scale} if static else {})}, assign=True)
+    xq, xs = quantize_static(x, input_scale) if input_scale is not None else quantize_rows_torch(x)
+    expected = (xq.float() * xs) @ dequantize_weight(wq, ws, torch.float32).T + bias.float()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)

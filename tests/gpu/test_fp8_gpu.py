@@ -18,6 +18,7 @@ from flashserve.layers.fp8 import (
 )  # fmt: skip
 from flashserve.model.llama import LlamaModel
 from flashserve.model.runner import NativeCausalLM, model_shape
+from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
 from test_native_gpu import DECODE_STEPS, PROMPTS, hf_model, paged_logits, rel_err, row_errs
 
 # (N, K) of the 8B's fused qkv, o, fused gate_up and down projections.
@@ -105,3 +106,37 @@ def test_fp8_decode_matches_its_teacher_forced_pass_and_stays_near_bf16(
     assert e_forced < 2e-2
     # e4m3 keeps 3 mantissa bits (about 3% per value); through 16 layers the logits stay within this.
     assert e_bf16 < 0.15
+
+
+CHECKPOINTS = {
+    "ct-tensor-static": (lambda: ct_config("tensor", False), False, True),
+    "ct-channel-dynamic": (lambda: ct_config("channel", True), True, False),
+    "fbgemm": (lambda: {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, True, False),
+}
+
+
+@pytest.mark.parametrize("fmt", list(CHECKPOINTS))
+def test_an_fp8_checkpoint_runs_fp8_gemms_near_its_dequantized_model(fmt: str, tmp_path) -> None:
+    pytest.importorskip("flashinfer")
+    from transformers import LlamaConfig
+
+    from test_native_llama import hf_model as small_hf_model
+
+    qconfig, per_channel, static = CHECKPOINTS[fmt]
+    config = LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+    path, reference = write_fp8_checkpoint(tmp_path, small_hf_model(config), config, qconfig(), per_channel,
+                                           static_input=static)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in PROMPTS]
+    shape = model_shape(config)
+    with torch.inference_mode():
+        fp8 = LlamaModel.from_checkpoint(path, with_quantization(config, qconfig()), torch.bfloat16, "cuda")
+        assert fp8.layers[0].qkv_proj.weight.dtype == torch.float8_e4m3fn
+        assert (fp8.layers[0].qkv_proj.input_scale is not None) == static
+        got = paged_logits(shape, NativeCausalLM(fp8).decode_logits, seqs, True)
+        bf16 = LlamaModel.from_hf(reference.to(torch.bfloat16), config, torch.bfloat16, "cuda")
+        base = paged_logits(shape, NativeCausalLM(bf16).decode_logits, seqs, True)
+    err = rel_err(torch.cat(got), torch.cat(base))
+    print(f"FP8 checkpoint {fmt}: logits vs the dequantized bf16 model {err:.2e}")
+    assert err < 0.1

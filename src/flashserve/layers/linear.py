@@ -49,7 +49,7 @@ def pack_for_onednn(weight: Tensor) -> Tensor:
 
 def _param(*shape: int) -> nn.Parameter:
     # Built on the meta device; real tensors arrive with load_state_dict(assign=True).
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+    return nn.Parameter(torch.empty(shape), requires_grad=False)
 
 
 class Linear(nn.Module):
