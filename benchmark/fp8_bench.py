@@ -200,7 +200,8 @@ def main() -> None:
     p.add_argument("--accuracy-layers", type=int, default=8, help="layers of the 8B shape in the accuracy report (0: all)")
     p.add_argument("--accuracy-len", type=int, default=384)
     p.add_argument("--accuracy-decode", type=int, default=64)
-    p.add_argument("--skip", nargs="*", default=[], choices=["gemm", "decode", "accuracy"])
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["gemm", "decode_bf16", "decode_fp8", "decode_fp8+fp8kv", "accuracy"])
     p.add_argument("--out-dir", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
@@ -230,17 +231,8 @@ def main() -> None:
         print(f"{results['gpu']}: copy {bw / 1e9:.0f} GB/s", flush=True)
         section("gemm", lambda: bench_gemms(bw, args.warmup, args.iters))
 
-        def decode() -> list[dict]:
-            rows = []
-            for label, quant, kv in (("bf16", None, None), ("fp8", "fp8", None), ("fp8+fp8kv", "fp8", torch.float8_e4m3fn)):
-                model = build(quant)
-                rows += bench_decode(model, label, kv, args, bw)
-                del model
-                gc.collect()
-                torch.cuda.empty_cache()
-            return rows
-
-        section("decode", decode)
+        for label, quant, kv in (("bf16", None, None), ("fp8", "fp8", None), ("fp8+fp8kv", "fp8", torch.float8_e4m3fn)):
+            section(f"decode_{label}", lambda: bench_decode(build(quant), label, kv, args, bw))
         section("accuracy", lambda: accuracy(args))
     summary(results)
 
@@ -251,7 +243,7 @@ def summary(results: dict[str, Any]) -> None:
         print(f"gemm {r['shape']:8} m={r['m']:4d}: bf16 {r['bf16_us']:8.1f} us  fp8 {r['fp8_layer_us']:8.1f} us "
               f"(scaled_mm {r['scaled_mm_us']:7.1f}, quantize {r['quantize_us']:5.1f})  x{r['speedup']:.2f}  "
               f"floors bf16 {r['floor_bf16_us']:.1f} / fp8 {r['floor_fp8_us']:.1f} us")
-    for r in results.get("decode", []):
+    for r in [r for key in ("decode_bf16", "decode_fp8", "decode_fp8+fp8kv") for r in results.get(key) or []]:
         print(f"decode {r['model']:10} b={r['batch']:4d}: {r['graph_ms']:7.3f} ms, floor {r['floor_ms']:6.3f} ms "
               f"({r['x_floor']:.2f}x), weights {r['weight_bytes'] / 1e9:.2f} GB")
     for label, acc in (results.get("accuracy") or {}).items():

@@ -171,3 +171,22 @@ def test_an_fp8_linear_computes_the_product_of_its_quantized_operands(static: bo
     out = layer(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+def test_the_engine_serves_an_fp8_checkpoint_as_its_dequantized_model(tmp_path: Path, model_and_config: Any) -> None:
+    from flashserve.llm import LLM
+    from flashserve.sampling_params import SamplingParams
+
+    hf, config = model_and_config
+    (tmp_path / "fp8").mkdir()
+    path, reference = write_fp8_checkpoint(tmp_path / "fp8", hf, config, ct_config("channel", True), per_channel=True)
+    reference.save_pretrained(tmp_path / "ref", safe_serialization=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for source in (path, tmp_path / "ref"):
+        llm = LLM(str(source), num_pages=32, cuda_graph=False)
+        try:
+            tokens.append(llm.generate([[5, 6, 7, 8, 9]], params)[0].token_ids)
+        finally:
+            llm.stack.close()
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8

@@ -112,6 +112,9 @@ def fp8_scheme(hf_config: Any, quantization: str | None = None) -> Fp8Scheme | N
         raise UnsupportedQuantizationError(
             f"quantization {quantization!r} is not supported; choose {', '.join(QUANTIZATION_METHODS)}")
     raw = getattr(hf_config, "quantization_config", None)
+    # transformers dequantizes GGUF weights as it loads them (and says so in the config).
+    if raw is not None and _as_dict(raw).get("quant_method") == "gguf":
+        raw = None
     if raw is None:
         if quantization is None:
             return None
