@@ -14,7 +14,7 @@
 
     python -m benchmark.fp8_bench [--out-dir DIR] [--batches 1 8 32]
 
-Writes fp8_bench.json to --out-dir and prints a summary.
+Writes fp8_bench.json to --out-dir (default: benchmark/results/local/<gpu name>/) and prints a summary.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import argparse
 import gc
 import json
 import os
+import re
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmark import LOCAL_RESULTS
 from benchmark.decode_bench import decode_layout, prefill_layout, time_ms
 from benchmark.floor import measure_rates
 
@@ -202,11 +204,13 @@ def main() -> None:
     p.add_argument("--accuracy-decode", type=int, default=64)
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["gemm", "decode_bf16", "decode_fp8", "decode_fp8+fp8kv", "accuracy"])
-    p.add_argument("--out-dir", default=os.environ.get("OUT", "."))
+    p.add_argument("--out-dir", default=None, help="default: benchmark/results/local/<gpu name>/")
     args = p.parse_args()
+    gpu = torch.cuda.get_device_name()
+    args.out_dir = args.out_dir or os.path.join(LOCAL_RESULTS, re.sub(r"[^A-Za-z0-9._-]+", "_", gpu))
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "fp8_bench.json")
-    results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__}
 
     def save() -> None:
         with open(path, "w") as f:

@@ -217,7 +217,7 @@ def test_float32_projections_on_a_cpu_are_packed_for_onednn_and_a_tied_head_keep
     tied = LlamaConfig(**SMALL, tie_word_embeddings=True)
     untied = LlamaModel.from_hf(hf_model(config), config, torch.float32, "cpu")
     model = LlamaModel.from_hf(hf_model(tied), tied, torch.float32, "cpu")
-    assert all(p["weight"].is_mkldnn for layer in untied.layers
+    assert all(p.weight.is_mkldnn for layer in untied.layers
                for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))  # fmt: skip
     assert untied.lm_head_weight.is_mkldnn
     assert model.lm_head_weight.is_mkldnn and not model.embed_tokens["weight"].is_mkldnn
