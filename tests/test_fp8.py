@@ -190,3 +190,22 @@ def test_the_engine_serves_an_fp8_checkpoint_as_its_dequantized_model(tmp_path: 
         finally:
             llm.stack.close()
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+
+
+def test_fp8_weights_on_a_gpu_before_compute_capability_8_9_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashserve.layers.fp8 import check_fp8_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match="compute capability 8.9 or newer.*A100 is 8.0"):
+        check_fp8_device(torch.device("cuda"))
+
+
+def test_an_fp8_checkpoint_on_the_generic_hf_path_is_refused(tmp_path: Path, model_and_config: Any) -> None:
+    from flashserve.config import ModelConfig
+    from flashserve.model.loader import load_model
+
+    hf, config = model_and_config
+    path, _ = write_fp8_checkpoint(tmp_path, hf, config, ct_config("channel", True), per_channel=True)
+    with pytest.raises(ValueError, match="FP8 checkpoints load from a local directory .* native model path"):
+        load_model(ModelConfig(model=str(path), model_impl="hf"), "cpu")

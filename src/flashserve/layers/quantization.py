@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from flashserve.layers.fp8 import FP8_DTYPE, dequantize_weight, quantize_weight_per_channel
+from flashserve.layers.fp8 import FP8_DTYPE, check_fp8_device, dequantize_weight, quantize_weight_per_channel
 
 logger = logging.getLogger(__name__)
 
@@ -240,3 +240,25 @@ def fuse_projection(
     if input_scales:
         out["input_scale"] = torch.stack(input_scales).max().to(weight.device)
     return out
+
+
+def projection_loading(
+    hf_config: Any, quantization: str | None, dtype: torch.dtype, device: torch.device, compile: bool,
+    dense_source: bool,
+) -> tuple[Fp8Scheme | None, ProjectionLoader | None]:  # fmt: skip
+    """How a model on `device` loads its projections: (the scheme of its FP8 layers, None where it
+    computes in `dtype`; the loader of its projections, None for plain dense weights).
+    `dense_source`: the weights come in high precision (a transformers model, dummy weights) and
+    are quantized at load. Raises UnsupportedQuantizationError, or ValueError for a GPU without
+    FP8 GEMMs."""
+    scheme = fp8_scheme(hf_config, quantization)
+    if scheme is None:
+        return None, None
+    if dense_source and scheme.serialized:
+        scheme = scheme.at_load()
+    fp8_compute = device.type == "cuda"
+    if fp8_compute:
+        check_fp8_device(device)
+        if compile:
+            raise UnsupportedQuantizationError("--torch-compile with FP8 weights is not supported on CUDA")
+    return (scheme if fp8_compute else None), ProjectionLoader(scheme, fp8_compute, dtype, device)

@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashserve.layers.fp8 import check_fp8_device
 from flashserve.layers.linear import Linear, LinearArgs, linear, pack_for_onednn, packs_for_onednn
-from flashserve.layers.quantization import Fp8Scheme, ProjectionLoader, UnsupportedQuantizationError, fp8_scheme
+from flashserve.layers.quantization import Fp8Scheme, projection_loading
 from flashserve.model.layers import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.model.weights import (
     SUPPORTED_ARCHITECTURES,
@@ -244,7 +243,7 @@ class LlamaModel(nn.Module):
                 source.to("meta")
         else:
             state = dict(source)
-        scheme, loader = _fp8_loading(hf_config, quantization, dtype, device, compile, dense_source=True)
+        scheme, loader = projection_loading(hf_config, quantization, dtype, device, compile, dense_source=True)
         weights = convert_hf_state_dict(state, spec, dtype, device, shard, loader)
         del state
         return cls._assemble(spec, weights, dtype, device, max_positions, ops, compile, group, scheme)
@@ -277,7 +276,7 @@ class LlamaModel(nn.Module):
         group = group if group is not None else SingleRankGroup()
         shard = ShardLayout.for_spec(spec, group.rank, group.world_size)
         dummy = isinstance(path, DummyCheckpoint)
-        scheme, loader = _fp8_loading(hf_config, quantization, dtype, device, compile, dense_source=dummy)
+        scheme, loader = projection_loading(hf_config, quantization, dtype, device, compile, dense_source=dummy)
         if isinstance(path, DummyCheckpoint):
             weights = path.read_llama_shard(spec, dtype, device, shard, loader)
         else:
@@ -414,22 +413,3 @@ class LlamaModel(nn.Module):
             logits = logits[..., : self.spec.vocab_size]
         return logits.float().contiguous()
 
-
-def _fp8_loading(
-    hf_config: Any, quantization: str | None, dtype: torch.dtype, device: torch.device, compile: bool,
-    dense_source: bool,
-) -> tuple[Fp8Scheme | None, ProjectionLoader | None]:  # fmt: skip
-    """(the scheme of the model's FP8 layers, or None where it computes in `dtype`; the loader of
-    its projections, or None for plain dense weights). `dense_source`: the weights come in high
-    precision (a transformers model, dummy weights) and are quantized at load."""
-    scheme = fp8_scheme(hf_config, quantization)
-    if scheme is None:
-        return None, None
-    if dense_source and scheme.serialized:
-        scheme = scheme.at_load()
-    fp8_compute = device.type == "cuda"
-    if fp8_compute:
-        check_fp8_device(device)
-        if compile:
-            raise UnsupportedQuantizationError("--torch-compile with FP8 weights is not supported on CUDA")
-    return (scheme if fp8_compute else None), ProjectionLoader(scheme, fp8_compute, dtype, device)
