@@ -1,8 +1,9 @@
 """FP8 against bfloat16 on one GPU, with the floors measured in the same run.
 
-1. GEMMs: each Llama-3.1-8B projection shape (fused qkv, o, fused gate_up, down) at 1..512 rows:
-   bfloat16 `F.linear`, the FP8 layer (per-token activation quantization + row-wise
-   `torch._scaled_mm`), `_scaled_mm` alone on quantized operands, and the weight-read floor.
+1. GEMMs: each Llama-3.1-8B projection shape (fused qkv, o, fused gate_up, down) at 1..512 rows,
+   GPU time per call replayed from CUDA graphs: bfloat16 `F.linear`, the FP8 layer (per-token
+   activation quantization + row-wise `torch._scaled_mm`), `_scaled_mm` alone on quantized
+   operands, the quantization alone, and the weight-read floors; the FP8 layer eagerly as well.
 2. Decode steps of the Llama-3.1-8B shape (dummy weights) from CUDA graphs: bfloat16, FP8 weights,
    FP8 weights + FP8 KV cache, against the weight(+KV)-read floors of bfloat16 (~16 GB) and FP8
    (~8 GB) at the measured copy bandwidth.
@@ -39,6 +40,22 @@ GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 PAGE = 16
 
 
+def graph_us(fn: Callable[[], Any], warmup: int, iters: int, reps: int = 20) -> float:
+    """GPU time of one call, from a CUDA graph of `reps` calls: no launch overhead (a decode step
+    replays its projections from a graph too)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return time_ms(graph.replay, warmup, iters) * 1e3 / reps
+
+
 def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
     from flashserve.layers.fp8 import fp8_linear, quantize_rows, quantize_weight_per_channel
 
@@ -52,11 +69,12 @@ def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
             xq, xs = quantize_rows(x)
             r: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m,
                                  "floor_bf16_us": 2 * n * k / bw * 1e6, "floor_fp8_us": n * k / bw * 1e6}
-            r["bf16_us"] = time_ms(lambda: F.linear(x, w), warmup, iters) * 1e3
-            r["fp8_layer_us"] = time_ms(lambda: fp8_linear(x, wq, None, ws, None), warmup, iters) * 1e3
-            r["scaled_mm_us"] = time_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
-                                                                 out_dtype=torch.bfloat16), warmup, iters) * 1e3
-            r["quantize_us"] = time_ms(lambda: quantize_rows(x), warmup, iters) * 1e3
+            r["bf16_us"] = graph_us(lambda: F.linear(x, w), warmup, iters)
+            r["fp8_layer_us"] = graph_us(lambda: fp8_linear(x, wq, None, ws, None), warmup, iters)
+            r["scaled_mm_us"] = graph_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+                                                                  out_dtype=torch.bfloat16), warmup, iters)
+            r["quantize_us"] = graph_us(lambda: quantize_rows(x), warmup, iters)
+            r["fp8_layer_eager_us"] = time_ms(lambda: fp8_linear(x, wq, None, ws, None), warmup, iters) * 1e3
             r["speedup"] = r["bf16_us"] / r["fp8_layer_us"]
             rows.append(r)
             print("  gemm " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
