@@ -59,7 +59,8 @@ def graph_us(fn: Callable[[], Any], warmup: int, iters: int, reps: int = 20) -> 
 def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
     from flashserve.layers.fp8 import fp8_linear, quantize_rows, quantize_weight_per_channel
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    bmm_fp8 = flashinfer_bmm_fp8()
     for name, (n, k) in GEMM_SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_weight_per_channel(w)
@@ -75,11 +76,28 @@ def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
                                                                   out_dtype=torch.bfloat16), warmup, iters)
             r["quantize_us"] = graph_us(lambda: quantize_rows(x), warmup, iters)
             r["fp8_layer_eager_us"] = time_ms(lambda: fp8_linear(x, wq, None, ws, None), warmup, iters) * 1e3
+            if bmm_fp8 is not None:  # per-tensor scales: the speed of FlashInfer's (cuBLASLt) FP8 GEMM
+                try:
+                    r["flashinfer_bmm_fp8_us"] = graph_us(lambda: bmm_fp8(xq, wq), warmup, iters)
+                except Exception as exc:  # noqa: BLE001 - recorded; the other columns stand
+                    r["flashinfer_bmm_fp8_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                    bmm_fp8 = None
             r["speedup"] = r["bf16_us"] / r["fp8_layer_us"]
             rows.append(r)
             print("  gemm " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         del w, wq
     return rows
+
+
+def flashinfer_bmm_fp8() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """`(x_q [M, K], w_q [N, K]) -> [M, N]` through `flashinfer.bmm_fp8` with unit per-tensor
+    scales, or None without FlashInfer."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    one = torch.ones((), dtype=torch.float32, device="cuda")
+    return lambda xq, wq: flashinfer.bmm_fp8(xq[None], wq.t()[None], one, one, torch.bfloat16)[0]
 
 
 def build(quantization: str | None, layers: int = 0) -> Any:
@@ -263,7 +281,8 @@ def summary(results: dict[str, Any]) -> None:
     print(f"\n{results['gpu']}, copy {results.get('copy_GBps', 0):.0f} GB/s")
     for r in results.get("gemm", []):
         print(f"gemm {r['shape']:8} m={r['m']:4d}: bf16 {r['bf16_us']:8.1f} us  fp8 {r['fp8_layer_us']:8.1f} us "
-              f"(scaled_mm {r['scaled_mm_us']:7.1f}, quantize {r['quantize_us']:5.1f})  x{r['speedup']:.2f}  "
+              f"(scaled_mm {r['scaled_mm_us']:7.1f}, quantize {r['quantize_us']:5.1f}, flashinfer bmm_fp8 "
+              f"{r.get('flashinfer_bmm_fp8_us') or 0:7.1f})  x{r['speedup']:.2f}  "
               f"floors bf16 {r['floor_bf16_us']:.1f} / fp8 {r['floor_fp8_us']:.1f} us")
     for r in [r for key in ("decode_bf16", "decode_fp8", "decode_fp8+fp8kv") for r in results.get(key) or []]:
         print(f"decode {r['model']:10} b={r['batch']:4d}: {r['graph_ms']:7.3f} ms, floor {r['floor_ms']:6.3f} ms "
