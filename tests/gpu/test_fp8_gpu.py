@@ -1,5 +1,6 @@
 """FP8 on the GPU: the scaled GEMM against a dequantized reference per Llama-3.1-8B projection
-shape, and the native model with FP8 weights and with an FP8 KV cache (dummy weights of the
+shape; FlashInfer over an FP8 KV cache against the PyTorch reference over the same pages (prefill,
+mixed, decode and cascade steps); and the native model with FP8 weights and with an FP8 KV cache (dummy weights of the
 Llama-3.2-1B shape) over a prefill and 32 decode steps, eagerly and from CUDA graphs, against its
 own teacher-forced pass (the whole sequences in one prefill) and against the model in bfloat16
 with the same (dequantized) weights.
@@ -8,6 +9,7 @@ with the same (dequantized) weights.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +21,10 @@ from flashserve.layers.fp8 import (
 from flashserve.model.llama import LlamaModel
 from flashserve.model.runner import NativeCausalLM, model_shape
 from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
+from test_cascade_gpu import scheduled
+from test_flashinfer_backend import (
+    KV_HEADS, NUM_LAYERS, NUM_PAGES, PAGE, PREFIXES, STEPS, TOL, make_requests, run_step,
+)  # fmt: skip
 from test_native_gpu import DECODE_STEPS, PROMPTS, hf_model, paged_logits, rel_err, row_errs
 
 # (N, K) of the 8B's fused qkv, o, fused gate_up and down projections.
@@ -142,3 +148,51 @@ def test_an_fp8_checkpoint_runs_fp8_gemms_near_its_dequantized_model(fmt: str, t
     err = rel_err(torch.cat(got), torch.cat(base))
     print(f"FP8 checkpoint {fmt}: logits vs the dequantized bf16 model {err:.2e}")
     assert err < 0.25
+
+
+def fp8_cache_backends(q_heads: int, head_dim: int) -> tuple[Any, Any]:
+    """A FlashInfer backend and the reference, both bfloat16 attention over an FP8 cache holding
+    the same random pages."""
+    from flashserve.attention.flashinfer import FlashInferAttentionBackend
+    from flashserve.attention.torch_ref import TorchAttentionBackend
+
+    fi = FlashInferAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, torch.bfloat16, "cuda", None,
+                                    num_qo_heads=q_heads, kv_cache_dtype=FP8_KV_DTYPE)
+    ref = TorchAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, torch.bfloat16, "cuda", None,
+                                kv_cache_dtype=FP8_KV_DTYPE)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
+        for f, r in ((fk, rk), (fv, rv)):
+            f.copy_(torch.randn(f.shape, generator=gen, device="cuda"))
+            r.copy_(f)
+    return fi, ref
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+def test_flashinfer_reads_an_fp8_cache_as_the_reference_does(group: int, head_dim: int) -> None:
+    # Prefills, chunks over cached prefixes mixed with decodes, and decode-only steps.
+    pytest.importorskip("flashinfer")
+    fi, ref = fp8_cache_backends(KV_HEADS * group, head_dim)
+    reqs = make_requests(PREFIXES, seed=group * head_dim)
+    errs = [run_step(fi, ref, reqs, new, TOL[torch.bfloat16], torch.bfloat16, seed=s) for s, new in enumerate(STEPS)]
+    print(f"FP8 KV group={group} D={head_dim}: " + " ".join(f"{e:.2e}" for e in errs))
+
+
+@pytest.mark.parametrize("new", [[1] * 6, [5, 1, 9, 12, 1, 3]], ids=["decode", "mixed"])
+def test_a_cascade_step_over_an_fp8_cache_matches_flat_attention(new: list[int]) -> None:
+    pytest.importorskip("flashinfer")
+    from flashserve.attention.base import BatchLayout
+    from flashserve.attention.cascade import CascadePolicy
+
+    fi, ref = fp8_cache_backends(8, 128)
+    requests = scheduled(new)
+    cascade = BatchLayout.build(requests, PAGE, CascadePolicy())
+    assert cascade.prefix is not None
+    fi.plan(cascade)
+    ref.plan(BatchLayout.build(requests, PAGE))
+    gen = torch.Generator("cuda").manual_seed(len(new))
+    for layer in range(NUM_LAYERS):
+        q, k, v = (torch.randn(cascade.num_tokens, h, 128, generator=gen, device="cuda").bfloat16()
+                   for h in (8, KV_HEADS, KV_HEADS))
+        assert rel_err(fi.forward(layer, q, k, v), ref.forward(layer, q, k, v)) < TOL[torch.bfloat16]
