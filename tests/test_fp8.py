@@ -17,7 +17,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from flashserve.layers.fp8 import FP8_DTYPE, dequantize_weight, quantize_rows_torch, quantize_weight_per_channel
+from flashserve.layers.fp8 import (
+    FP8_DTYPE, dequantize_weight, quantize_rows_torch, quantize_weight_per_channel, scale_rows_cols,
+)  # fmt: skip
 from flashserve.layers.quantization import ProjectionLoader, UnsupportedQuantizationError, fp8_scheme
 from flashserve.model.llama import LlamaModel, LlamaSpec, WeightMismatchError
 from flashserve.parallel.checkpoint import read_llama_shard
@@ -209,3 +211,11 @@ def test_an_fp8_checkpoint_on_the_generic_hf_path_is_refused(tmp_path: Path, mod
     path, _ = write_fp8_checkpoint(tmp_path, hf, config, ct_config("channel", True), per_channel=True)
     with pytest.raises(ValueError, match="FP8 checkpoints load from a local directory .* native model path"):
         load_model(ModelConfig(model=str(path), model_impl="hf"), "cpu")
+
+
+def test_the_small_batch_gemm_epilogue_scales_rows_and_columns_and_adds_the_bias() -> None:
+    y = torch.randn(3, 5).bfloat16()
+    xs, ws, bias = torch.rand(3, 1) + 0.5, torch.rand(1, 5) + 0.5, torch.randn(5).bfloat16()
+    out = scale_rows_cols(y, xs, ws, bias)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), (y.float() * xs * ws + bias.float()).bfloat16().float())

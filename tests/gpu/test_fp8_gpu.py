@@ -16,7 +16,8 @@ import torch
 
 from flashserve.attention.kv_quant import FP8_KV_DTYPE
 from flashserve.layers.fp8 import (
-    dequantize_weight, fp8_linear, quantize_rows, quantize_rows_torch, quantize_static, quantize_weight_per_channel,
+    SMALL_M, dequantize_weight, fp8_gemm_small_m, fp8_linear, quantize_rows, quantize_rows_torch, quantize_static,
+    quantize_weight_per_channel,
 )  # fmt: skip
 from flashserve.model.llama import LlamaModel
 from flashserve.model.runner import NativeCausalLM, model_shape
@@ -50,6 +51,27 @@ def test_fp8_gemm_matches_the_dequantized_product(name: str, m: int, static: boo
         out = fp8_linear(x, wq, bias, ws.view(1, -1), input_scale)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     # The same quantized operands: only fp32 accumulation order and the bfloat16 output differ.
+    assert rel_err(out.float(), ref) < 8e-3
+
+
+@pytest.mark.parametrize("m", (1, 7, 64, SMALL_M))
+@pytest.mark.parametrize("name", list(SHAPES_8B))
+def test_the_small_batch_fp8_gemm_matches_the_dequantized_product(name: str, m: int) -> None:
+    """FlashInfer's bmm_fp8 with unit scales, then the row and channel scales (and bias) in one kernel:
+    the path fp8_linear takes up to SMALL_M rows, called directly so that it runs whatever the threshold."""
+    pytest.importorskip("flashinfer")
+    n, k = SHAPES_8B[name]
+    gen = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
+    wq, ws = quantize_weight_per_channel(w)
+    xq, xs = quantize_rows_torch(x)
+    ref = (xq.float() * xs) @ dequantize_weight(wq, ws, torch.float32).T + bias.float()
+    with torch.inference_mode():
+        out = fp8_gemm_small_m(xq, xs, wq, ws.view(1, -1), bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    # As the row-wise GEMM, plus one more bfloat16 rounding (bmm_fp8's unscaled output).
     assert rel_err(out.float(), ref) < 8e-3
 
 

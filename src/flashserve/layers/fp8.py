@@ -5,7 +5,11 @@ per-tensor checkpoint scales are expanded to rows at load, which is exact, so on
 every format. Activations are quantized per token (row) at run time, unless the checkpoint gives
 a static per-tensor input scale. On CUDA the product is `torch._scaled_mm` with row-wise scales
 (cuBLASLt / CUTLASS): `out[m, n] = sum_k x_q[m, k] w_q[n, k] * x_scale[m] * w_scale[n]`, the
-scales applied in the GEMM's epilogue, no host sync, so a CUDA graph can hold it.
+scales applied in the GEMM's epilogue, no host sync, so a CUDA graph can hold it. Up to
+`SMALL_M` rows (decode) cuBLASLt's row-wise kernels are no faster than bfloat16 on an H100 (8B o
+projection at 1 row: 15 us against 10.5), so there FlashInfer's `bmm_fp8` (per-tensor scales, 6.4
+us) runs with unit scales and one Triton kernel applies both scales (and the bias) to its bfloat16
+output in place.
 
 On a CPU nothing here runs at inference: FP8 weights are dequantized to the compute dtype at load.
 """
@@ -105,6 +109,79 @@ def quantize_rows(x: Tensor, scale_ub: float | None = None) -> tuple[Tensor, Ten
     return fused(x, scale_ub) if fused is not None else quantize_rows_torch(x, scale_ub)
 
 
+# Rows up to which bmm_fp8 + the scaling kernel beats row-wise _scaled_mm on every 8B projection
+# (H100, fp8_bench's gemm table): at 256 rows the epilogue's extra pass over [M, N] costs more
+# than the GEMM saves on gate_up and qkv.
+SMALL_M = 128
+
+
+@functools.cache
+def _bmm_fp8() -> Any:
+    """FlashInfer's FP8 GEMM (cuBLASLt, per-tensor scales), or None without FlashInfer."""
+    try:
+        from flashinfer import bmm_fp8
+    except ImportError:
+        return None
+    return bmm_fp8
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> Tensor:
+    # Made on the first (eager) call; a tensor filled inside a CUDA graph capture would hold
+    # nothing until the graph replays.
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("FP8 GEMM: run the layer eagerly once before capturing a CUDA graph")
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+@functools.cache
+def _triton_scale_rows_cols() -> Any:
+    """One kernel: y[m, n] = y[m, n] * x_scale[m] * w_scale[n] (+ bias[n]) in place, or None."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def kernel(y_ptr, xs_ptr, ws_ptr, b_ptr, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.load(xs_ptr + row) * tl.load(ws_ptr + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    def run(y: Tensor, xs: Tensor, ws: Tensor, bias: Tensor | None) -> Tensor:
+        m, n = y.shape
+        if m:
+            block = 1024
+            kernel[(m, triton.cdiv(n, block))](y, xs, ws, bias if bias is not None else y, n,
+                                               HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        return y
+
+    return run
+
+
+def scale_rows_cols(y: Tensor, xs: Tensor, ws: Tensor, bias: Tensor | None) -> Tensor:
+    """y [M, N] (contiguous) * xs [M, 1] * ws [1, N] (+ bias [N]), multiplied in float32, in y's dtype."""
+    fused = _triton_scale_rows_cols() if y.is_cuda else None
+    if fused is not None:
+        return fused(y, xs, ws.reshape(-1), bias)
+    out = y.float() * xs * ws.reshape(1, -1)
+    return (out + bias.float() if bias is not None else out).to(y.dtype)
+
+
+def fp8_gemm_small_m(xq: Tensor, xs: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """xq [M, K] float8 @ weight [N, K] float8 .T with row and channel scales, bfloat16 [M, N]:
+    `bmm_fp8` with unit scales (weight.t() is the column-major B it asks for), then the scales."""
+    one = _unit_scale(xq.device)
+    y = _bmm_fp8()(xq[None], weight.t()[None], one, one, torch.bfloat16)[0]
+    return scale_rows_cols(y, xs, weight_scale, bias)
+
+
 def fp8_linear(
     x: Tensor, weight: Tensor, bias: Tensor | None, weight_scale: Tensor, input_scale: Tensor | None,
     input_scale_ub: float | None = None,
@@ -112,7 +189,8 @@ def fp8_linear(
     """x [..., K] @ dequant(weight [N, K] float8, weight_scale [1, N] float32).T + bias.
 
     Activations are quantized per token, or with `input_scale` (static, per tensor) when given.
-    Row-wise `_scaled_mm` writes bfloat16 only; another activation dtype is cast back.
+    Up to SMALL_M rows FlashInfer's bmm_fp8 and the scaling kernel, above it row-wise `_scaled_mm`;
+    both write bfloat16, and another activation dtype is cast back.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -120,9 +198,12 @@ def fp8_linear(
         xq, xs = quantize_static(x2, input_scale)
     else:
         xq, xs = quantize_rows(x2, input_scale_ub)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale, out_dtype=torch.bfloat16)
-    if bias is not None:
-        out = out + bias
+    if 0 < x2.shape[0] <= SMALL_M and x2.is_cuda and _bmm_fp8() is not None:
+        out = fp8_gemm_small_m(xq, xs, weight, weight_scale, bias)
+    else:
+        out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale, out_dtype=torch.bfloat16)
+        if bias is not None:
+            out = out + bias
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out.view(*shape[:-1], weight.shape[0])
