@@ -57,7 +57,9 @@ def graph_us(fn: Callable[[], Any], warmup: int, iters: int, reps: int = 20) -> 
 
 
 def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
-    from flashserve.layers.fp8 import fp8_linear, quantize_rows, quantize_weight_per_channel
+    from flashserve.layers.fp8 import (
+        SMALL_M, fp8_gemm_small_m, fp8_linear, quantize_rows, quantize_weight_per_channel, scale_rows_cols,
+    )  # fmt: skip
 
     rows: list[dict[str, Any]] = []
     bmm_fp8 = flashinfer_bmm_fp8()
@@ -75,6 +77,18 @@ def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
             r["scaled_mm_us"] = graph_us(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
                                                                   out_dtype=torch.bfloat16), warmup, iters)
             r["quantize_us"] = graph_us(lambda: quantize_rows(x), warmup, iters)
+            # Both layer paths at every m (fp8_linear takes bmm_fp8 up to SMALL_M rows, _scaled_mm above;
+            # the latter as the sum of its two kernels).
+            r["layer_scaled_mm_us"] = r["quantize_us"] + r["scaled_mm_us"]
+            if bmm_fp8 is not None:
+                try:
+                    y = bmm_fp8(xq, wq)
+                    r["epilogue_us"] = graph_us(lambda: scale_rows_cols(y, xs, ws, None), warmup, iters)
+                    r["layer_bmm_fp8_us"] = graph_us(lambda: fp8_gemm_small_m(*quantize_rows(x), wq, ws, None),
+                                                     warmup, iters)
+                except Exception as exc:  # noqa: BLE001 - recorded; the other columns stand
+                    r["layer_bmm_fp8_error"] = f"{type(exc).__name__}: {exc}"[:200]
+            r["layer_path"] = "bmm_fp8" if m <= SMALL_M and bmm_fp8 is not None else "scaled_mm"
             r["fp8_layer_eager_us"] = time_ms(lambda: fp8_linear(x, wq, None, ws, None), warmup, iters) * 1e3
             if bmm_fp8 is not None:  # per-tensor scales: the speed of FlashInfer's (cuBLASLt) FP8 GEMM
                 try:
@@ -282,7 +296,9 @@ def summary(results: dict[str, Any]) -> None:
     for r in results.get("gemm", []):
         print(f"gemm {r['shape']:8} m={r['m']:4d}: bf16 {r['bf16_us']:8.1f} us  fp8 {r['fp8_layer_us']:8.1f} us "
               f"(scaled_mm {r['scaled_mm_us']:7.1f}, quantize {r['quantize_us']:5.1f}, flashinfer bmm_fp8 "
-              f"{r.get('flashinfer_bmm_fp8_us') or 0:7.1f})  x{r['speedup']:.2f}  "
+              f"{r.get('flashinfer_bmm_fp8_us') or 0:7.1f}, epilogue {r.get('epilogue_us') or 0:5.1f}; layer via "
+              f"bmm_fp8 {r.get('layer_bmm_fp8_us') or 0:6.1f} / scaled_mm {r['layer_scaled_mm_us']:6.1f}, runs "
+              f"{r['layer_path']})  x{r['speedup']:.2f}  "
               f"floors bf16 {r['floor_bf16_us']:.1f} / fp8 {r['floor_fp8_us']:.1f} us")
     for r in [r for key in ("decode_bf16", "decode_fp8", "decode_fp8+fp8kv") for r in results.get(key) or []]:
         print(f"decode {r['model']:10} b={r['batch']:4d}: {r['graph_ms']:7.3f} ms, floor {r['floor_ms']:6.3f} ms "
