@@ -176,7 +176,8 @@ def scale_rows_cols(y: Tensor, xs: Tensor, ws: Tensor, bias: Tensor | None) -> T
 
 def fp8_gemm_small_m(xq: Tensor, xs: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
     """xq [M, K] float8 @ weight [N, K] float8 .T with row and channel scales, bfloat16 [M, N]:
-    `bmm_fp8` with unit scales (weight.t() is the column-major B it asks for), then the scales."""
+    `bmm_fp8` with unit scales (weight.t() is the column-major B it asks for), then the scales.
+    Both operands must be contiguous: its kernel takes leading dimensions from the sizes."""
     one = _unit_scale(xq.device)
     y = _bmm_fp8()(xq[None], weight.t()[None], one, one, torch.bfloat16)[0]
     return scale_rows_cols(y, xs, weight_scale, bias)
