@@ -34,22 +34,27 @@ ROWS = (1, 7, 64, 300)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.mark.parametrize("m", ROWS)
-@pytest.mark.parametrize("name", list(SHAPES_8B))
-@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
-def test_fp8_gemm_matches_the_dequantized_product(name: str, m: int, static: bool) -> None:
+def gemm_operands(name: str, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, K] bfloat16, the FP8 weight [N, K] of projection `name` and its scale [N], a bias [N]."""
     n, k = SHAPES_8B[name]
     gen = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
     bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
-    wq, ws = quantize_weight_per_channel(w)
+    return x, *quantize_weight_per_channel(w), bias
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("name", list(SHAPES_8B))
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_fp8_gemm_matches_the_dequantized_product(name: str, m: int, static: bool) -> None:
+    x, wq, ws, bias = gemm_operands(name, m)
     input_scale = x.float().abs().max() / 448.0 if static else None
     xq, xs = quantize_static(x, input_scale) if input_scale is not None else quantize_rows_torch(x)
     ref = (xq.float() * xs) @ dequantize_weight(wq, ws, torch.float32).T + bias.float()
     with torch.inference_mode():
         out = fp8_linear(x, wq, bias, ws.view(1, -1), input_scale)
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, wq.shape[0])
     # The same quantized operands: only fp32 accumulation order and the bfloat16 output differ.
     assert rel_err(out.float(), ref) < 8e-3
 
@@ -60,17 +65,12 @@ def test_the_small_batch_fp8_gemm_matches_the_dequantized_product(name: str, m: 
     """FlashInfer's bmm_fp8 with unit scales, then the row and channel scales (and bias) in one kernel:
     the path fp8_linear takes up to SMALL_M rows, called directly so that it runs whatever the threshold."""
     pytest.importorskip("flashinfer")
-    n, k = SHAPES_8B[name]
-    gen = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
-    bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
-    wq, ws = quantize_weight_per_channel(w)
+    x, wq, ws, bias = gemm_operands(name, m)
     xq, xs = quantize_rows_torch(x)
     ref = (xq.float() * xs) @ dequantize_weight(wq, ws, torch.float32).T + bias.float()
     with torch.inference_mode():
         out = fp8_gemm_small_m(xq, xs, wq, ws.view(1, -1), bias)
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, wq.shape[0])
     # As the row-wise GEMM, plus one more bfloat16 rounding (bmm_fp8's unscaled output).
     assert rel_err(out.float(), ref) < 8e-3
 
