@@ -109,9 +109,10 @@ def quantize_rows(x: Tensor, scale_ub: float | None = None) -> tuple[Tensor, Ten
     return fused(x, scale_ub) if fused is not None else quantize_rows_torch(x, scale_ub)
 
 
-# Rows up to which bmm_fp8 + the scaling kernel beats row-wise _scaled_mm on every 8B projection
-# (H100, fp8_bench's gemm table): at 256 rows the epilogue's extra pass over [M, N] costs more
-# than the GEMM saves on gate_up and qkv.
+# Rows up to which bmm_fp8 + the scaling kernel runs (H100, fp8_bench's gemm table: bmm_fp8 alone is
+# faster than row-wise _scaled_mm on every 8B projection up to 512 rows, but the scaling kernel's
+# pass over [M, N] grows with M; by memory traffic it eats the gain on gate_up and qkv at 256 rows
+# and about matches it on gate_up at 128. The bench's epilogue_us column measures it).
 SMALL_M = 128
 
 
