@@ -49,10 +49,15 @@ def hf_model(config: Any) -> torch.nn.Module:
     return model.eval()
 
 
-def native_teacher_forced(model: LlamaModel, seqs: list[list[int]], schedule: list[list[tuple[int, int]]]) -> list[torch.Tensor]:
-    """Runs each step's chunks [a, b) of every listed sequence; returns logits per sequence and position."""
+def native_teacher_forced(
+    model: LlamaModel, seqs: list[list[int]], schedule: list[list[tuple[int, int]]], backend: Any = None
+) -> list[torch.Tensor]:
+    """Runs each step's chunks [a, b) of every listed sequence; returns logits per sequence and
+    position. backend: one of NUM_PAGES pages of PAGE tokens (default: the float32 reference)."""
     spec = model.spec
-    backend = TorchAttentionBackend(spec.num_layers, NUM_PAGES, PAGE, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
+    if backend is None:
+        backend = TorchAttentionBackend(spec.num_layers, NUM_PAGES, PAGE, spec.num_kv_heads, spec.head_dim,
+                                        torch.float32, "cpu")
     pool = torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(1)).tolist()
     pages = [[pool.pop() for _ in range((len(s) + PAGE - 1) // PAGE)] for s in seqs]
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -212,7 +217,7 @@ def test_float32_projections_on_a_cpu_are_packed_for_onednn_and_a_tied_head_keep
     tied = LlamaConfig(**SMALL, tie_word_embeddings=True)
     untied = LlamaModel.from_hf(hf_model(config), config, torch.float32, "cpu")
     model = LlamaModel.from_hf(hf_model(tied), tied, torch.float32, "cpu")
-    assert all(p["weight"].is_mkldnn for layer in untied.layers
+    assert all(p.weight.is_mkldnn for layer in untied.layers
                for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))  # fmt: skip
     assert untied.lm_head_weight.is_mkldnn
     assert model.lm_head_weight.is_mkldnn and not model.embed_tokens["weight"].is_mkldnn

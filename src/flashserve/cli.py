@@ -94,6 +94,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "it can run, a float16/bfloat16 model on GPUs of one node that NVLink connects; "
            "--no-enable-flashinfer-allreduce-fusion: NCCL); FlashInfer builds that kernel at the first "
            "start on a machine, which takes several minutes"),
+    Option("--quantization", str, None, "fp8: quantize a bfloat16/float16 checkpoint's projections to FP8 at "
+           "load (per-channel weights, per-token activations; FP8 GEMMs need a GPU of compute capability "
+           ">= 8.9, a CPU computes with the FP8-rounded weights). FP8 checkpoints (compressed-tensors, "
+           "fbgemm_fp8) are detected from config.json without it", ["fp8"]),
+    Option("--kv-cache-dtype", str, "auto", "KV cache dtype: auto (the attention dtype) or fp8 (e4m3 with "
+           "scale 1.0: half the KV memory and reads of bfloat16)", ["auto", "fp8", "fp8_e4m3"]),
     Option("--cascade-attention", str, "auto", "attend a prefix shared by a group of requests once for the group "
            "(on: every such group; auto: in a step whose groups save >= 512k KV token reads)", list(CASCADE_MODES)),
     Option("--page-size", int, 16, "tokens per KV cache page"),
@@ -248,10 +254,11 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         seed=ns.seed,
         tensor_parallel_size=ns.tensor_parallel_size,
         enable_flashinfer_allreduce_fusion=ns.enable_flashinfer_allreduce_fusion,
+        quantization=ns.quantization,
     )
     cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,
                         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
-                        enable_prefix_caching=ns.enable_prefix_caching)
+                        enable_prefix_caching=ns.enable_prefix_caching, kv_cache_dtype=ns.kv_cache_dtype)
     scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                                 overlap_scheduling=ns.overlap_scheduling)
     api_keys = tuple(ns.api_key or ())

@@ -29,6 +29,9 @@ class ModelConfig:
     # True: forced; False: NCCL; None: where it can run and NVLink links the GPUs
     # (`parallel/worker.py`, take_fused_allreduce).
     enable_flashinfer_allreduce_fusion: bool | None = None
+    # "fp8": quantize a high-precision checkpoint's projections at load (per-channel weights,
+    # per-token activations). FP8 checkpoints (config.json's quantization_config) need no flag.
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 1.0
     enable_prefix_caching: bool = True  # full KV pages shared by content across requests
+    kv_cache_dtype: str = "auto"  # auto (the attention dtype) | fp8 (e4m3, scale 1.0)
 
 
 @dataclass(frozen=True)

@@ -55,18 +55,22 @@ def hf_model(shape: str, layers: int | None) -> tuple[torch.nn.Module, object]:
     return model.eval(), config
 
 
-def paged_logits(shape: tuple[int, int, int, int], forward_for: Any, seqs: list[list[int]], use_graphs: bool) -> list[torch.Tensor]:
-    """Teacher-forced float32 logits [len(seq), V] per request: its prefill rows, then one row per
-    decode step. `shape` is (layers, heads, kv heads, head_dim); `forward_for(backend)` gives the
-    step function `(ids, positions) -> logits of every row`."""
+def paged_logits(
+    shape: tuple[int, int, int, int], forward_for: Any, seqs: list[list[int]], use_graphs: bool,
+    kv_cache_dtype: torch.dtype | None = None, prompts: tuple[int, ...] = PROMPTS, decode_steps: int = DECODE_STEPS,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Teacher-forced float32 logits [len(seq), V] per request: its prefill rows (`prompts`), then
+    one row per decode step. `shape` is (layers, heads, kv heads, head_dim); `forward_for(backend)`
+    gives the step function `(ids, positions) -> logits of every row`."""
     from flashserve.attention.flashinfer import FlashInferAttentionBackend
 
     num_layers, num_heads, num_kv_heads, head_dim = shape
     pages_per_seq = [(len(s) + PAGE - 1) // PAGE for s in seqs]
     num_pages = 1 + sum(pages_per_seq)
     backend = FlashInferAttentionBackend(
-        num_layers, num_pages, PAGE, num_kv_heads, head_dim, torch.bfloat16, "cuda", None, num_qo_heads=num_heads
-    )
+        num_layers, num_pages, PAGE, num_kv_heads, head_dim, torch.bfloat16, "cuda", None, num_qo_heads=num_heads,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     pages, nxt = [], 1  # page 0 is the scratch page
     for n in pages_per_seq:
         pages.append(list(range(nxt, nxt + n))[::-1])  # reversed: non-contiguous order in the cache
@@ -80,7 +84,7 @@ def paged_logits(shape: tuple[int, int, int, int], forward_for: Any, seqs: list[
         graphs.capture()
     params = SamplingParams()
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
-    steps = [[(0, p) for p in PROMPTS]] + [[(p + k, p + k + 1) for p in PROMPTS] for k in range(DECODE_STEPS)]
+    steps = [[(0, p) for p in prompts]] + [[(p + k, p + k + 1) for p in prompts] for k in range(decode_steps)]
     for step in steps:
         reqs = [ScheduledRequest(str(i), seqs[i][a:b], a, pages[i], True, params) for i, (a, b) in enumerate(step)]
         layout = BatchLayout.build(reqs, PAGE)

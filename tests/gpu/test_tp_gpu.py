@@ -141,3 +141,24 @@ def test_close_ends_the_workers_promptly(model: str, tp: int) -> None:
     llm.close()
     assert time.monotonic() - start < 10  # not the 30 s join timeout and a kill
     assert all(gone(pid) for pid in pids)
+
+
+@pytest.fixture(scope="module")
+def one_gpu_fp8_logits(model: str) -> list[torch.Tensor]:
+    with LLM(model, cuda_graph=False, quantization="fp8", kv_cache_dtype="fp8", **{**ENGINE, "dtype": "bfloat16"}) as llm:
+        return step_logits(llm)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
+def test_two_gpus_with_fp8_weights_and_kv_compute_the_logits_of_one(
+    model: str, one_gpu_fp8_logits: list[torch.Tensor], cuda_graph: bool
+) -> None:
+    # Each rank quantizes its own slice at load: o_proj's and down_proj's per-channel scales then
+    # cover a rank's columns, not the whole row, so the FP8 roundings (not the formats) differ a
+    # little from one GPU's.
+    with LLM(model, tensor_parallel_size=2, cuda_graph=cuda_graph, quantization="fp8", kv_cache_dtype="fp8",
+             enable_flashinfer_allreduce_fusion=False, **{**ENGINE, "dtype": "bfloat16"}) as llm:  # fmt: skip
+        logits = step_logits(llm)
+    errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_fp8_logits)]
+    print(f"FP8 TP=2 vs one GPU ({'graphs' if cuda_graph else 'eager'}): {errs}")
+    assert max(errs) < 0.1, errs

@@ -38,6 +38,7 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import PrefixLevel
+from flashserve.attention.kv_quant import is_fp8, to_cache
 from flashserve.pinned import PinnedStaging
 
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
@@ -78,7 +79,9 @@ class FlashInferAttentionBackend:
     float32 model) are cast to it and the output is cast back to q's dtype. `num_qo_heads` (the
     model's query heads) is needed by every plan, so the constructor takes it.
     `scratch_page` is a page no request owns (the KV cache manager's page 0): CUDA-graph padding
-    rows write their K/V there.
+    rows write their K/V there. `kv_cache_dtype`: the pages' dtype (default `dtype`); an FP8
+    (e4m3) cache stores K/V quantized on append (`attention/kv_quant.py`) and FlashInfer's kernels
+    read it with q in `dtype` (prefill, decode and cascade alike).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class FlashInferAttentionBackend:
         num_qo_heads: int | None = None,  # required: a keyword for the shared positional signature
         workspace_bytes: int = 256 << 20,
         scratch_page: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         if dtype not in _ATTENTION_DTYPES:
             raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {dtype}")
@@ -104,6 +108,8 @@ class FlashInferAttentionBackend:
             raise ValueError("FlashInfer's plans need num_qo_heads, the model's query head count")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"{num_qo_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+        if kv_cache_dtype not in (None, dtype) and not is_fp8(kv_cache_dtype):
+            raise ValueError(f"the FlashInfer KV cache is in the attention dtype or float8_e4m3fn, not {kv_cache_dtype}")
         if not 0 <= scratch_page < num_pages:
             raise ValueError(f"scratch page {scratch_page} is outside [0, {num_pages})")
         import flashinfer
@@ -119,12 +125,14 @@ class FlashInferAttentionBackend:
         self.num_qo_heads: int = num_qo_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.cache_dtype = kv_cache_dtype or dtype
         self.device = torch.device(device)
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self.scratch_page = scratch_page
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
             for _ in range(num_layers)
         ]
         # One float workspace for every wrapper: only one of them runs at a time, in stream order.
@@ -188,7 +196,7 @@ class FlashInferAttentionBackend:
     def _plan_kwargs(self, out_dtype: torch.dtype | None = None) -> dict[str, Any]:
         # Keywords only after page_size (positional ones are deprecated); the dtypes explicitly,
         # since they default to float16.
-        return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "o_data_type": out_dtype or self.dtype,
+        return {"q_data_type": self.dtype, "kv_data_type": self.cache_dtype, "o_data_type": out_dtype or self.dtype,
                 "sm_scale": self.sm_scale, "non_blocking": True}
 
     def _plan_wrapper(self, wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -204,7 +212,7 @@ class FlashInferAttentionBackend:
         if q.dtype != self.dtype:
             q = q.to(self.dtype)
         # append_paged_kv_cache reinterprets its input as the cache dtype without checking it.
-        k, v = k.to(self.dtype), v.to(self.dtype)
+        k, v = to_cache(k, self.cache_dtype), to_cache(v, self.cache_dtype)
         cache = self.kv_cache[layer]
         self._fi.append_paged_kv_cache(
             k, v, step.batch_indices, step.positions, cache,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from flashserve.attention.base import BatchLayout
+from flashserve.attention.kv_quant import bits, read_bits, to_cache
 
 # Padded (query, key) pairs per group. Segments are grouped in schedule order so that a long
 # prefill does not pad every decode request to its length; a segment larger than this is a
@@ -90,7 +91,12 @@ def merge_attention_states(
 
 
 class TorchAttentionBackend:
-    """Owns per-layer K/V pages `[num_pages, page_size, Hkv, D]` (NHD, as FlashInfer) and attends."""
+    """Owns per-layer K/V pages `[num_pages, page_size, Hkv, D]` (NHD, as FlashInfer) and attends.
+
+    `dtype` is the attention dtype; `kv_cache_dtype` the pages' (default: `dtype`). An FP8 cache
+    (`attention/kv_quant.py`) quantizes K/V on append and dequantizes them on read, as the
+    FlashInfer backend's kernels do, so this backend is the numerics reference of FP8 KV too.
+    """
 
     def __init__(
         self,
@@ -104,6 +110,7 @@ class TorchAttentionBackend:
         sm_scale: float | None = None,
         *,
         num_qo_heads: int | None = None,  # checked against q when given
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_qo_heads = num_qo_heads
@@ -112,13 +119,16 @@ class TorchAttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.cache_dtype = kv_cache_dtype or dtype
         self.device = torch.device(device)
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
+        cache_dtype = self.cache_dtype
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (torch.zeros(shape, dtype=cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=cache_dtype, device=self.device))
             for _ in range(num_layers)
-        ]
+        ]  # fmt: skip
         self._plan: _Plan | None = None
 
     def plan(self, layout: BatchLayout) -> None:
@@ -198,8 +208,8 @@ class TorchAttentionBackend:
         if num_q_heads % hkv:
             raise ValueError(f"{num_q_heads} query heads are not a multiple of {hkv} kv heads")
         k_cache, v_cache = self.kv_cache[layer]
-        k_cache.view(-1, hkv, head_dim).index_copy_(0, slots, k.to(self.dtype))
-        v_cache.view(-1, hkv, head_dim).index_copy_(0, slots, v.to(self.dtype))
+        bits(k_cache).view(-1, hkv, head_dim).index_copy_(0, slots, bits(to_cache(k, self.cache_dtype)))
+        bits(v_cache).view(-1, hkv, head_dim).index_copy_(0, slots, bits(to_cache(v, self.cache_dtype)))
         return num_q_heads // hkv
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -224,16 +234,16 @@ class TorchAttentionBackend:
         hkv = self.num_kv_heads
         group_size = num_q_heads // hkv
         k_cache, v_cache = self.kv_cache[layer]
-        k_flat = k_cache.view(-1, hkv, head_dim)
-        v_flat = v_cache.view(-1, hkv, head_dim)
+        k_flat = bits(k_cache).view(-1, hkv, head_dim)
+        v_flat = bits(v_cache).view(-1, hkv, head_dim)
         out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
         for g in groups:
             batch, n_max = g.q_index.shape
             # Query head h uses kv head h // group_size, as transformers' repeat_kv does.
             qg = q[g.q_index].float().view(batch, n_max, hkv, group_size, head_dim)
-            kg = k_flat[g.kv_slots].float()  # [B, L, Hkv, D]
-            vg = v_flat[g.kv_slots].float()
+            kg = read_bits(k_flat[g.kv_slots], self.cache_dtype, torch.float32)  # [B, L, Hkv, D]
+            vg = read_bits(v_flat[g.kv_slots], self.cache_dtype, torch.float32)
             scores = torch.einsum("bnhgd,blhd->bhgnl", qg, kg) * self.sm_scale
             scores = scores.masked_fill(~g.allowed[:, None, None], float("-inf"))
             probs = torch.softmax(scores, dim=-1)

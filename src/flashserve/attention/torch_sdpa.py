@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from flashserve.attention.base import BatchLayout
+from flashserve.attention.kv_quant import bits, read_bits, to_cache
 from flashserve.attention.torch_ref import TorchAttentionBackend, merge_attention_states, page_tensor
 
 # torch's CPU flash-attention kernel, which also returns the log-sum-exp (what SDPA calls on a CPU);
@@ -122,7 +123,9 @@ class SdpaAttentionBackend(TorchAttentionBackend):
         hkv = self.num_kv_heads
         group = self._append(layer, q, k, v, plan.write_slots)
         k_cache, v_cache = self.kv_cache[layer]
-        k, v = k.to(self.dtype), v.to(self.dtype)
+        cache_dtype = self.cache_dtype
+        # New K/V as the cache holds them (an FP8 cache's rounding), as FlashInfer reads them back.
+        k, v = to_cache(k, cache_dtype).to(self.dtype), to_cache(v, cache_dtype).to(self.dtype)
 
         out = torch.empty_like(q)
         for p in plan.prompts:
@@ -134,8 +137,8 @@ class SdpaAttentionBackend(TorchAttentionBackend):
                     is_causal=True, scale=self.sm_scale, enable_gqa=True,
                 )[0]  # fmt: skip
             else:  # the past from whole pages, cut to its length
-                past_k = k_cache.index_select(0, p.pages).flatten(0, 1)[: p.past].to(q.dtype)
-                past_v = v_cache.index_select(0, p.pages).flatten(0, 1)[: p.past].to(q.dtype)
+                past_k = read_bits(bits(k_cache).index_select(0, p.pages).flatten(0, 1)[: p.past], cache_dtype, q.dtype)
+                past_v = read_bits(bits(v_cache).index_select(0, p.pages).flatten(0, 1)[: p.past], cache_dtype, q.dtype)
                 o = _continued(queries[0], past_k, past_v, new_k, new_v, self.sm_scale)
             out[p.start : p.end] = o.transpose(0, 1)
         for d in plan.decodes:
@@ -144,8 +147,8 @@ class SdpaAttentionBackend(TorchAttentionBackend):
             # head are the "query rows" of that head, so no K/V is repeated. index_select copies
             # whole pages, several times faster on a CPU than indexing with the [B, P] table.
             shape = (batch, width * self.page_size, hkv, head_dim)
-            keys = k_cache.index_select(0, d.page_table.flatten()).view(shape).transpose(1, 2).to(q.dtype)
-            values = v_cache.index_select(0, d.page_table.flatten()).view(shape).transpose(1, 2).to(q.dtype)
+            keys = read_bits(bits(k_cache).index_select(0, d.page_table.flatten()).view(shape), cache_dtype, q.dtype).transpose(1, 2)
+            values = read_bits(bits(v_cache).index_select(0, d.page_table.flatten()).view(shape), cache_dtype, q.dtype).transpose(1, 2)
             queries = q[d.tokens].view(batch, hkv, group, head_dim)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=d.mask, scale=self.sm_scale)
             out.index_copy_(0, d.tokens, o.reshape(batch, num_q_heads, head_dim))

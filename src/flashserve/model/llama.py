@@ -24,12 +24,14 @@ rank returns the full [N, V] row. On one rank none of this runs: the forward is 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashserve.layers.linear import Linear, LinearArgs, linear, pack_for_onednn, packs_for_onednn
+from flashserve.layers.quantization import Fp8Scheme, projection_loading
 from flashserve.model.layers import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.model.weights import (
     SUPPORTED_ARCHITECTURES,
@@ -60,44 +62,21 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec) -> None:
+    """One decoder layer's weights. `projection(out, in, bias, keys)` builds the layer's
+    projection that fuses those checkpoint parts (weights.py's keys), in its weight format."""
+
+    def __init__(self, spec: LlamaSpec, projection: Callable[[int, int, bool, tuple[str, ...]], Linear]) -> None:
         super().__init__()
         h, i_size = spec.hidden_size, spec.intermediate_size
-        qkv = spec.q_size + 2 * spec.kv_size
         self.input_layernorm = nn.ParameterDict({"weight": _param(h)})
         self.post_attention_layernorm = nn.ParameterDict({"weight": _param(h)})
-        self.qkv_proj = nn.ParameterDict({"weight": _param(qkv, h), **({"bias": _param(qkv)} if spec.qkv_bias else {})})
-        self.o_proj = nn.ParameterDict({"weight": _param(h, spec.q_size), **({"bias": _param(h)} if spec.o_bias else {})})
-        self.gate_up_proj = nn.ParameterDict(
-            {"weight": _param(2 * i_size, h), **({"bias": _param(2 * i_size)} if spec.mlp_bias else {})}
-        )
-        self.down_proj = nn.ParameterDict({"weight": _param(h, i_size), **({"bias": _param(h)} if spec.mlp_bias else {})})
+        self.qkv_proj = projection(spec.q_size + 2 * spec.kv_size, h, spec.qkv_bias, ("q", "k", "v"))
+        self.o_proj = projection(h, spec.q_size, spec.o_bias, ("o",))
+        self.gate_up_proj = projection(2 * i_size, h, spec.mlp_bias, ("gate", "up"))
+        self.down_proj = projection(h, i_size, spec.mlp_bias, ("down",))
         if spec.qk_norm:
             self.q_norm = nn.ParameterDict({"weight": _param(spec.head_dim)})
             self.k_norm = nn.ParameterDict({"weight": _param(spec.head_dim)})
-
-
-def _weight_and_bias(p: nn.ParameterDict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return p["weight"], p["bias"] if "bias" in p else None
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T + bias; a weight packed for oneDNN (`pack_for_onednn`) goes through oneDNN."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-def packs_for_onednn(device: torch.device, dtype: torch.dtype, compile: bool) -> bool:
-    """float32 projections on a CPU go through oneDNN with weights packed for it: on a 2-core AMD
-    EPYC 2-3x faster than `F.linear`'s BLAS at every row count measured (1 to 2,000). Not under
-    torch.compile, which traces dense weights."""
-    return device.type == "cpu" and dtype == torch.float32 and not compile and torch.backends.mkldnn.is_available()
-
-
-def pack_for_onednn(weight: Tensor) -> Tensor:
-    """`weight` [out, in] reordered into oneDNN's blocked layout, for `linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 # The forward between two attention calls, as functions of tensors only, so that one compiled
@@ -106,7 +85,7 @@ def pack_for_onednn(weight: Tensor) -> Tensor:
 
 def attention_input(
     spec: LlamaSpec, ops: Ops, hidden: Tensor | None, residual: Tensor, positions: Tensor, cos_sin: Tensor,
-    norm_w: Tensor, qkv_w: Tensor, qkv_b: Tensor | None, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
+    norm_w: Tensor, qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """A layer up to attention: (add +) RMSNorm, fused qkv, the q/k norms, RoPE.
 
@@ -117,17 +96,17 @@ def attention_input(
         hidden = ops.rmsnorm(residual, norm_w, spec.rms_norm_eps)
     else:
         hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)
-    q, k, v = qkv_rope(spec, ops, hidden, positions, cos_sin, qkv_w, qkv_b, q_norm_w, k_norm_w)
+    q, k, v = qkv_rope(spec, ops, hidden, positions, cos_sin, qkv, q_norm_w, k_norm_w)
     return q, k, v, residual
 
 
 def qkv_rope(
     spec: LlamaSpec, ops: Ops, normed: Tensor, positions: Tensor, cos_sin: Tensor,
-    qkv_w: Tensor, qkv_b: Tensor | None, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
+    qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """`attention_input` after the layer's input norm: fused qkv, the q/k norms, RoPE."""
     eps, d, t = spec.rms_norm_eps, spec.head_dim, normed.shape[0]
-    q, k, v = linear(normed, qkv_w, qkv_b).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q, k, v = linear(normed, *qkv).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     if q_norm_w is not None and k_norm_w is not None:
         q = ops.rmsnorm(q.view(t, spec.num_heads, d), q_norm_w, eps).view(t, spec.q_size)
         k = ops.rmsnorm(k.view(t, spec.num_kv_heads, d), k_norm_w, eps).view(t, spec.kv_size)
@@ -136,28 +115,26 @@ def qkv_rope(
 
 
 def attention_output(
-    spec: LlamaSpec, ops: Ops, attn: Tensor, residual: Tensor, o_w: Tensor, o_b: Tensor | None, norm_w: Tensor,
-    gate_up_w: Tensor, gate_up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None,
+    spec: LlamaSpec, ops: Ops, attn: Tensor, residual: Tensor, o: LinearArgs, norm_w: Tensor,
+    gate_up: LinearArgs, down: LinearArgs,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """A layer from attention on: o_proj, add + RMSNorm, the SiLU MLP. Returns it and the residual."""
-    hidden = linear(attn.reshape(attn.shape[0], spec.q_size), o_w, o_b)
-    return mlp(spec, ops, hidden, residual, norm_w, gate_up_w, gate_up_b, down_w, down_b)
+    hidden = linear(attn.reshape(attn.shape[0], spec.q_size), *o)
+    return mlp(spec, ops, hidden, residual, norm_w, gate_up, down)
 
 
 def mlp(
     spec: LlamaSpec, ops: Ops, hidden: Tensor, residual: Tensor, norm_w: Tensor,
-    gate_up_w: Tensor, gate_up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None,
+    gate_up: LinearArgs, down: LinearArgs,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`attention_output` after o_proj: add + RMSNorm, the SiLU MLP."""
     hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)
-    return gated_mlp(ops, hidden, gate_up_w, gate_up_b, down_w, down_b), residual
+    return gated_mlp(ops, hidden, gate_up, down), residual
 
 
-def gated_mlp(
-    ops: Ops, normed: Tensor, gate_up_w: Tensor, gate_up_b: Tensor | None, down_w: Tensor, down_b: Tensor | None
-) -> Tensor:
+def gated_mlp(ops: Ops, normed: Tensor, gate_up: LinearArgs, down: LinearArgs) -> Tensor:
     """The SiLU MLP of a normed hidden state: gate_up, SiLU-and-mul, down."""
-    return linear(ops.silu_and_mul(linear(normed, gate_up_w, gate_up_b)), down_w, down_b)
+    return linear(ops.silu_and_mul(linear(normed, *gate_up)), *down)
 
 
 def final_norm(spec: LlamaSpec, ops: Ops, hidden: Tensor | None, residual: Tensor, norm_w: Tensor) -> Tensor:
@@ -171,9 +148,11 @@ class LlamaModel(nn.Module):
 
     spec: the whole model's. group: the tensor-parallel ranks (default: one); the model holds
     the shard of `group.rank`, and `rank_spec` is the spec of its layers (its heads and columns).
+    fp8: the scheme of projections held in FP8 (None: every projection in the model dtype).
     """
 
-    def __init__(self, spec: LlamaSpec, ops: Ops, *, compile: bool = False, group: TPGroup | None = None) -> None:
+    def __init__(self, spec: LlamaSpec, ops: Ops, *, compile: bool = False, group: TPGroup | None = None,
+                 fp8: Fp8Scheme | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.ops = ops
@@ -197,7 +176,9 @@ class LlamaModel(nn.Module):
         # A rank of several holds its (padded) rows of the vocabulary, as of the LM head.
         embed_rows = self.shard.vocab_size if self.sharded else spec.vocab_size
         self.embed_tokens = nn.ParameterDict({"weight": _param(embed_rows, spec.hidden_size)})
-        self.layers = nn.ModuleList(LlamaDecoderLayer(self.rank_spec) for _ in range(spec.num_layers))
+        self.fp8 = fp8
+        self.layers = nn.ModuleList(LlamaDecoderLayer(self.rank_spec, self._projection_builder(i))
+                                    for i in range(spec.num_layers))
         self.norm = nn.ParameterDict({"weight": _param(spec.hidden_size)})
         if not spec.tie_word_embeddings or self.sharded:
             # A rank's LM head is its (padded) rows of the vocabulary, tied or not.
@@ -208,6 +189,17 @@ class LlamaModel(nn.Module):
         # A tied LM head packed for oneDNN on a CPU (`packs_for_onednn`), beside the embedding.
         self.packed_lm_head: torch.Tensor | None
         self.register_buffer("packed_lm_head", None, persistent=False)
+
+    def _projection_builder(self, layer: int) -> Callable[[int, int, bool, tuple[str, ...]], Linear]:
+        fp8 = self.fp8
+
+        def build(out_features: int, in_features: int, bias: bool, keys: tuple[str, ...]) -> Linear:
+            if fp8 is None or not fp8.quantizes_projection(layer, keys):
+                return Linear(out_features, in_features, bias=bias)
+            return Linear(out_features, in_features, bias=bias, fp8=True, static_input=fp8.static_input,
+                          input_scale_ub=fp8.input_scale_ub)
+
+        return build
 
     @classmethod
     def from_hf(
@@ -222,6 +214,7 @@ class LlamaModel(nn.Module):
         ops: Ops | str = "auto",
         compile: bool = False,
         group: TPGroup | None = None,
+        quantization: str | None = None,
     ) -> LlamaModel:
         """Builds the native model from an HF CausalLM module or its state dict.
 
@@ -232,8 +225,10 @@ class LlamaModel(nn.Module):
         compile: run the pieces between attention calls through `torch.compile` (Inductor), over
             the PyTorch ops, which it fuses; attention stays with the backend.
         group: the tensor-parallel ranks; the model keeps only `group.rank`'s shard of `source`.
+        quantization: "fp8" quantizes the projections at load (`layers/quantization.py`); FP8
+            GEMMs on CUDA, the FP8-rounded weights dequantized on a CPU.
         Raises UnsupportedModelError (fall back to the generic path) or WeightMismatchError, and
-        ValueError when the heads do not split over the group.
+        ValueError when the heads do not split over the group or the quantization is unsupported.
         """
         device = torch.device(device)
         architecture = type(source).__name__ if isinstance(source, nn.Module) else None
@@ -248,9 +243,10 @@ class LlamaModel(nn.Module):
                 source.to("meta")
         else:
             state = dict(source)
-        weights = convert_hf_state_dict(state, spec, dtype, device, shard)
+        scheme, loader = projection_loading(hf_config, quantization, dtype, device, compile, dense_source=True)
+        weights = convert_hf_state_dict(state, spec, dtype, device, shard, loader)
         del state
-        return cls._assemble(spec, weights, dtype, device, max_positions, ops, compile, group)
+        return cls._assemble(spec, weights, dtype, device, max_positions, ops, compile, group, scheme)
 
     @classmethod
     def from_checkpoint(
@@ -264,12 +260,14 @@ class LlamaModel(nn.Module):
         ops: Ops | str = "auto",
         compile: bool = False,
         group: TPGroup | None = None,
+        quantization: str | None = None,
     ) -> LlamaModel:
         """Builds the rank's shard straight from a checkpoint's safetensors files, reading only
         the rank's slice of each tensor, or from a `DummyCheckpoint`'s random weights, drawn a
         tensor at a time. path: a checkpoint directory, its .safetensors files, or a
         DummyCheckpoint. The other arguments and errors are `from_hf`'s; the architecture is the
-        config's.
+        config's. An FP8 checkpoint (its config's `quantization_config`) loads in its format; dummy
+        weights of such a config are drawn in high precision and quantized at load.
         """
         from flashserve.parallel.checkpoint import DummyCheckpoint, read_llama_shard
 
@@ -277,16 +275,18 @@ class LlamaModel(nn.Module):
         spec = LlamaSpec.from_hf_config(hf_config)
         group = group if group is not None else SingleRankGroup()
         shard = ShardLayout.for_spec(spec, group.rank, group.world_size)
+        dummy = isinstance(path, DummyCheckpoint)
+        scheme, loader = projection_loading(hf_config, quantization, dtype, device, compile, dense_source=dummy)
         if isinstance(path, DummyCheckpoint):
-            weights = path.read_llama_shard(spec, dtype, device, shard)
+            weights = path.read_llama_shard(spec, dtype, device, shard, loader)
         else:
-            weights = read_llama_shard(path, spec, dtype, device, shard)
-        return cls._assemble(spec, weights, dtype, device, max_positions, ops, compile, group)
+            weights = read_llama_shard(path, spec, dtype, device, shard, loader)
+        return cls._assemble(spec, weights, dtype, device, max_positions, ops, compile, group, scheme)
 
     @classmethod
     def _assemble(
         cls, spec: LlamaSpec, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-        max_positions: int | None, ops: Ops | str, compile: bool, group: TPGroup,
+        max_positions: int | None, ops: Ops | str, compile: bool, group: TPGroup, fp8: Fp8Scheme | None,
     ) -> LlamaModel:  # fmt: skip
         if compile:
             if ops not in ("auto", "torch") and not (isinstance(ops, Ops) and ops.name == "torch"):
@@ -294,13 +294,13 @@ class LlamaModel(nn.Module):
             ops = torch_ops()
         ops = ops if isinstance(ops, Ops) else select_ops(device, ops, dtype)
         with torch.device("meta"):
-            model = cls(spec, ops, compile=compile, group=group)
+            model = cls(spec, ops, compile=compile, group=group, fp8=fp8)
         model.load_state_dict(weights, strict=True, assign=True)
         model.eval()
         if packs_for_onednn(device, dtype, compile):
             for layer in model.layers:
                 for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                    proj["weight"] = nn.Parameter(pack_for_onednn(proj["weight"]), requires_grad=False)
+                    proj.weight = nn.Parameter(pack_for_onednn(proj.weight), requires_grad=False)
             if hasattr(model, "lm_head"):
                 model.lm_head["weight"] = nn.Parameter(pack_for_onednn(model.lm_head["weight"]), requires_grad=False)
             else:  # tied: the embedding stays dense for lookups, and the head gets a packed copy
@@ -333,13 +333,12 @@ class LlamaModel(nn.Module):
         hidden: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             q, k, v, residual = self._attention_input(
-                spec, ops, hidden, residual, positions, cos_sin, layer.input_layernorm["weight"], *_weight_and_bias(layer.qkv_proj),
+                spec, ops, hidden, residual, positions, cos_sin, layer.input_layernorm["weight"], layer.qkv_proj.args,
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
             )  # fmt: skip
             hidden, residual = self._attention_output(
-                spec, ops, backend.forward(i, q, k, v), residual, *_weight_and_bias(layer.o_proj),
-                layer.post_attention_layernorm["weight"], *_weight_and_bias(layer.gate_up_proj),
-                *_weight_and_bias(layer.down_proj),
+                spec, ops, backend.forward(i, q, k, v), residual, layer.o_proj.args,
+                layer.post_attention_layernorm["weight"], layer.gate_up_proj.args, layer.down_proj.args,
             )  # fmt: skip
         return self._final_norm(spec, ops, hidden, residual, self.norm["weight"])
 
@@ -381,14 +380,13 @@ class LlamaModel(nn.Module):
             else:
                 normed, residual = self._reduce_add_norm(partial, residual, layer.input_layernorm["weight"])
             q, k, v = self._qkv_rope(
-                spec, ops, normed, positions, cos_sin, *_weight_and_bias(layer.qkv_proj),
+                spec, ops, normed, positions, cos_sin, layer.qkv_proj.args,
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
             )  # fmt: skip
             attn = backend.forward(i, q, k, v).reshape(q.shape[0], spec.q_size)
-            partial = linear(attn, *_weight_and_bias(layer.o_proj))
+            partial = layer.o_proj(attn)
             normed, residual = self._reduce_add_norm(partial, residual, layer.post_attention_layernorm["weight"])
-            partial = self._gated_mlp(ops, normed, *_weight_and_bias(layer.gate_up_proj),
-                                      *_weight_and_bias(layer.down_proj))  # fmt: skip
+            partial = self._gated_mlp(ops, normed, layer.gate_up_proj.args, layer.down_proj.args)
         assert partial is not None
         return self._reduce_add_norm(partial, residual, self.norm["weight"])[0]
 
@@ -414,3 +412,4 @@ class LlamaModel(nn.Module):
         if logits.shape[-1] != self.spec.vocab_size:
             logits = logits[..., : self.spec.vocab_size]
         return logits.float().contiguous()
+

@@ -200,11 +200,22 @@ def _load_pretrained(source: str, gguf_file: str | None, config: ModelConfig, de
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     hf_config = _auto_config(source, config, gguf_file)
+    _refuse_quantized(hf_config, source)
     dtype = resolve_dtype(config.dtype, device, getattr(hf_config, "dtype", None))
     if device.type != "cpu":
         kwargs["device_map"] = str(device)  # load straight onto the GPU, not via host memory
     model = AutoModelForCausalLM.from_pretrained(source, config=hf_config, dtype=dtype, **kwargs)
     return model.to(device), hf_config
+
+
+def _refuse_quantized(hf_config: Any, source: str) -> None:
+    """A quantized checkpoint loads only on the native path, from a local directory: transformers
+    would need the quantization library and serve it another way."""
+    from flashserve.layers.quantization import fp8_scheme
+
+    if fp8_scheme(hf_config) is not None:  # raises for formats that are not FP8
+        raise ValueError(f"{source}: FP8 checkpoints load from a local directory of safetensors files on the "
+                         "native model path (Llama, Mistral, Qwen2, Qwen3; not --model-impl hf)")
 
 
 def _load_tokenizer(source: str, gguf_file: str | None, trust_remote_code: bool, hf_config: Any = None) -> Any:

@@ -14,6 +14,7 @@ import torch
 from flashserve.attention import get_backend_cls
 from flashserve.attention.base import AttentionBackend
 from flashserve.attention.cascade import CascadePolicy, cascade_policy
+from flashserve.attention.kv_quant import resolve_kv_cache_dtype
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error
@@ -290,31 +291,34 @@ def num_kv_pages(cache: CacheConfig, page_bytes: int, device: torch.device) -> i
 
 
 def step_model(loaded: LoadedModel, model_impl: str, torch_compile: bool = False,
-               checkpoint: str | DummyCheckpoint | None = None) -> StepModel:
+               checkpoint: str | DummyCheckpoint | None = None, quantization: str | None = None) -> StepModel:
     """The native forward for Llama-family models (`auto`/`native`), else the generic HF path.
 
     torch_compile: compile the native model's non-attention pieces (the HF path runs eagerly).
     checkpoint: a `native_checkpoint` to read or draw the weights from (`loaded.model` is then
         shapes only).
+    quantization: `--quantization` (FP8 checkpoints need none); the native path only.
     """
     if model_impl not in ("auto", "native", "hf"):
         raise ValueError(f"model_impl must be auto, native or hf, not {model_impl!r}")
     if checkpoint is not None:
         return NativeCausalLM(LlamaModel.from_checkpoint(
             checkpoint, loaded.hf_config, loaded.dtype, loaded.device, max_positions=loaded.max_model_len,
-            compile=torch_compile,
+            compile=torch_compile, quantization=quantization,
         ))  # fmt: skip
     if model_impl != "hf":
         try:
             native = LlamaModel.from_hf(
                 loaded.model, loaded.hf_config, loaded.dtype, loaded.device, max_positions=loaded.max_model_len,
-                compile=torch_compile,
+                compile=torch_compile, quantization=quantization,
             )  # fmt: skip
             return NativeCausalLM(native)
         except UnsupportedModelError as exc:
             if model_impl == "native":
                 raise
             logger.info("generic HF path for %s: %s", loaded.name, exc)
+    if quantization is not None:
+        raise ValueError(f"--quantization {quantization} needs the native model path (Llama, Mistral, Qwen2, Qwen3)")
     if torch_compile:
         logger.warning("--torch-compile applies to the native model path; the HF path runs uncompiled")
     return HFCausalLM(loaded.model)
@@ -350,17 +354,20 @@ def build_runner(
     checkpoint = native_checkpoint(model_config)
     loaded = load_model(model_config, device, weights=checkpoint is None)
     backend_name = pick_backend(model_config.attention_backend, device)
-    kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
+    attn_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
+    kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, attn_dtype)
     num_layers, num_heads, num_kv_heads, head_dim = model_shape(loaded.hf_config)
     sm_scale = attention_scale(loaded.model)
-    model = step_model(loaded, model_config.model_impl, model_config.torch_compile, checkpoint)
+    model = step_model(loaded, model_config.model_impl, model_config.torch_compile, checkpoint,
+                       model_config.quantization)
     page_size = cache_config.page_size
     t_loaded = time.perf_counter()
     page_bytes = kv_page_bytes(num_layers, page_size, num_kv_heads, head_dim, kv_dtype)
     num_pages = num_kv_pages(cache_config, page_bytes, device)
     backend = get_backend_cls(backend_name)(
-        num_layers, num_pages, page_size, num_kv_heads, head_dim, kv_dtype, device, sm_scale, num_qo_heads=num_heads
-    )
+        num_layers, num_pages, page_size, num_kv_heads, head_dim, attn_dtype, device, sm_scale,
+        num_qo_heads=num_heads, kv_cache_dtype=kv_dtype,
+    )  # fmt: skip
     t_kv = time.perf_counter()
     capacity = (num_pages - 1) * page_size  # page 0 is the KV cache manager's scratch page
     if capacity < loaded.max_model_len:

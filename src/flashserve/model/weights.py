@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
 import torch
 
 from flashserve.model.layers import SUPPORTED_ROPE_TYPES
 from flashserve.parallel.sharding import ShardLayout
+
+if TYPE_CHECKING:
+    from flashserve.layers.quantization import Fp8Scheme, ProjectionLoader
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +152,9 @@ def _layer_names(spec: LlamaSpec, i: int) -> dict[str, str]:
     }
 
 
-def expected_hf_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor the spec needs, with its shape."""
+def expected_hf_shapes(spec: LlamaSpec, fp8: Fp8Scheme | None = None) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor the spec needs, with its shape; with a serialized `fp8` scheme, its float8
+    projections' scale tensors too."""
     h, i_size, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     if not spec.tie_word_embeddings:
@@ -165,13 +169,24 @@ def expected_hf_shapes(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
     for i in range(spec.num_layers):
         for key, name in _layer_names(spec, i).items():
             shapes[name] = per_key[key]
+            if fp8 is not None and fp8.serialized and key in _PROJECTION_KEYS and fp8.quantizes(name[: -len(".weight")]):
+                shapes.update(fp8.scale_shapes(name, per_key[key][0]))
     return shapes
 
 
-def _is_ignorable(name: str, spec: LlamaSpec) -> bool:
+_PROJECTION_KEYS = ("q", "k", "v", "o", "gate", "up", "down")
+# Native projection -> the checkpoint parts it fuses, in order.
+_PROJECTIONS = {"qkv_proj": ("q", "k", "v"), "o_proj": ("o",), "gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+
+
+def _is_ignorable(name: str, spec: LlamaSpec, fp8: Fp8Scheme | None) -> bool:
     # A tied model's state dict repeats the embedding as lm_head.weight; older transformers
-    # versions saved RoPE's inv_freq buffer. Neither is a weight of its own.
-    return (spec.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+    # versions saved RoPE's inv_freq buffer. Neither is a weight of its own. FP8 checkpoints may
+    # carry KV-cache scales, which the FP8 KV cache does not use (its scale is 1.0).
+    from flashserve.layers.quantization import KV_SCALE_SUFFIXES
+
+    return ((spec.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+            or (fp8 is not None and name.endswith(KV_SCALE_SUFFIXES)))
 
 
 def check_hf_state_dict(state: Mapping[str, torch.Tensor], spec: LlamaSpec) -> None:
@@ -179,14 +194,22 @@ def check_hf_state_dict(state: Mapping[str, torch.Tensor], spec: LlamaSpec) -> N
     check_hf_shapes({name: tuple(t.shape) for name, t in state.items()}, spec)
 
 
-def check_hf_shapes(shapes: Mapping[str, tuple[int, ...]], spec: LlamaSpec) -> None:
+def _same_shape(name: str, actual: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    # Scales are saved as [1] or [] per tensor, [rows, 1] or [rows] per channel.
+    if name.endswith("_scale"):
+        return tuple(d for d in actual if d != 1) == tuple(d for d in expected if d != 1)
+    return actual == expected
+
+
+def check_hf_shapes(shapes: Mapping[str, tuple[int, ...]], spec: LlamaSpec, fp8: Fp8Scheme | None = None) -> None:
     """`check_hf_state_dict` over names and shapes alone (a safetensors header has no more)."""
-    expected = expected_hf_shapes(spec)
+    expected = expected_hf_shapes(spec, fp8)
     missing = sorted(n for n in expected if n not in shapes)
-    unexpected = sorted(n for n in shapes if n not in expected and not _is_ignorable(n, spec))
+    unexpected = sorted(n for n in shapes if n not in expected and not _is_ignorable(n, spec, fp8))
     misshapen = sorted(
-        f"{n}: {tuple(shapes[n])} != {shape}" for n, shape in expected.items() if n in shapes and tuple(shapes[n]) != shape
-    )
+        f"{n}: {tuple(shapes[n])} != {shape}"
+        for n, shape in expected.items() if n in shapes and not _same_shape(n, tuple(shapes[n]), shape)
+    )  # fmt: skip
     problems = [
         f"{label} ({len(names)}): {', '.join(names)}"
         for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshapen))
@@ -207,6 +230,7 @@ def convert_hf_state_dict(
     dtype: torch.dtype,
     device: torch.device,
     shard: ShardLayout | None = None,
+    projections: ProjectionLoader | None = None,
 ) -> dict[str, torch.Tensor]:
     """HF CausalLM names -> native names (fused qkv and gate_up), in `dtype` on `device`.
 
@@ -216,14 +240,14 @@ def convert_hf_state_dict(
     """
     check_hf_state_dict(state, spec)
     if shard is None or shard.is_whole:
-        return fuse_weights(lambda name, kind: state.pop(name), spec, dtype, device)
+        return fuse_weights(lambda name, kind: state.pop(name), spec, dtype, device, None, projections)
 
     def take_slice(name: str, kind: str) -> torch.Tensor:
         where = shard.slice_for(kind)
         full = state.pop(name)
         return full if where is None else where.take(full)
 
-    return fuse_weights(take_slice, spec, dtype, device, shard)
+    return fuse_weights(take_slice, spec, dtype, device, shard, projections)
 
 
 def fuse_weights(
@@ -232,12 +256,14 @@ def fuse_weights(
     dtype: torch.dtype,
     device: torch.device,
     shard: ShardLayout | None = None,
+    projections: ProjectionLoader | None = None,
 ) -> dict[str, torch.Tensor]:
     """The native model's weights from `read(hf_name, kind) -> tensor`, called once per tensor in
     layer order (`kind`: the key of `_layer_names`, or "embed_tokens", "norm", "lm_head").
 
     `read` returns the rank's slice when `shard` splits the model; a tied LM head is then the
-    rank's rows of the embedding, the same tensor.
+    rank's rows of the embedding, the same tensor. `projections`: reads and fuses the projections
+    in a quantized format (`layers/quantization.py`); None: dense, in `dtype`.
     """
 
     def put(*tensors: torch.Tensor) -> torch.Tensor:
@@ -252,10 +278,11 @@ def fuse_weights(
         names, p = _layer_names(spec, i), f"layers.{i}."
         out[p + "input_layernorm.weight"] = put(take(names, "input_layernorm"))
         out[p + "post_attention_layernorm.weight"] = put(take(names, "post_attention_layernorm"))
-        out[p + "qkv_proj.weight"] = put(take(names, "q"), take(names, "k"), take(names, "v"))
-        out[p + "o_proj.weight"] = put(take(names, "o"))
-        out[p + "gate_up_proj.weight"] = put(take(names, "gate"), take(names, "up"))
-        out[p + "down_proj.weight"] = put(take(names, "down"))
+        for proj, keys in _PROJECTIONS.items():
+            if projections is None:
+                out[p + proj + ".weight"] = put(*(take(names, k) for k in keys))
+            else:
+                out.update({f"{p}{proj}.{suffix}": t for suffix, t in projections.load(i, keys, names, read).items()})
         if spec.qkv_bias:
             out[p + "qkv_proj.bias"] = put(take(names, "q_bias"), take(names, "k_bias"), take(names, "v_bias"))
         if spec.o_bias:

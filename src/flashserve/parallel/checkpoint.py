@@ -16,13 +16,16 @@ import json
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from safetensors import safe_open
 
 from flashserve.model.weights import LlamaSpec, check_hf_shapes, expected_hf_shapes, fuse_weights
 from flashserve.parallel.sharding import ShardLayout
+
+if TYPE_CHECKING:
+    from flashserve.layers.quantization import ProjectionLoader
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -56,8 +59,10 @@ def read_llama_shard(
     dtype: torch.dtype,
     device: torch.device | str,
     shard: ShardLayout | None = None,
+    projections: ProjectionLoader | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The native weights (`weights.fuse_weights` names) of `shard`'s rank, or of the whole model.
+    """The native weights (`weights.fuse_weights` names) of `shard`'s rank, or of the whole model;
+    `projections`: an FP8 checkpoint's loader (its scales are read and sliced with the weights).
 
     Raises WeightMismatchError when the files' tensors do not match `spec`.
     """
@@ -68,7 +73,8 @@ def read_llama_shard(
             handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             for name in handle.keys():
                 owner[name] = handle
-        check_hf_shapes({name: tuple(h.get_slice(name).get_shape()) for name, h in owner.items()}, spec)
+        scheme = projections.scheme if projections is not None else None
+        check_hf_shapes({name: tuple(h.get_slice(name).get_shape()) for name, h in owner.items()}, spec, scheme)
 
         def read(name: str, kind: str) -> torch.Tensor:
             where = shard.slice_for(kind) if shard is not None else None
@@ -76,7 +82,7 @@ def read_llama_shard(
                 return owner[name].get_tensor(name)
             return where.read(owner[name].get_slice(name))
 
-        return fuse_weights(read, spec, dtype, device, shard)
+        return fuse_weights(read, spec, dtype, device, shard, projections)
 
 
 @dataclass(frozen=True)
@@ -93,9 +99,11 @@ class DummyCheckpoint:
     std: float = 0.02
 
     def read_llama_shard(
-        self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str, shard: ShardLayout | None = None
+        self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str, shard: ShardLayout | None = None,
+        projections: ProjectionLoader | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The native weights of `shard`'s rank, or of the whole model (`read_llama_shard`'s)."""
+        """The native weights of `shard`'s rank, or of the whole model (`read_llama_shard`'s);
+        `projections` quantizes the drawn projections at load."""
         device = torch.device(device)
         shapes = expected_hf_shapes(spec)
 
@@ -111,4 +119,4 @@ class DummyCheckpoint:
             where = shard.slice_for(kind) if shard is not None else None
             return full if where is None else where.take(full)
 
-        return fuse_weights(read, spec, dtype, device, shard)
+        return fuse_weights(read, spec, dtype, device, shard, projections)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from flashserve.attention import get_backend_cls
+from flashserve.attention.kv_quant import resolve_kv_cache_dtype
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.model.hf import attention_scale
@@ -149,7 +150,8 @@ def build_rank_runner(
     checkpoint = native_checkpoint(model_config)
     loaded = load_model(model_config, device, weights=checkpoint is None)
     sm_scale = attention_scale(loaded.model)  # before from_hf consumes the module
-    kwargs: dict[str, Any] = {"max_positions": loaded.max_model_len, "compile": model_config.torch_compile, "group": group}
+    kwargs: dict[str, Any] = {"max_positions": loaded.max_model_len, "compile": model_config.torch_compile, "group": group,
+                              "quantization": model_config.quantization}
     try:
         if checkpoint is not None:
             native = LlamaModel.from_checkpoint(checkpoint, loaded.hf_config, loaded.dtype, device, **kwargs)
@@ -162,7 +164,8 @@ def build_rank_runner(
         native.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
     t_loaded = time.perf_counter()
     backend_name = pick_backend(model_config.attention_backend, device)
-    kv_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
+    attn_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
+    kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, attn_dtype)
     spec, shard = native.spec, native.shard
     page_size = cache_config.page_size
     page_bytes = kv_page_bytes(spec.num_layers, page_size, shard.num_kv_heads, spec.head_dim, kv_dtype)
@@ -173,8 +176,8 @@ def build_rank_runner(
     rank_pages = [int(t.item()) for t in every]
     num_pages = min(rank_pages)
     backend = get_backend_cls(backend_name)(
-        spec.num_layers, num_pages, page_size, shard.num_kv_heads, spec.head_dim, kv_dtype, device,
-        sm_scale, num_qo_heads=shard.num_heads,
+        spec.num_layers, num_pages, page_size, shard.num_kv_heads, spec.head_dim, attn_dtype, device,
+        sm_scale, num_qo_heads=shard.num_heads, kv_cache_dtype=kv_dtype,
     )  # fmt: skip
     capacity = (num_pages - 1) * page_size  # page 0 is the KV cache manager's scratch page
     if capacity < loaded.max_model_len:

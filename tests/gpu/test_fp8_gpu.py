@@ -1,0 +1,243 @@
+"""FP8 on the GPU: the scaled GEMM against a dequantized reference per Llama-3.1-8B projection
+shape; FlashInfer over an FP8 KV cache against the PyTorch reference over the same pages (prefill,
+mixed, decode and cascade steps); and the native model with FP8 weights and with an FP8 KV cache (dummy weights of the
+Llama-3.2-1B shape) over a prefill and 32 decode steps, eagerly and from CUDA graphs, against its
+own teacher-forced pass (the whole sequences in one prefill) and against the model in bfloat16
+with the same (dequantized) weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from flashserve.attention.kv_quant import FP8_KV_DTYPE
+from flashserve.layers.fp8 import (
+    SMALL_M, dequantize_weight, fp8_gemm_small_m, fp8_linear, quantize_rows, quantize_rows_torch, quantize_static,
+    quantize_weight_per_channel,
+)  # fmt: skip
+from flashserve.model.llama import LlamaModel
+from flashserve.model.runner import NativeCausalLM, model_shape
+from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
+from test_cascade_gpu import scheduled
+from test_flashinfer_backend import (
+    KV_HEADS, NUM_LAYERS, NUM_PAGES, PAGE, PREFIXES, STEPS, TOL, make_requests, run_step,
+)  # fmt: skip
+from test_native_gpu import DECODE_STEPS, PROMPTS, hf_model, paged_logits, rel_err, row_errs
+
+# (N, K) of the 8B's fused qkv, o, fused gate_up and down projections.
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 7, 64, 300)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def gemm_operands(name: str, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, K] bfloat16, the FP8 weight [N, K] of projection `name` and its scale [N], a bias [N]."""
+    n, k = SHAPES_8B[name]
+    gen = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
+    return x, *quantize_weight_per_channel(w), bias
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("name", list(SHAPES_8B))
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_fp8_gemm_matches_the_dequantized_product(name: str, m: int, static: bool) -> None:
+    x, wq, ws, bias = gemm_operands(name, m)
+    input_scale = x.float().abs().max() / 448.0 if static else None
+    xq, xs = quantize_static(x, input_scale) if input_scale is not None else quantize_rows_torch(x)
+    ref = (xq.float() * xs) @ dequantize_weight(wq, ws, torch.float32).T + bias.float()
+    with torch.inference_mode():
+        out = fp8_linear(x, wq, bias, ws.view(1, -1), input_scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, wq.shape[0])
+    # The same quantized operands: only fp32 accumulation order and the bfloat16 output differ.
+    assert rel_err(out.float(), ref) < 8e-3
+
+
+@pytest.mark.parametrize("m", (1, 7, 64, SMALL_M))
+@pytest.mark.parametrize("name", list(SHAPES_8B))
+def test_the_small_batch_fp8_gemm_matches_the_dequantized_product(name: str, m: int) -> None:
+    """FlashInfer's bmm_fp8 with unit scales, then the row and channel scales (and bias) in one kernel:
+    the path fp8_linear takes up to SMALL_M rows, called directly so that it runs whatever the threshold."""
+    pytest.importorskip("flashinfer")
+    x, wq, ws, bias = gemm_operands(name, m)
+    xq, xs = quantize_rows_torch(x)
+    ref = (xq.float() * xs) @ dequantize_weight(wq, ws, torch.float32).T + bias.float()
+    with torch.inference_mode():
+        out = fp8_gemm_small_m(xq, xs, wq, ws.view(1, -1), bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, wq.shape[0])
+    # As the row-wise GEMM, plus one more bfloat16 rounding (bmm_fp8's unscaled output).
+    assert rel_err(out.float(), ref) < 8e-3
+
+
+@pytest.mark.parametrize("k", [64, 4096, 14336])
+def test_the_fused_row_quantization_kernel_equals_the_torch_one(k: int) -> None:
+    x = torch.randn(37, k, device="cuda").bfloat16() * torch.logspace(-3, 3, 37, device="cuda")[:, None].bfloat16()
+    q, s = quantize_rows(x)
+    q_ref, s_ref = quantize_rows_torch(x)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert (q.float() - q_ref.float()).abs().le(q_ref.float().abs() * 2**-3).all()  # at most one e4m3 step
+
+
+def test_row_quantization_does_not_depend_on_the_batch() -> None:
+    """A decode step's rows and a prefill's rows are quantized alike: row i of a batch is bit-identical
+    to row i quantized alone, so decode and prefill see the same FP8 operands from the same input."""
+    x = torch.randn(300, 4096, device="cuda").bfloat16()
+    q, s = quantize_rows(x)
+    for i in (0, 1, 137, 299):
+        qi, si = quantize_rows(x[i : i + 1])
+        assert torch.equal(si, s[i : i + 1]) and torch.equal(qi.view(torch.uint8), q[i : i + 1].view(torch.uint8))
+
+
+def dequantized_copy(hf: torch.nn.Module) -> torch.nn.Module:
+    """`hf` with every projection weight rounded to FP8 per channel, as `--quantization fp8` does."""
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(".weight") and name.removesuffix(".weight").endswith(PROJECTIONS):
+                p.copy_(dequantize_weight(*quantize_weight_per_channel(p), p.dtype))
+    return ref
+
+
+def teacher_forced(shape: tuple[int, int, int, int], native: LlamaModel, seqs: list[list[int]],
+                   kv_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """Every position's logits from one prefill of the whole sequences."""
+    full = tuple(p + DECODE_STEPS for p in PROMPTS)
+    return paged_logits(shape, NativeCausalLM(native).decode_logits, seqs, False, kv_dtype, full, 0)
+
+
+CASES = [("fp8-weights", "fp8", None), ("fp8-kv", None, FP8_KV_DTYPE), ("fp8-both", "fp8", FP8_KV_DTYPE)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "cuda_graph"])
+@pytest.mark.parametrize(("case", "quantization", "kv_dtype"), CASES, ids=[c[0] for c in CASES])
+def test_fp8_decode_matches_its_teacher_forced_pass_and_stays_near_bf16(
+    case: str, quantization: str | None, kv_dtype: torch.dtype | None, mode: str
+) -> None:
+    pytest.importorskip("flashinfer")
+    hf, config = hf_model("llama-3.2-1b", None)
+    shape = model_shape(config)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in PROMPTS]
+    with torch.inference_mode():
+        native = LlamaModel.from_hf(hf, config, torch.bfloat16, "cuda", consume=False, max_positions=4096,
+                                    quantization=quantization)
+        got = paged_logits(shape, NativeCausalLM(native).decode_logits, seqs, mode == "cuda_graph", kv_dtype)
+        forced = teacher_forced(shape, native, seqs, kv_dtype)
+        del native
+        ref_hf = dequantized_copy(hf) if quantization else hf
+        bf16 = LlamaModel.from_hf(ref_hf, config, torch.bfloat16, "cuda", consume=False, max_positions=4096)
+        base = teacher_forced(shape, bf16, seqs, None)
+        base_decoded = paged_logits(shape, NativeCausalLM(bf16).decode_logits, seqs, False, None)
+    e_forced = rel_err(torch.cat(got), torch.cat(forced))
+    e_bf16 = rel_err(torch.cat(got), torch.cat(base))
+    worst = max(row_errs(a, r).max().item() for a, r in zip(got, base))
+    agree = sum(int((a.argmax(-1) == r.argmax(-1)).sum()) for a, r in zip(got, base)) / sum(len(s) for s in seqs)
+    # The bound, from two measurements on the same weights: e_path, the bfloat16 model's decode against
+    # its own teacher-forced pass (decode and prefill kernels accumulate in different orders, so each
+    # layer's input moves by bfloat16 roundings), and e_quant, the FP8 model's teacher-forced logits
+    # against the bfloat16 model's (all of FP8's rounding noise). Decode and prefill quantize identical
+    # rows identically (test_row_quantization_does_not_depend_on_the_batch), but an e4m3 rounding is a
+    # step of 1/8 to 1/16 relative: an input moved by a bfloat16 rounding crosses a rounding boundary
+    # now and then and jumps a whole step, so the FP8 model's path difference is many times e_path
+    # (7.9e-2 on an H100 before this bound, against 1.3e-2 for the FP8-KV model). If a fraction f of
+    # its roundings came out independently in decode, decode would be sqrt(2 f) e_quant from its
+    # teacher-forced pass: the bound lets at most half of them (f = 1/2) differ, plus e_path. The
+    # measured 7.9e-2 with e_quant ~ 0.21 is f ~ 0.07; a wrong scale or operand is O(1).
+    e_path = rel_err(torch.cat(base_decoded), torch.cat(base))
+    e_quant = rel_err(torch.cat(forced), torch.cat(base))
+    bound = e_path + e_quant
+    print(f"FP8 {case} {mode}: vs own teacher-forced {e_forced:.2e} (bound {bound:.2e}: bf16 decode vs its "
+          f"teacher-forced {e_path:.2e}, FP8 noise {e_quant:.2e}); vs bf16 (same weights) {e_bf16:.2e} "
+          f"(worst row {worst:.2e}), greedy agreement {agree:.3f}")
+    assert e_forced < bound
+    # e4m3 keeps 3 mantissa bits (about 3% per value): a bound that a wrong scale or layout (errors
+    # of order 1) cannot meet; the printed figures are the measurement.
+    assert e_bf16 < 0.25
+
+
+CHECKPOINTS = {
+    "ct-tensor-static": (lambda: ct_config("tensor", False), False, True),
+    "ct-channel-dynamic": (lambda: ct_config("channel", True), True, False),
+    "fbgemm": (lambda: {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, True, False),
+}
+
+
+@pytest.mark.parametrize("fmt", list(CHECKPOINTS))
+def test_an_fp8_checkpoint_runs_fp8_gemms_near_its_dequantized_model(fmt: str, tmp_path) -> None:
+    pytest.importorskip("flashinfer")
+    from transformers import LlamaConfig
+
+    from test_native_llama import hf_model as small_hf_model
+
+    qconfig, per_channel, static = CHECKPOINTS[fmt]
+    config = LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+    path, reference = write_fp8_checkpoint(tmp_path, small_hf_model(config), config, qconfig(), per_channel,
+                                           static_input=static)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in PROMPTS]
+    shape = model_shape(config)
+    with torch.inference_mode():
+        fp8 = LlamaModel.from_checkpoint(path, with_quantization(config, qconfig()), torch.bfloat16, "cuda")
+        assert fp8.layers[0].qkv_proj.weight.dtype == torch.float8_e4m3fn
+        assert (fp8.layers[0].qkv_proj.input_scale is not None) == static
+        got = paged_logits(shape, NativeCausalLM(fp8).decode_logits, seqs, True)
+        bf16 = LlamaModel.from_hf(reference.to(torch.bfloat16), config, torch.bfloat16, "cuda")
+        base = paged_logits(shape, NativeCausalLM(bf16).decode_logits, seqs, True)
+    err = rel_err(torch.cat(got), torch.cat(base))
+    print(f"FP8 checkpoint {fmt}: logits vs the dequantized bf16 model {err:.2e}")
+    assert err < 0.25
+
+
+def fp8_cache_backends(q_heads: int, head_dim: int) -> tuple[Any, Any]:
+    """A FlashInfer backend and the reference, both bfloat16 attention over an FP8 cache holding
+    the same random pages."""
+    from flashserve.attention.flashinfer import FlashInferAttentionBackend
+    from flashserve.attention.torch_ref import TorchAttentionBackend
+
+    fi = FlashInferAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, torch.bfloat16, "cuda", None,
+                                    num_qo_heads=q_heads, kv_cache_dtype=FP8_KV_DTYPE)
+    ref = TorchAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, torch.bfloat16, "cuda", None,
+                                kv_cache_dtype=FP8_KV_DTYPE)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
+        for f, r in ((fk, rk), (fv, rv)):
+            f.copy_(torch.randn(f.shape, generator=gen, device="cuda"))
+            r.copy_(f)
+    return fi, ref
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+def test_flashinfer_reads_an_fp8_cache_as_the_reference_does(group: int, head_dim: int) -> None:
+    # Prefills, chunks over cached prefixes mixed with decodes, and decode-only steps.
+    pytest.importorskip("flashinfer")
+    fi, ref = fp8_cache_backends(KV_HEADS * group, head_dim)
+    reqs = make_requests(PREFIXES, seed=group * head_dim)
+    errs = [run_step(fi, ref, reqs, new, TOL[torch.bfloat16], torch.bfloat16, seed=s) for s, new in enumerate(STEPS)]
+    print(f"FP8 KV group={group} D={head_dim}: " + " ".join(f"{e:.2e}" for e in errs))
+
+
+@pytest.mark.parametrize("new", [[1] * 6, [5, 1, 9, 12, 1, 3]], ids=["decode", "mixed"])
+def test_a_cascade_step_over_an_fp8_cache_matches_flat_attention(new: list[int]) -> None:
+    pytest.importorskip("flashinfer")
+    from flashserve.attention.base import BatchLayout
+    from flashserve.attention.cascade import CascadePolicy
+
+    fi, ref = fp8_cache_backends(8, 128)
+    requests = scheduled(new)
+    cascade = BatchLayout.build(requests, PAGE, CascadePolicy())
+    assert cascade.prefix is not None
+    fi.plan(cascade)
+    ref.plan(BatchLayout.build(requests, PAGE))
+    gen = torch.Generator("cuda").manual_seed(len(new))
+    for layer in range(NUM_LAYERS):
+        q, k, v = (torch.randn(cascade.num_tokens, h, 128, generator=gen, device="cuda").bfloat16()
+                   for h in (8, KV_HEADS, KV_HEADS))
+        assert rel_err(fi.forward(layer, q, k, v), ref.forward(layer, q, k, v)) < TOL[torch.bfloat16]
