@@ -90,7 +90,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "(this process and N-1 worker processes; native model path only) (alias --tp)"),
     Option("--enable-flashinfer-allreduce-fusion", _bool, None, "with --tensor-parallel-size > 1 on GPUs: "
            "run each all-reduce with the residual add and RMSNorm after it as one FlashInfer kernel "
-           "(steps of up to 512 tokens) instead of NCCL's all-reduce and a norm kernel (default: where "
+           "(steps of up to 128 tokens) instead of NCCL's all-reduce and a norm kernel (default: where "
            "it can run, a float16/bfloat16 model on GPUs of one node that NVLink connects; "
            "--no-enable-flashinfer-allreduce-fusion: NCCL); FlashInfer builds that kernel at the first "
            "start on a machine, which takes several minutes"),
