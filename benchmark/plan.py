@@ -3,7 +3,7 @@
 `default` fits one GPU machine's 10 minutes, FlashInfer kernel builds (~3 min) included, by running
 some workloads at reduced sizes; `cuts()` lists every difference from PERFORMANCE.md's workloads,
 and the suite writes that list into its JSON. `full` runs the workloads at their own sizes (about
-half an hour). `smoke` runs every phase on a CPU with a tiny model in about a minute.
+half an hour). `smoke` runs every phase on a CPU with a tiny model in a few minutes (each server start is a supervisor, an engine core and a front end).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ FULL = Plan(budget_s=3600.0, large_workloads=SERVE_WORKLOADS, concurrency_repeat
             goodput_max=512.0, goodput_large_max=512.0, peer_requests=256,
             caps={"floor": 60, "start": 600, "latency": 120, "concurrency": 600, "random": 900, "goodput": 1200,
                   "offline": 600, "hf-generate": 600, "hf-continuous-batching": 900})
-SMOKE = Plan(phases=("floor", "serve-small", "offline", "peers"), budget_s=150.0, device="cpu", client_workers=1,
+SMOKE = Plan(phases=("floor", "serve-small", "offline", "peers"), budget_s=210.0, device="cpu", client_workers=1,
              small_workloads=("latency", "concurrency", "goodput"), latency_repeats=1, concurrency=(2, 4),
              concurrency_repeats=1, random_rates=(20.0,), random_requests=4, goodput_requests=4,
              goodput_large_requests=4, goodput_start=40.0, goodput_step=20.0, goodput_max=40.0,

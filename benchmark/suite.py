@@ -281,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmark.suite", description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="output folder")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    p.add_argument("--smoke", action="store_true", help="--preset smoke: CPU, tiny model, about a minute")
+    p.add_argument("--smoke", action="store_true", help="--preset smoke: CPU, tiny model, a few minutes")
     p.add_argument("--phases", help=f"comma-separated, in run order, from {','.join(PHASES)}")
     p.add_argument("--budget-s", type=float, help="seconds for the whole suite")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
