@@ -69,7 +69,10 @@ def send(page: Page, text: str) -> None:
 
 def running_requests(server: str) -> float:
     text = httpx.get(f"{server}/metrics", timeout=5).text
-    return float(re.search(r"^flashserve_num_requests_running (\S+)$", text, re.M).group(1))
+    # One sample per engine core (`engine="i"`): the server's running requests are their sum.
+    values = [float(v) for v in re.findall(r"^flashserve_num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.M)]
+    assert values, "no flashserve_num_requests_running in /metrics"
+    return sum(values)
 
 
 def wait_for_no_running_request(server: str) -> None:
