@@ -233,9 +233,10 @@ def _metrics(host: str) -> dict[str, float]:
     text = requests.get(f"{host}/metrics", timeout=10).text
     values: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("flashserve_") and "{" not in line:
+        if line.startswith("flashserve_"):  # engine figures carry engine="i": summed over the engines
             name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+            name = name.split("{", 1)[0]
+            values[name] = values.get(name, 0.0) + float(value)
     return values
 
 
