@@ -194,14 +194,21 @@ def test_an_agents_sdk_agent_with_a_function_tool_runs_to_completion(server: str
         calls.append(city)
         return "Sunny, 24 C"
 
-    model = OpenAIResponsesModel(MODEL, openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0))
     # "required" forces the first call; the run then ends with the tool's result (the SDK's
     # stop_on_first_tool), as a small model in "auto" mode may keep calling the tool.
-    agent = Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
-                  model=model, model_settings=ModelSettings(tool_choice="required", max_tokens=40, temperature=0),
-                  tool_use_behavior="stop_on_first_tool")
+    settings = ModelSettings(tool_choice="required", max_tokens=40, temperature=0)
+
+    async def run() -> object:
+        # The client closes inside the loop it ran on: left open, its connection is closed when it is
+        # collected, on that loop, closed by then, and the error surfaces in whichever test runs next.
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as client:
+            agent = Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
+                          model=OpenAIResponsesModel(MODEL, client), model_settings=settings,
+                          tool_use_behavior="stop_on_first_tool")
+            return await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+
     # A loop of its own, closed and unset on return: Runner.run_sync leaves a closed loop behind as the
     # thread's event loop, which the next module's anyio tests then failed on ("Event loop is closed").
-    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    result = asyncio.run(run())
     assert len(calls) == 1
     assert isinstance(result.final_output, str) and result.final_output

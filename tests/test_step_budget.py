@@ -63,6 +63,20 @@ def test_cpu_probe_writes_only_pages_past_the_scratch_page(monkeypatch: pytest.M
     assert seen and all(0 not in pages and max(pages) < 100 for pages in seen)
 
 
+def test_cpu_probe_releases_its_row_with_a_finished_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    released: list[str] = []
+
+    class Recorder(ClockRunner):
+        def execute(self, out) -> list:  # noqa: ANN001
+            released.extend(out.finished_ids)
+            return super().execute(out)
+
+    runner = Recorder(0.001)
+    monkeypatch.setattr(step_budget.time, "perf_counter", runner.clock)
+    default_step_budget(runner, "cpu", num_pages=100, page_size=PAGE)
+    assert released == ["step-budget-probe"]
+
+
 def test_budget_is_whole_pages() -> None:
     assert budget_from_rate(0.4 / 250, PAGE) == 240
 

@@ -30,6 +30,7 @@ CPU_MIN_STEP_TOKENS = 64
 CPU_PREFILL_ONLY_TOKENS = 8192
 # Tokens of the timed prefill: enough for the matmuls to reach their rate, little start-up time.
 _PROBE_TOKENS = 128
+_PROBE_ID = "step-budget-probe"
 
 
 def budget_from_rate(seconds_per_token: float, page_size: int, step_seconds: float = CPU_STEP_SECONDS) -> int:
@@ -47,14 +48,15 @@ def measure_prefill_seconds_per_token(runner: object, num_pages: int, page_size:
     params = SamplingParams(temperature=0.0)
 
     def step(n: int) -> float:
-        request = ScheduledRequest("step-budget-probe", tokens[:n], 0, pages, True, params, tokens[:n], [])
+        request = ScheduledRequest(_PROBE_ID, tokens[:n], 0, pages, True, params, tokens[:n], [])
         t0 = time.perf_counter()
         runner.execute(SchedulerOutput([request]))  # type: ignore[attr-defined]
         return time.perf_counter() - t0
 
     step(page_size)
     seconds = min(step(len(tokens)) for _ in range(2)) / len(tokens)
-    runner.batch.clear()  # type: ignore[attr-defined]  # no scheduler releases the probe's row
+    # No scheduler releases the probe's row: the step that drops it, as one would.
+    runner.execute(SchedulerOutput([], finished_ids=[_PROBE_ID]))  # type: ignore[attr-defined]
     return seconds
 
 
