@@ -74,7 +74,7 @@ def load_tokenizer(path: str | None) -> Any:
 
     if path:
         return AutoTokenizer.from_pretrained(path)
-    from flashserve.model.loader import embedded_gguf_path
+    from flashserve.model_loader.loader import embedded_gguf_path
 
     directory, name = os.path.split(embedded_gguf_path())
     return AutoTokenizer.from_pretrained(directory, gguf_file=name)

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from flashserve.llm import build_engine
-    from flashserve.model.loader import load_model
+    from flashserve.model_loader.loader import load_model
 
     gen = torch.Generator().manual_seed(0)
     doc: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

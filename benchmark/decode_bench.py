@@ -89,9 +89,9 @@ def hf_generate_ms(hf: torch.nn.Module, batch: int, kv_len: int, new_tokens: int
 def bench_shape(shape: str, args: argparse.Namespace, bw: float, rate: float) -> dict[str, Any]:
     from flashserve.attention.flashinfer import FlashInferAttentionBackend
     from flashserve.config import ModelConfig
-    from flashserve.model.hf import HFCausalLM
-    from flashserve.model.llama import LlamaModel
-    from flashserve.model.loader import load_model
+    from flashserve.model_loader.loader import load_model
+    from flashserve.models.hf import HFCausalLM
+    from flashserve.models.llama import LlamaModel
 
     loaded = load_model(ModelConfig(model=shape, load_format="dummy", dtype="bfloat16"), "cuda")
     hf, config = loaded.model, loaded.hf_config
@@ -124,7 +124,7 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float, rate: float) ->
             print(f"  {shape} hf_generate b={b}: {res.get('ms')} {res.get('errors', '')}", flush=True)
     graphs = None
     try:
-        from flashserve.model.cuda_graph import CudaGraphRunner
+        from flashserve.worker.cuda_graph import CudaGraphRunner
 
         graphs = CudaGraphRunner(logits_fn, backend, args.batches)
         graphs.capture()
@@ -195,8 +195,8 @@ def bench_shape(shape: str, args: argparse.Namespace, bw: float, rate: float) ->
 
 def compiled_copy(native: Any) -> Any:
     """The native model with `torch.compile`d pieces, sharing `native`'s weights."""
-    from flashserve.model.layers import torch_ops
-    from flashserve.model.llama import LlamaModel
+    from flashserve.layers.ops import torch_ops
+    from flashserve.models.llama import LlamaModel
 
     with torch.device("meta"):
         compiled = LlamaModel(native.spec, torch_ops(), compile=True)
@@ -209,7 +209,7 @@ def time_graphs(key: str, logits_fn: Callable[..., Any], backend: Any, rows: lis
                 args: argparse.Namespace, *, eager: bool) -> None:  # fmt: skip
     """Adds `{key}_graph_ms` (and `{key}_eager_ms`) to every decode row: `logits_fn` replayed from
     CUDA graphs captured here (which first runs each size once: compiled pieces compile then)."""
-    from flashserve.model.cuda_graph import CudaGraphRunner
+    from flashserve.worker.cuda_graph import CudaGraphRunner
 
     graphs = CudaGraphRunner(logits_fn, backend, args.batches)
     try:

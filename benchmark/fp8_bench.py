@@ -115,9 +115,9 @@ def flashinfer_bmm_fp8() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build(quantization: str | None, layers: int = 0) -> Any:
-    from flashserve.model.llama import LlamaModel
-    from flashserve.model.loader import dummy_hf_config
-    from flashserve.parallel.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.loader import dummy_hf_config
+    from flashserve.models.llama import LlamaModel
 
     config = dummy_hf_config(SHAPE)
     if layers:
@@ -141,7 +141,7 @@ def backend_for(model: Any, num_pages: int, kv_dtype: torch.dtype | None) -> Any
 
 
 def bench_decode(model: Any, label: str, kv_dtype: torch.dtype | None, args: argparse.Namespace, bw: float) -> list[dict]:
-    from flashserve.model.cuda_graph import CudaGraphRunner
+    from flashserve.worker.cuda_graph import CudaGraphRunner
 
     spec = model.spec
     num_pages = 1 + max(args.batches) * ((args.kv_len + PAGE - 1) // PAGE)
@@ -204,7 +204,7 @@ def forced(model: Any, kv_dtype: torch.dtype | None, tokens: torch.Tensor, promp
 def dequantized(model: Any) -> Any:
     """A bfloat16 copy of an FP8 model with the same (dequantized) projection weights."""
     from flashserve.layers.fp8 import dequantize_weight
-    from flashserve.model.llama import LlamaModel
+    from flashserve.models.llama import LlamaModel
 
     state = {}
     for name, t in model.state_dict().items():

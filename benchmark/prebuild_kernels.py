@@ -14,9 +14,9 @@ with the same arguments, so their names (URIs) are the ones looked up at run tim
   wrapper reuses, per head size, q/KV dtype and output dtype (the model's; float16 for cascade
   passes), int32 indices, no RoPE in the kernel, no sliding window or soft cap; the cascade merge;
   the page append.
-- `model/layers.py`: RMSNorm and fused add + RMSNorm, RoPE with a cos/sin cache, SiLU-and-mul.
-- `model/gpu_sampler.py`: softmax, top-k/top-p/min-p sampling and renorms (one module).
-- `parallel/comm.py`: the fused all-reduce + RMSNorm (`trtllm_comm`; its source comes back with
+- `layers/ops.py`: RMSNorm and fused add + RMSNorm, RoPE with a cos/sin cache, SiLU-and-mul.
+- `sample/flashinfer.py`: softmax, top-k/top-p/min-p sampling and renorms (one module).
+- `distributed/comm.py`: the fused all-reduce + RMSNorm (`trtllm_comm`; its source comes back with
   `make comm-source`).
 
     python benchmark/prebuild_kernels.py                       # every module, into the wheel in .whl/

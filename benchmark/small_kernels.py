@@ -62,7 +62,7 @@ def layer_chain(config: dict[str, Any], kv_len: int) -> tuple[Callable[[], None]
     import flashinfer
     import torch
 
-    from flashserve.model.layers import flashinfer_ops, rope_cos_sin_cache, rope_inv_freq
+    from flashserve.layers.ops import flashinfer_ops, rope_cos_sin_cache, rope_inv_freq
 
     ops = flashinfer_ops()
     hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]

@@ -44,7 +44,7 @@ TINY_CONFIG = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
 
 def model_config(model: str) -> dict[str, Any]:
     """config.json contents of a built-in dummy shape or a config.json path."""
-    from flashserve.model.loader import DUMMY_SHAPES
+    from flashserve.model_loader.loader import DUMMY_SHAPES
 
     return dict(DUMMY_SHAPES[model]) if model in DUMMY_SHAPES else json.loads(Path(model).read_text())
 

@@ -1,7 +1,7 @@
 """The all-reduce after a row-parallel projection, with the residual add and RMSNorm after it:
 NCCL then FlashInfer's fused add + RMSNorm (what the server runs with
 `--no-enable-flashinfer-allreduce-fusion`) against FlashInfer's one-kernel all-reduce + add + RMSNorm
-(`parallel/comm.py`'s FlashInferAllReduceNorm), at decode- and prefill-sized steps.
+(`distributed/comm.py`'s FlashInferAllReduceNorm), at decode- and prefill-sized steps.
 
     python -m benchmark.tp_allreduce [--tp 4] [--hidden 8192] [--tokens 1,16,64,256,512,1024,2048,4096,8192]
 
@@ -64,7 +64,7 @@ def _rank_main(hidden: int, tokens: list[int], out: str) -> None:
 
     import flashinfer
 
-    from flashserve.parallel.comm import FlashInferAllReduceNorm, close_tp_group, init_tp_group, local_rank
+    from flashserve.distributed.comm import FlashInferAllReduceNorm, close_tp_group, init_tp_group, local_rank
 
     device = torch.device("cuda", local_rank())
     group = init_tp_group(device)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1,16,64,256,512,1024,2048,4096,8192")
     p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
-    from flashserve.parallel.launch import RankProcesses
+    from flashserve.executor.launch import RankProcesses
 
     out = Path(args.out) / "tp_allreduce.json"
     out.parent.mkdir(parents=True, exist_ok=True)

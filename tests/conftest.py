@@ -14,7 +14,7 @@ def smollm2_tokenizer() -> Any:
     package (`make test` installs it; a missing package is an error, not a skip)."""
     from transformers import AutoTokenizer
 
-    from flashserve.model.loader import embedded_gguf_path
+    from flashserve.model_loader.loader import embedded_gguf_path
 
     path = embedded_gguf_path()
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

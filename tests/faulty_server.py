@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from flashserve.__main__ import main
-from flashserve.model.runner import ModelRunner
+from flashserve.worker.runner import ModelRunner
 
 FAULT_TOKEN = 4242
 

@@ -21,14 +21,14 @@ from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
 from flashserve.config import SchedulerConfig
 from flashserve.engine.async_engine import AsyncEngine
-from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.engine import LLMEngine
+from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.engine.scheduler import Scheduler
 from flashserve.metrics import Metrics
-from flashserve.model.input_batch import InputBatch
-from flashserve.model.runner import ModelRunner
-from flashserve.model.sampler import Sampler
+from flashserve.sample.sampler import Sampler
+from flashserve.worker.input_batch import InputBatch
+from flashserve.worker.runner import ModelRunner
 
 MODEL = "fake"
 VOCAB = 64

@@ -37,7 +37,7 @@ def tiny_model(tmp_path: Path) -> str:
 
 
 def test_the_8b_shape_reads_15_gb_per_step_and_its_floor_is_3_5_ms_at_4_3_tb_per_s():
-    from flashserve.model.loader import DUMMY_SHAPES
+    from flashserve.model_loader.loader import DUMMY_SHAPES
 
     shape = ModelShape.from_config(DUMMY_SHAPES["llama-3.1-8b"])
     assert shape.weight_bytes == pytest.approx(15.01e9, rel=1e-3)

@@ -8,13 +8,13 @@ import pytest
 
 from flashserve.config import SchedulerConfig
 from flashserve.engine.async_engine import AsyncEngine
-from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.client import EngineDead
 from flashserve.engine.engine import LLMEngine
+from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import NOTHING, SampledTokens, SchedulerOutput, sampled
 from flashserve.engine.scheduler import Scheduler
-from flashserve.model.input_batch import InputBatch
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.input_batch import InputBatch
 
 
 class ScriptedExecutor:

@@ -17,13 +17,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.fp8 import (
     FP8_DTYPE, dequantize_weight, quantize_rows_torch, quantize_weight_per_channel, scale_rows_cols,
 )  # fmt: skip
 from flashserve.layers.quantization import ProjectionLoader, UnsupportedQuantizationError, fp8_scheme
-from flashserve.model.llama import LlamaModel, LlamaSpec, WeightMismatchError
-from flashserve.parallel.checkpoint import read_llama_shard
-from flashserve.parallel.sharding import ShardLayout
+from flashserve.model_loader.checkpoint import read_llama_shard
+from flashserve.models.llama import LlamaModel, LlamaSpec, WeightMismatchError
 from fp8_checkpoints import PROJECTIONS, ct_config, with_quantization, write_fp8_checkpoint
 from test_native_llama import SMALL, hf_model, native_teacher_forced
 
@@ -205,7 +205,7 @@ def test_fp8_weights_on_a_gpu_before_compute_capability_8_9_are_refused(monkeypa
 
 def test_an_fp8_checkpoint_on_the_generic_hf_path_is_refused(tmp_path: Path, model_and_config: Any) -> None:
     from flashserve.config import ModelConfig
-    from flashserve.model.loader import load_model
+    from flashserve.model_loader.loader import load_model
 
     hf, config = model_and_config
     path, _ = write_fp8_checkpoint(tmp_path, hf, config, ct_config("channel", True), per_channel=True)

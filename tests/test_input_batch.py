@@ -16,8 +16,8 @@ from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sampled
 from flashserve.engine.request import Request
 from flashserve.engine.scheduler import Scheduler
-from flashserve.model.input_batch import BatchRow, InputBatch, append_sampled
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.input_batch import BatchRow, InputBatch, append_sampled
 
 EOS = 2
 

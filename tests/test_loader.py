@@ -13,10 +13,10 @@ import torch
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.model import loader
-from flashserve.model.loader import LoadedModel, eos_token_ids, load_model, resolve_dtype
-from flashserve.model.runner import ModelRunner, model_shape
+from flashserve.model_loader import loader
+from flashserve.model_loader.loader import LoadedModel, eos_token_ids, load_model, resolve_dtype
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.runner import ModelRunner, model_shape
 
 # name: (hidden, layers, q heads, kv heads, head_dim, intermediate, vocab, tied, rope_theta, max_positions)
 SHAPES = {
@@ -160,7 +160,7 @@ def test_safetensors_checkpoint_reads_straight_into_the_native_model(tmp_path: P
     """No transformers model holds the weights (its object is shapes only, on meta), and the
     native model read from the files gives the logits of the HF path over the same checkpoint."""
     from flashserve.config import CacheConfig
-    from flashserve.model.runner import build_runner
+    from flashserve.worker.runner import build_runner
 
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(TINY))

@@ -11,9 +11,9 @@ from test_model_hf import VOCAB, Requests, build_model, eager_logits, make_runne
 
 from flashserve.engine.grammar import TokenBitmask, bitmask_words
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.model.input_batch import InputBatch
-from flashserve.model.sampler import Sampler
+from flashserve.sample.sampler import Sampler
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.input_batch import InputBatch
 
 
 def chunk(reqs: Requests, rid: str, start: int, end: int, prompt_len: int, **params: object) -> ScheduledRequest:

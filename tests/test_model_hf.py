@@ -12,10 +12,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import NOTHING, ScheduledRequest, SchedulerOutput, sample_error
-from flashserve.model import hf
-from flashserve.model.loader import LoadedModel
-from flashserve.model.runner import ModelRunner, build_runner, model_shape
+from flashserve.model_loader.loader import LoadedModel
+from flashserve.models import hf
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.runner import ModelRunner, build_runner, model_shape
 
 PAGE = 16
 NUM_PAGES = 48

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.model.llama import LlamaModel, UnsupportedModelError, WeightMismatchError
-from flashserve.model.loader import embedded_gguf_path
+from flashserve.model_loader.loader import embedded_gguf_path
+from flashserve.models.llama import LlamaModel, UnsupportedModelError, WeightMismatchError
 from flashserve.sampling_params import SamplingParams
 
 PAGE = 16
@@ -139,7 +139,7 @@ def test_torch_compiled_native_matches_hf_eager(name: str) -> None:
 @torch.inference_mode()
 def test_llama3_scaled_rope_differs_from_unscaled() -> None:
     # Guards the test above: the llama3 table really changes positions beyond the short context.
-    from flashserve.model.layers import rope_inv_freq
+    from flashserve.layers.ops import rope_inv_freq
 
     plain = rope_inv_freq({"rope_type": "default", "rope_theta": 500000.0}, 16)
     scaled = rope_inv_freq(dict(CONFIGS["llama3_rope_scaling"].rope_parameters), 16)
@@ -230,13 +230,13 @@ def test_float32_projections_on_a_cpu_are_packed_for_onednn_and_a_tied_head_keep
 
 def test_a_float32_model_on_a_gpu_runs_the_pytorch_ops() -> None:
     # FlashInfer's norm, RoPE and activation kernels take float16 and bfloat16 only.
-    from flashserve.model.layers import select_ops
+    from flashserve.layers.ops import select_ops
 
     assert select_ops("cuda", "auto", torch.float32).name == "torch"
 
 
 def test_the_flashinfer_ops_refuse_a_float32_model() -> None:
-    from flashserve.model.layers import select_ops
+    from flashserve.layers.ops import select_ops
 
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         select_ops("cuda", "flashinfer", torch.float32)

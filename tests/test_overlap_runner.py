@@ -12,8 +12,8 @@ from test_model_hf import Requests, build_model, eager_logits, make_runner
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput, sample_error, sampled
 from flashserve.llm import LLM
-from flashserve.model.runner import LaunchedStep
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.runner import LaunchedStep
 
 
 def in_flight(reqs: Requests, rid: str, position: int) -> ScheduledRequest:

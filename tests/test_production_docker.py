@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,18 @@ def test_the_health_check_passes_on_a_healthy_server_and_fails_without_one(healt
         port = stack.url.rsplit(":", 1)[1]
         out = subprocess.run(command, env={**os.environ, "FLASHSERVE_PORT": port}, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_installed_package_holds_every_module_of_the_source_tree(tmp_path: Path) -> None:
+    # The image runs `pip install .`, not an editable install: a package directory that the wheel
+    # leaves out (no __init__.py under setuptools' find) works here and fails in the container.
+    for name in ("pyproject.toml", "README.md"):
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    shutil.copytree(ROOT / "src", tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", ".",
+                    "-w", str(tmp_path / "dist")], cwd=tmp_path, check=True, timeout=120)  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("flashserve-*.whl")
+    packed = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("flashserve/")}
+    source = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "flashserve").rglob("*")
+              if p.is_file() and "__pycache__" not in p.parts}  # fmt: skip
+    assert source - packed == set()

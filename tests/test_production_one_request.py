@@ -122,9 +122,9 @@ def test_a_tokenizer_larger_than_the_embedding_is_logged_at_start(
     model_config: str, big_tokenizer: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     from flashserve.config import ModelConfig
-    from flashserve.model.loader import load_model
+    from flashserve.model_loader.loader import load_model
 
-    with caplog.at_level(logging.WARNING, logger="flashserve.model.loader"):
+    with caplog.at_level(logging.WARNING, logger="flashserve.model_loader.loader"):
         loaded = load_model(ModelConfig(model=model_config, load_format="dummy", tokenizer=big_tokenizer), "cpu")
     assert loaded.vocab_size == VOCAB
     assert any(str(VOCAB + 1) in r.getMessage() and str(VOCAB) in r.getMessage() for r in caplog.records)

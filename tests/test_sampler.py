@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from flashserve.model.input_batch import BatchRow
-from flashserve.model.sampler import (
+from flashserve.sample.sampler import (
     Sampler,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
 )
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.input_batch import BatchRow
 
 
 def make_request(

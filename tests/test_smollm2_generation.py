@@ -7,7 +7,7 @@ import torch
 
 from flashserve.config import ModelConfig
 from flashserve.llm import LLM
-from flashserve.model.loader import load_model
+from flashserve.model_loader.loader import load_model
 from flashserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from flashserve.model import step_budget
-from flashserve.model.step_budget import (
+from flashserve.worker import step_budget
+from flashserve.worker.step_budget import (
     CPU_MIN_STEP_TOKENS,
     CPU_STEP_SECONDS,
     GPU_STEP_TOKENS,

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from flashserve.parallel import channel as channel_module
-from flashserve.parallel.channel import SHM_DIR, StepChannel
-from flashserve.parallel.launch import free_port
+from flashserve.executor import channel as channel_module
+from flashserve.executor.channel import SHM_DIR, StepChannel
+from flashserve.executor.launch import free_port
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
 

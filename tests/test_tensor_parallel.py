@@ -23,12 +23,12 @@ from safetensors.torch import load_file
 
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.torch_ref import TorchAttentionBackend
+from flashserve.distributed.comm import MULTICAST_OFF_ENV, close_tp_group, init_tp_group
+from flashserve.distributed.sharding import ShardLayout
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.model.layers import torch_ops
-from flashserve.model.llama import LlamaModel
-from flashserve.parallel.comm import MULTICAST_OFF_ENV, close_tp_group, init_tp_group
-from flashserve.parallel.launch import RankFailed, RankProcesses
-from flashserve.parallel.sharding import ShardLayout
+from flashserve.executor.launch import RankFailed, RankProcesses
+from flashserve.layers.ops import torch_ops
+from flashserve.models.llama import LlamaModel
 from flashserve.sampling_params import SamplingParams
 
 WORLD = 2
@@ -364,8 +364,8 @@ def test_ranks_exit_when_the_process_that_started_them_is_killed(tmp_path: Path)
 
 
 def test_dummy_checkpoint_draws_the_same_weights_for_a_seed_and_others_for_another() -> None:
-    from flashserve.model.weights import LlamaSpec
-    from flashserve.parallel.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.weights import LlamaSpec
 
     spec = LlamaSpec.from_hf_config(configs()["llama_gqa_untied"])
     a, b = (DummyCheckpoint(seed=7).read_llama_shard(spec, torch.float32, "cpu") for _ in range(2))
@@ -377,8 +377,8 @@ def test_dummy_checkpoint_draws_the_same_weights_for_a_seed_and_others_for_anoth
 
 
 def test_a_rank_draws_its_dummy_shard_as_the_slice_of_the_whole_dummy_model() -> None:
-    from flashserve.model.weights import LlamaSpec
-    from flashserve.parallel.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.weights import LlamaSpec
 
     spec = LlamaSpec.from_hf_config(configs()["llama_gqa_untied"])
     whole = DummyCheckpoint(seed=3).read_llama_shard(spec, torch.float32, "cpu")

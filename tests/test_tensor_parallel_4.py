@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 from test_tensor_parallel import DECODE, MIXED, PREFILL, SMALL, config_of, hf_model, run_schedule
 
-from flashserve.model.llama import LlamaModel
-from flashserve.parallel.comm import close_tp_group, init_tp_group
-from flashserve.parallel.launch import RankProcesses
+from flashserve.distributed.comm import close_tp_group, init_tp_group
+from flashserve.executor.launch import RankProcesses
+from flashserve.models.llama import LlamaModel
 
 WORLD = 4
 NAMES = ["one_kv_head_vocab_211", "two_kv_heads_vocab_257_tied"]

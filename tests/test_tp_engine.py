@@ -23,8 +23,8 @@ from typing import Any, Iterator
 import pytest
 
 from flashserve.cli import build_parser, to_configs
+from flashserve.executor.launch import RankFailed
 from flashserve.llm import LLM
-from flashserve.parallel.launch import RankFailed
 from flashserve.sampling_params import SamplingParams
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
@@ -95,7 +95,7 @@ def test_close_leaves_no_worker_alive(tmp_path: Path) -> None:
 
 
 def test_steps_go_through_shared_memory_whose_file_is_gone_once_the_ranks_run(tmp_path: Path) -> None:
-    from flashserve.parallel.channel import SHM_DIR, StepChannel
+    from flashserve.executor.channel import SHM_DIR, StepChannel
 
     with LLM(write_config(tmp_path), tensor_parallel_size=2, **ENGINE) as llm:
         steps = llm.engine.executor.steps  # type: ignore[attr-defined]
@@ -135,8 +135,8 @@ def test_killed_worker_fails_the_next_generate_and_leaves_no_process(tmp_path: P
 
 
 def test_a_worker_that_dies_while_it_starts_fails_the_start_at_once(tmp_path: Path, monkeypatch: Any) -> None:
-    from flashserve.parallel import executor
-    from flashserve.parallel.channel import StepChannel
+    from flashserve.executor import tensor_parallel as executor
+    from flashserve.executor.channel import StepChannel
 
     create = StepChannel.create
 
@@ -162,7 +162,7 @@ def test_hf_model_path_is_refused_before_any_rank_starts(tmp_path: Path) -> None
 def test_more_ranks_than_visible_gpus_are_refused_before_any_rank_starts(tmp_path: Path, monkeypatch: Any) -> None:
     import torch
 
-    from flashserve.parallel import executor
+    from flashserve.executor import tensor_parallel as executor
 
     monkeypatch.setattr(executor, "pick_device", lambda name: torch.device("cuda"))  # a machine with one GPU
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -190,7 +190,7 @@ def test_allreduce_fusion_flag_reaches_the_model_config() -> None:
 def test_the_fused_allreduce_needs_cuda_gpus() -> None:
     import torch
 
-    from flashserve.parallel.comm import allreduce_fusion_blocker
+    from flashserve.distributed.comm import allreduce_fusion_blocker
 
     assert allreduce_fusion_blocker(2, torch.device("cpu"), torch.bfloat16) == "it needs CUDA GPUs"
 
@@ -198,7 +198,7 @@ def test_the_fused_allreduce_needs_cuda_gpus() -> None:
 def test_the_fused_allreduce_needs_a_half_precision_model() -> None:
     import torch
 
-    from flashserve.parallel.comm import allreduce_fusion_blocker
+    from flashserve.distributed.comm import allreduce_fusion_blocker
 
     reason = allreduce_fusion_blocker(2, torch.device("cuda"), torch.float32)
     assert reason == "it takes float16 or bfloat16 models, not torch.float32"
@@ -207,7 +207,7 @@ def test_the_fused_allreduce_needs_a_half_precision_model() -> None:
 def test_the_fused_allreduce_needs_every_rank_on_one_node(monkeypatch: Any) -> None:
     import torch
 
-    from flashserve.parallel.comm import allreduce_fusion_blocker
+    from flashserve.distributed.comm import allreduce_fusion_blocker
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 4 ranks over two nodes
     reason = allreduce_fusion_blocker(4, torch.device("cuda"), torch.bfloat16)
@@ -222,7 +222,7 @@ def take_fused(monkeypatch: Any, setting: bool | None, blocker: str | None, gap:
     import torch
 
     from flashserve.config import ModelConfig
-    from flashserve.parallel import worker
+    from flashserve.executor import worker
 
     monkeypatch.setattr(worker, "allreduce_fusion_blocker", lambda *_: blocker)
     monkeypatch.setattr(worker, "nvlink_gap", lambda _: gap)
@@ -283,7 +283,7 @@ def test_ranks_read_their_shards_from_a_safetensors_checkpoint(tmp_path: Path) -
 
 
 def test_start_up_logs_every_rank_s_kv_pages_and_takes_the_smallest(tmp_path: Path, caplog: Any) -> None:
-    caplog.set_level(logging.INFO, logger="flashserve.parallel.worker")
+    caplog.set_level(logging.INFO, logger="flashserve.executor.worker")
     engine = {**ENGINE, "num_pages": None, "cpu_kv_cache_gb": 0.001}
     with LLM(write_config(tmp_path), tensor_parallel_size=2, **engine) as llm:
         pages = llm.engine.scheduler.kv_cache.num_pages

@@ -25,9 +25,9 @@ class ModelConfig:
     cascade_attention: str = "auto"
     tensor_parallel_size: int = 1  # ranks sharing the model: this process and N-1 workers (native path)
     # Under tensor parallelism on GPUs: each all-reduce with the add + RMSNorm after it in one
-    # FlashInfer kernel (`parallel/comm.py`, FlashInferAllReduceNorm) instead of NCCL, then the norm.
+    # FlashInfer kernel (`distributed/comm.py`, FlashInferAllReduceNorm) instead of NCCL, then the norm.
     # True: forced; False: NCCL; None: where it can run and NVLink links the GPUs
-    # (`parallel/worker.py`, take_fused_allreduce).
+    # (`executor/worker.py`, take_fused_allreduce).
     enable_flashinfer_allreduce_fusion: bool | None = None
     # "fp8": quantize a high-precision checkpoint's projections at load (per-channel weights,
     # per-token activations). FP8 checkpoints (config.json's quantization_config) need no flag.
@@ -47,7 +47,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    # None: chosen where the device is known (`model/step_budget.py`): 2048 on CUDA, on a CPU the
+    # None: chosen where the device is known (`worker/step_budget.py`): 2048 on CUDA, on a CPU the
     # tokens that one step computes in about 0.4 s, measured at start-up.
     max_num_batched_tokens: int | None = None
     # Tokens a step may hold when no running request has output yet (nobody's stream waits on the

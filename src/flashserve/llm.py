@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
+from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import RequestOutput, merge_outputs
 from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 from flashserve.engine.prefix_pins import GroupPins
@@ -53,10 +53,10 @@ def build_engine(
 ) -> EngineStack:
     """detokenize=False: the engine sees token ids only and leaves text and stop strings to its
     caller (the server's front ends)."""
-    from flashserve.model.runner import build_runner  # torch is imported here, not at package import
+    from flashserve.worker.runner import build_runner  # torch is imported here, not at package import
 
     if model.tensor_parallel_size > 1:  # this process is rank 0; the workers start here
-        from flashserve.parallel.executor import start_tensor_parallel
+        from flashserve.executor.tensor_parallel import start_tensor_parallel
 
         runner, loaded, num_pages = start_tensor_parallel(model, cache, cuda_graph=cuda_graph,
                                                           max_batch_size=scheduler.max_num_seqs)
@@ -65,7 +65,7 @@ def build_engine(
                                                  max_batch_size=scheduler.max_num_seqs)
     budget = scheduler.max_num_batched_tokens
     if budget is None:
-        from flashserve.model.step_budget import default_prefill_only_budget, default_step_budget
+        from flashserve.worker.step_budget import default_prefill_only_budget, default_step_budget
 
         budget = default_step_budget(runner, loaded.device.type, num_pages, cache.page_size)
         prefill_only = scheduler.prefill_only_budget or default_prefill_only_budget(loaded.device.type, budget)

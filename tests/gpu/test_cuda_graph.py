@@ -14,8 +14,8 @@ from flashserve.attention.base import BatchLayout
 from flashserve.attention.flashinfer import FlashInferAttentionBackend
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.model.cuda_graph import CudaGraphRunner, capture_batch_sizes
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.cuda_graph import CudaGraphRunner, capture_batch_sizes
 
 PAGE = 16
 NUM_PAGES = 128
@@ -188,7 +188,7 @@ def test_capture_batch_sizes() -> None:
 def test_a_model_that_cannot_be_captured_decodes_eagerly() -> None:
     from types import SimpleNamespace
 
-    from flashserve.model.runner import capture_decode_graphs
+    from flashserve.worker.runner import capture_decode_graphs
 
     backend = fi_backend(4, 64, torch.bfloat16)
     tiny = TinyModel(backend, 4, 64, torch.bfloat16)

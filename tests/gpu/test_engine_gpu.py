@@ -10,9 +10,9 @@ import torch
 from flashserve.attention.base import BatchLayout
 from flashserve.engine.outputs import ScheduledRequest
 from flashserve.llm import LLM
-from flashserve.model.hf import HFCausalLM
-from flashserve.model.runner import NativeCausalLM
+from flashserve.models.hf import HFCausalLM
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.runner import NativeCausalLM
 
 
 class RecordingSampler:

@@ -19,8 +19,8 @@ from flashserve.layers.fp8 import (
     SMALL_M, dequantize_weight, fp8_gemm_small_m, fp8_linear, quantize_rows, quantize_rows_torch, quantize_static,
     quantize_weight_per_channel,
 )  # fmt: skip
-from flashserve.model.llama import LlamaModel
-from flashserve.model.runner import NativeCausalLM, model_shape
+from flashserve.models.llama import LlamaModel
+from flashserve.worker.runner import NativeCausalLM, model_shape
 from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
 from test_cascade_gpu import scheduled
 from test_flashinfer_backend import (

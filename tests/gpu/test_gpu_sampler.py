@@ -7,10 +7,10 @@ from dataclasses import replace
 import torch
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.model.input_batch import BatchRow, InputBatch
-from flashserve.model.gpu_sampler import FlashInferSampler
-from flashserve.model.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from flashserve.sample.flashinfer import FlashInferSampler
+from flashserve.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.input_batch import BatchRow, InputBatch
 
 
 def request(

@@ -19,11 +19,11 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.model.hf import HFCausalLM
-from flashserve.model.llama import LlamaModel
-from flashserve.model.loader import dummy_hf_config
-from flashserve.model.runner import NativeCausalLM, model_shape
+from flashserve.model_loader.loader import dummy_hf_config
+from flashserve.models.hf import HFCausalLM
+from flashserve.models.llama import LlamaModel
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.runner import NativeCausalLM, model_shape
 
 PAGE = 16
 PROMPTS = (100, 37)  # unaligned lengths; decode crosses page boundaries
@@ -78,7 +78,7 @@ def paged_logits(
     forward = forward_for(backend)
     graphs = None
     if use_graphs:
-        from flashserve.model.cuda_graph import CudaGraphRunner
+        from flashserve.worker.cuda_graph import CudaGraphRunner
 
         graphs = CudaGraphRunner(forward, backend, [1, 2, 4])
         graphs.capture()

@@ -16,11 +16,11 @@ from test_engine_gpu import RecordingSampler
 
 from flashserve.engine.grammar import TokenBitmask, bitmask_words
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.model.input_batch import InputBatch
 from flashserve.llm import LLM
-from flashserve.model.logprobs import compute_logprobs
-from flashserve.model.sampler import Sampler
+from flashserve.sample.logprobs import compute_logprobs
+from flashserve.sample.sampler import Sampler
 from flashserve.sampling_params import SamplingParams
+from flashserve.worker.input_batch import InputBatch
 
 VOCAB = 128_256
 TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", ".whl", "llama3-tokenizer")
@@ -44,7 +44,7 @@ def random_mask(rows: list[int], rng: random.Random) -> tuple[TokenBitmask, list
 
 
 def test_masked_sampling_on_the_gpu_agrees_with_the_cpu_sampler() -> None:
-    from flashserve.model.gpu_sampler import FlashInferSampler
+    from flashserve.sample.flashinfer import FlashInferSampler
 
     rng = random.Random(0)
     torch.manual_seed(0)

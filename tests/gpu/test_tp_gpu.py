@@ -25,9 +25,9 @@ import torch
 from test_flashinfer_backend import TOL, rel_err
 from test_tp_engine import gone, worker_pids
 
+from flashserve.distributed.comm import nvlink_gap
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.llm import LLM
-from flashserve.parallel.comm import nvlink_gap
 from flashserve.sampling_params import SamplingParams
 
 

@@ -20,7 +20,7 @@ CUDA graphs (decode only): `init_cuda_graph` builds one graph-mode decode wrappe
 over static index buffers, and with `cascade` a second set for cascade decode steps: a decode
 wrapper over each request's own pages and a graph-mode prefill wrapper over a fixed number of
 level-0 segments (`prefix_slots`). `plan_cuda_graph` pads a batch to such a size with dummy
-one-token requests on the scratch page and re-plans before each replay. `model/cuda_graph.py`
+one-token requests on the scratch page and re-plans before each replay. `worker/cuda_graph.py`
 drives it.
 
 `flashinfer` is imported in the constructor only, so this module imports without it.

@@ -15,7 +15,7 @@ A step is data (`SchedulerOutput`): a request's first row after its admission (o
 after a preemption) is new and carries its parameters, tokens and page table, copied; later rows
 carry only what changed (the tokens they compute, the pages added since). Requests that left the
 running set go out as finished or preempted ids with the next step that runs, and the runner keeps
-the rest (`model/input_batch.py`). Nothing in a step is shared with the scheduler's own lists.
+the rest (`worker/input_batch.py`). Nothing in a step is shared with the scheduler's own lists.
 
 Policy (like vLLM v1): running requests first, oldest first, each gets one decode token or its next
 prefill chunk; then waiting requests are admitted first-come first-served while the token budget,
@@ -41,10 +41,10 @@ from collections import deque
 from typing import Sequence
 
 from flashserve.config import SchedulerConfig
-from flashserve.engine.kv_cache_manager import KVCacheManager
-from flashserve.engine.prefix_cache import PrefixCache
 from flashserve.engine.grammar import TokenBitmask, step_bitmask
+from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import SampledTokens, ScheduledRequest, SchedulerOutput
+from flashserve.engine.prefix_cache import PrefixCache
 from flashserve.engine.request import FinishReason, Request, RequestStatus
 from flashserve.engine.stop import check_stop
 

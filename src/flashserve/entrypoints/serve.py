@@ -196,7 +196,7 @@ def is_launched_worker_rank(args: Any) -> bool:
     which serves no HTTP: it runs rank 0's steps, here, until rank 0 ends them."""
     if args.model.tensor_parallel_size <= 1 or "WORLD_SIZE" not in os.environ:
         return False
-    from flashserve.parallel.executor import launched_rank
+    from flashserve.executor.tensor_parallel import launched_rank
 
     return launched_rank(args.model.tensor_parallel_size) not in (None, 0)
 

@@ -217,7 +217,7 @@ def _serialized_part(name: str, weight: torch.Tensor, scale: torch.Tensor) -> tu
     if weight.dtype != FP8_DTYPE:
         # A tensor-parallel slice wholly in the padding is read as zeros of another dtype.
         if weight.any():
-            from flashserve.model.weights import WeightMismatchError
+            from flashserve.model_loader.weights import WeightMismatchError
 
             raise WeightMismatchError(f"{name}: expected float8_e4m3fn weights, found {weight.dtype}")
         weight = weight.to(FP8_DTYPE)

@@ -13,7 +13,7 @@ name in `weights.py`. The runner's seam:
     logits = model.compute_logits(hidden[sample_rows])   # float32 [N, V]
 
 Tensor parallelism: built with a `TPGroup` of N ranks (`from_hf(..., group=g)` or
-`from_checkpoint`), a model holds its rank's shard (`model.shard`, see `parallel/sharding.py`)
+`from_checkpoint`), a model holds its rank's shard (`model.shard`, see `distributed/sharding.py`)
 and every rank runs the same step with the same inputs. The rank's attention backend has
 `model.shard.num_heads` query and `model.shard.num_kv_heads` KV heads; o_proj and down_proj are
 followed by an all-reduce (NCCL, then the add + RMSNorm after it; or one FlashInfer kernel that
@@ -30,21 +30,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashserve.distributed.comm import FlashInferAllReduceNorm, FusedAllReduceNorm, SingleRankGroup, TPGroup
+from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.linear import Linear, LinearArgs, linear, pack_for_onednn, packs_for_onednn
+from flashserve.layers.ops import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.layers.quantization import Fp8Scheme, projection_loading
-from flashserve.model.layers import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
-from flashserve.model.weights import (
+from flashserve.model_loader.weights import (
     SUPPORTED_ARCHITECTURES,
     LlamaSpec,
     UnsupportedModelError,
     WeightMismatchError,
     convert_hf_state_dict,
 )
-from flashserve.parallel.comm import FlashInferAllReduceNorm, FusedAllReduceNorm, SingleRankGroup, TPGroup
-from flashserve.parallel.sharding import ShardLayout
 
 if TYPE_CHECKING:
-    from flashserve.parallel.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.checkpoint import DummyCheckpoint
 
 Tensor = torch.Tensor
 
@@ -269,7 +269,7 @@ class LlamaModel(nn.Module):
         config's. An FP8 checkpoint (its config's `quantization_config`) loads in its format; dummy
         weights of such a config are drawn in high precision and quantized at load.
         """
-        from flashserve.parallel.checkpoint import DummyCheckpoint, read_llama_shard
+        from flashserve.model_loader.checkpoint import DummyCheckpoint, read_llama_shard
 
         device = torch.device(device)
         spec = LlamaSpec.from_hf_config(hf_config)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from safetensors import safe_open
 
-from flashserve.model.weights import LlamaSpec, check_hf_shapes, expected_hf_shapes, fuse_weights
-from flashserve.parallel.sharding import ShardLayout
+from flashserve.distributed.sharding import ShardLayout
+from flashserve.model_loader.weights import LlamaSpec, check_hf_shapes, expected_hf_shapes, fuse_weights
 
 if TYPE_CHECKING:
     from flashserve.layers.quantization import ProjectionLoader

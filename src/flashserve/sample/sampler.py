@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 
 from flashserve.engine.grammar import TokenBitmask
-from flashserve.model.logprobs import apply_token_bitmask
 from flashserve.pinned import PinnedStaging
+from flashserve.sample.logprobs import apply_token_bitmask
 from flashserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -17,7 +17,7 @@ from flashserve.engine.outputs import TokenLogprob
 from flashserve.pinned import PinnedStaging
 
 if TYPE_CHECKING:
-    from flashserve.model.input_batch import BatchRow
+    from flashserve.worker.input_batch import BatchRow
 
 
 @dataclass

@@ -31,18 +31,18 @@ import torch
 import torch.distributed as dist
 
 from flashserve.config import CacheConfig, ModelConfig
+from flashserve.distributed.comm import DEFAULT_TIMEOUT, TPGroup, close_tp_group, init_tp_group
 from flashserve.engine.outputs import SchedulerOutput
-from flashserve.model.input_batch import BatchRow
-from flashserve.model.loader import LoadedModel
-from flashserve.model.runner import LaunchedStep, capture_decode_graphs, pick_backend, pick_device, warm_up
-from flashserve.parallel.channel import GlooSteps, StepChannel
-from flashserve.parallel.channel import available as channel_available
-from flashserve.parallel.comm import DEFAULT_TIMEOUT, TPGroup, close_tp_group, init_tp_group
-from flashserve.parallel.launch import RankFailed, RankProcesses, free_port, rank_env
-from flashserve.parallel.worker import (
+from flashserve.executor.channel import GlooSteps, StepChannel
+from flashserve.executor.channel import available as channel_available
+from flashserve.executor.launch import RankFailed, RankProcesses, free_port, rank_env
+from flashserve.executor.worker import (
     RankRunner, WireCapture, WireStep, build_rank_runner, capture_message, control_group, rank_device,
     check_allreduce_fusion, release_before_group_end, run_worker,
 )  # fmt: skip
+from flashserve.model_loader.loader import LoadedModel
+from flashserve.worker.input_batch import BatchRow
+from flashserve.worker.runner import LaunchedStep, capture_decode_graphs, pick_backend, pick_device, warm_up
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import CascadePolicy
-from flashserve.model.input_batch import BatchRow
 from flashserve.pinned import PinnedStaging
+from flashserve.worker.input_batch import BatchRow
 
 if TYPE_CHECKING:
-    from flashserve.model.runner import LaunchedStep
+    from flashserve.worker.runner import LaunchedStep
 
 
 @dataclass(slots=True)

@@ -6,9 +6,9 @@ RoPE) from a transformers config and refuses what the native forward does not im
 checks an HF CausalLM state dict against the names the spec expects (listing every missing and
 unexpected tensor) and fuses q/k/v and gate/up, layer by layer, popping each HF tensor as it is
 used so that the source's memory is released while the native weights are built. A
-tensor-parallel rank keeps only its slice of each tensor (`parallel/sharding.py`); `fuse_weights`
+tensor-parallel rank keeps only its slice of each tensor (`distributed/sharding.py`); `fuse_weights`
 takes the tensors from any reader, so a rank can also read its slices straight from safetensors
-(`parallel/checkpoint.py`).
+(`model_loader/checkpoint.py`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
 import torch
 
-from flashserve.model.layers import SUPPORTED_ROPE_TYPES
-from flashserve.parallel.sharding import ShardLayout
+from flashserve.distributed.sharding import ShardLayout
+from flashserve.layers.ops import SUPPORTED_ROPE_TYPES
 
 if TYPE_CHECKING:
     from flashserve.layers.quantization import Fp8Scheme, ProjectionLoader

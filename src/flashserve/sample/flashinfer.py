@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flashserve.model.sampler import Sampler, SamplingRow, _to_device, step_seed
+from flashserve.sample.sampler import Sampler, SamplingRow, _to_device, step_seed
 from flashserve.sampling_params import SamplingParams
 
 

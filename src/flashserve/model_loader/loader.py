@@ -22,7 +22,7 @@ import torch
 from flashserve.config import ModelConfig
 
 if TYPE_CHECKING:
-    from flashserve.parallel.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.checkpoint import DummyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -295,8 +295,8 @@ def native_checkpoint(config: ModelConfig) -> str | DummyCheckpoint | None:
     model built: a `safetensors_checkpoint`'s files, or for `load_format="dummy"` a
     `DummyCheckpoint` (random weights drawn per tensor, per rank's shard); None when the
     architecture is not the native model's or the weights come another way (GGUF, an HF id)."""
-    from flashserve.model.weights import LlamaSpec, UnsupportedModelError
-    from flashserve.parallel.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.weights import LlamaSpec, UnsupportedModelError
 
     if config.model_impl == "hf":
         return None

@@ -18,15 +18,15 @@ from flashserve.attention.kv_quant import resolve_kv_cache_dtype
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error
-from flashserve.model.hf import HFCausalLM, attention_scale
-from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
-from flashserve.model.input_batch import BatchRow, InputBatch, append_sampled
-from flashserve.model.llama import LlamaModel, UnsupportedModelError
-from flashserve.model.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
-from flashserve.model.step_inputs import StepInputBuilder, StepInputs
+from flashserve.model_loader.loader import LoadedModel, load_model, native_checkpoint
+from flashserve.models.hf import HFCausalLM, attention_scale
+from flashserve.models.llama import LlamaModel, UnsupportedModelError
+from flashserve.sample.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
+from flashserve.worker.input_batch import BatchRow, InputBatch, append_sampled
+from flashserve.worker.step_inputs import StepInputBuilder, StepInputs
 
 if TYPE_CHECKING:
-    from flashserve.parallel.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.checkpoint import DummyCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -325,10 +325,10 @@ def step_model(loaded: LoadedModel, model_impl: str, torch_compile: bool = False
 
 
 def pick_sampler(device: torch.device, seed: int) -> TokenSampler:
-    from flashserve.model.sampler import Sampler
+    from flashserve.sample.sampler import Sampler
 
     if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
-        from flashserve.model.gpu_sampler import FlashInferSampler
+        from flashserve.sample.flashinfer import FlashInferSampler
 
         return FlashInferSampler(seed)
     return Sampler(seed)
@@ -436,7 +436,7 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
 def capture_decode_graphs(runner: ModelRunner, model: StepModel, max_batch_size: int) -> None:
     """Captures decode-step graphs; a model whose forward synchronises with the host (some
     transformers model's code, say) decodes eagerly instead, with a warning."""
-    from flashserve.model.cuda_graph import CudaGraphRunner, NotCapturableError, capture_batch_sizes
+    from flashserve.worker.cuda_graph import CudaGraphRunner, NotCapturableError, capture_batch_sizes
 
     t0 = time.perf_counter()
     sizes = capture_batch_sizes(max_batch_size)

@@ -21,7 +21,7 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterable, Mapping
 
-from flashserve.parallel.comm import disable_multicast
+from flashserve.distributed.comm import disable_multicast
 
 # Seconds to wait for a killed child to be reaped.
 _REAP_TIMEOUT = 10.0

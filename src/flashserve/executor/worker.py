@@ -37,20 +37,20 @@ import torch.distributed as dist
 from flashserve.attention import get_backend_cls
 from flashserve.attention.kv_quant import resolve_kv_cache_dtype
 from flashserve.config import CacheConfig, ModelConfig
+from flashserve.distributed.comm import (
+    TPGroup, allreduce_fusion_blocker, close_tp_group, init_tp_group, local_rank, nvlink_gap,
+)  # fmt: skip
 from flashserve.engine.outputs import SchedulerOutput
-from flashserve.model.hf import attention_scale
-from flashserve.model.llama import LlamaModel, UnsupportedModelError
-from flashserve.model.input_batch import BatchRow
-from flashserve.model.loader import LoadedModel, load_model, native_checkpoint
-from flashserve.model.runner import (
+from flashserve.executor.channel import GlooSteps, StepChannel
+from flashserve.model_loader.loader import LoadedModel, load_model, native_checkpoint
+from flashserve.models.hf import attention_scale
+from flashserve.models.llama import LlamaModel, UnsupportedModelError
+from flashserve.worker.input_batch import BatchRow
+from flashserve.worker.runner import (
     LaunchedStep, ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, capture_decode_graphs, kv_page_bytes,
     num_kv_pages, pick_backend, pick_device, pick_sampler,
 )  # fmt: skip
-from flashserve.model.step_inputs import StepInputs
-from flashserve.parallel.channel import GlooSteps, StepChannel
-from flashserve.parallel.comm import (
-    TPGroup, allreduce_fusion_blocker, close_tp_group, init_tp_group, local_rank, nvlink_gap,
-)  # fmt: skip
+from flashserve.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

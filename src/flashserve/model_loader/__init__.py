@@ -1,0 +1,2 @@
+"""Loading a model from its sources (embedded GGUF, HF id or directory, safetensors, dummy weights), whole or
+one tensor-parallel rank's shard."""

@@ -1,0 +1,1 @@
+"""Model definitions: the native Llama-family forward and the generic transformers wrapper."""

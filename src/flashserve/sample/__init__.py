@@ -1,0 +1,1 @@
+"""Sampling from logits (PyTorch and FlashInfer) and log-probabilities."""
