@@ -85,8 +85,8 @@ def build_engine(step_ms: float, tokenizer: Any, detokenize: bool) -> tuple[Any,
     where the process model puts detokenizing in the engine's process."""
     from flashserve.config import SchedulerConfig
     from flashserve.engine.engine import LLMEngine
-    from flashserve.engine.kv_cache_manager import KVCacheManager
     from flashserve.engine.scheduler import Scheduler
+    from flashserve.kv_cache.manager import KVCacheManager
 
     ids = tokenizer(TEXT * 4, add_special_tokens=False)["input_ids"]
     vocab = len(tokenizer)
@@ -116,7 +116,7 @@ def serve_in_one_process(port: int, step_ms: float, tokenizer_path: str | None, 
     import uvicorn
 
     from flashserve.api.server import build_app
-    from flashserve.engine.async_engine import AsyncEngine
+    from flashserve.client.async_engine import AsyncEngine
     from flashserve.metrics import Metrics
 
     tokenizer = load_tokenizer(tokenizer_path)

@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 from benchmark import LOCAL_RESULTS
 from flashserve.client.codec import AddRequest, StepOutputs, decode, encode
+from flashserve.client.streams import Add
 from flashserve.engine.outputs import RequestOutput, TokenLogprob
-from flashserve.engine.streams import Add
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.sampling_params import SamplingParams
 
 
 def step_outputs(streams: int, logprobs: bool) -> StepOutputs:

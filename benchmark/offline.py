@@ -38,7 +38,7 @@ def prompt_spec_for(vocab_size: int) -> PromptSpec:
 
 def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     """Generate every request of the phase at once; counts, throughputs (per s) and duration (s)."""
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in phase.requests]
     t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def offline_headline(phases: Sequence[dict[str, Any]], whole: bool = True) -> di
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Load the model, warm up, run both phases; the result document (not yet written)."""
-    from flashserve.llm import LLM
+    from flashserve.entrypoints.llm import LLM
 
     kwargs: dict[str, Any] = {"load_format": args.load_format, "device": args.device, "dtype": args.dtype,
                               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}

@@ -4,7 +4,7 @@
     MODEL=embedded SHAPE=49152,4,4,64,16,8 python -m benchmark.run_batch_timeline   # a quick CPU check
 
 Two `LLM.generate` rounds (groups) and then the same shape through run-batch, with every engine step
-timed. The app process is timed too: this module wraps a few of `flashserve.batch_app`'s functions
+timed. The app process is timed too: this module wraps a few of `flashserve.entrypoints.run_batch.app`'s functions
 when it is imported, and a spawned process imports the parent's main module first, so the wrappers
 are in place in both processes. Prints when the app process started, imported, got its setup and
 ran; when its requests reached the engine and its results were written; how long the engine waited
@@ -22,7 +22,7 @@ import time
 T_IMPORT = time.time()
 OUT = os.environ.get("OUT", "/tmp")
 
-import flashserve.batch_app as ba  # noqa: E402
+import flashserve.entrypoints.run_batch.app as ba  # noqa: E402
 
 APP: dict = {"t_import": T_IMPORT, "t_batch_app_imported": time.time(), "admits": [], "results": []}
 _main, _run_lines, _admit, _result_line = ba.main, ba.run_lines, ba.RemoteEngine._admit, ba.result_line
@@ -66,8 +66,8 @@ def main() -> None:
     import tempfile
     from pathlib import Path
 
-    import flashserve.batch as fb
-    from flashserve.llm import LLM
+    import flashserve.entrypoints.run_batch.main as fb
+    from flashserve.entrypoints.llm import LLM
 
     from benchmark.batchllm_bench import group_prompts, offline, run_batch
 

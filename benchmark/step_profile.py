@@ -41,8 +41,8 @@ def main() -> None:
                    help="overlap scheduling in the timed runs; both: one run with it, then one without")
     args = p.parse_args()
 
-    from flashserve.llm import LLM
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.entrypoints.llm import LLM
 
     llm = LLM(args.model, load_format="dummy", max_num_seqs=args.batch, max_num_batched_tokens=8192)
     engine = llm.engine

@@ -46,9 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from flashserve.api.structured import GrammarCompiler, GrammarSpec
-    from flashserve.llm import LLM
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.entrypoints.llm import LLM
+    from flashserve.structured.compiler import GrammarCompiler, GrammarSpec
 
     llm = LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, max_num_seqs=args.requests)
     loaded = llm.stack.loaded

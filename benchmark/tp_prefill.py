@@ -50,7 +50,7 @@ def category(name: str) -> str:
 
 def prefill_step(n: int, seed: int) -> Any:
     from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     ids = [rng.randrange(1000, 100000) for _ in range(n)]
@@ -59,7 +59,7 @@ def prefill_step(n: int, seed: int) -> Any:
 
 
 def ttft_ms(llm: Any, n: int, reps: int = 3) -> float:
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.engine.sampling_params import SamplingParams
 
     rng = random.Random(n)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmark.suite import model_config
-    from flashserve.llm import LLM
+    from flashserve.entrypoints.llm import LLM
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

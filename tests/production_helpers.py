@@ -19,12 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
+from flashserve.client.async_engine import AsyncEngine
 from flashserve.config import SchedulerConfig
-from flashserve.engine.async_engine import AsyncEngine
 from flashserve.engine.engine import LLMEngine
-from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.engine.scheduler import Scheduler
+from flashserve.kv_cache.manager import KVCacheManager
 from flashserve.metrics import Metrics
 from flashserve.sample.sampler import Sampler
 from flashserve.worker.input_batch import InputBatch

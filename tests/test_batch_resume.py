@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from flashserve.batch_lines import parse_line
-from flashserve.batch_resume import duplicate_ids, prepare_output, remaining
+from flashserve.entrypoints.run_batch.lines import parse_line
+from flashserve.entrypoints.run_batch.resume import duplicate_ids, prepare_output, remaining
 
 
 def line(custom_id: str, body: dict | None = None) -> str:

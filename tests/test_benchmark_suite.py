@@ -79,7 +79,7 @@ def test_rates_are_measured_on_a_cpu_too():
 
 def test_offline_runner_completes_every_request_with_the_tokens_it_asked_for(tiny_model: str):
     from benchmark.offline import prompt_spec_for, run_phase
-    from flashserve.llm import LLM
+    from flashserve.entrypoints.llm import LLM
 
     llm = LLM(tiny_model, load_format="dummy", device="cpu", num_pages=256)
     reqs = uniform_requests(5, (10, 40), (3, 12), prompt_spec_for(512), seed=1)

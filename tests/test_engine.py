@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 
+from flashserve.client.async_engine import AsyncEngine
+from flashserve.client.protocol import EngineDead
 from flashserve.config import SchedulerConfig
-from flashserve.engine.async_engine import AsyncEngine
-from flashserve.engine.client import EngineDead
 from flashserve.engine.engine import LLMEngine
-from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import NOTHING, SampledTokens, SchedulerOutput, sampled
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.engine.scheduler import Scheduler
-from flashserve.sampling_params import SamplingParams
+from flashserve.kv_cache.manager import KVCacheManager
 from flashserve.worker.input_batch import InputBatch
 
 

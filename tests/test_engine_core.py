@@ -12,17 +12,17 @@ from typing import Any, Callable
 
 from test_engine import VOCAB, make_engine
 
-from flashserve.api.structured import GrammarSpec
 from flashserve.client.codec import (
     PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, Hello, StepOutputs, decode, encode, recv, send,
 )
 from flashserve.client.core_client import EngineCoreClient
-from flashserve.engine.client import EngineDead, EngineOverloaded
+from flashserve.client.protocol import EngineDead, EngineOverloaded
+from flashserve.client.streams import Abort, Add
 from flashserve.engine.core import EngineCore
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import RequestOutput, TokenLogprob
-from flashserve.engine.streams import Abort, Add
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.sampling_params import SamplingParams
+from flashserve.structured.compiler import GrammarSpec
 
 
 def test_a_steps_messages_round_trip_through_the_codec():

@@ -12,11 +12,11 @@ import pytest
 
 from flashserve.attention.base import BatchLayout
 from flashserve.config import SchedulerConfig
-from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sampled
 from flashserve.engine.request import Request
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.engine.scheduler import Scheduler
-from flashserve.sampling_params import SamplingParams
+from flashserve.kv_cache.manager import KVCacheManager
 from flashserve.worker.input_batch import BatchRow, InputBatch, append_sampled
 
 EOS = 2

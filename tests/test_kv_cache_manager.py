@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from flashserve.engine.kv_cache_manager import (
+from flashserve.kv_cache.manager import (
     SCRATCH_PAGE,
     KVCacheManager,
     KVCacheManagerError,

@@ -13,9 +13,9 @@ import torch
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.model_loader import loader
 from flashserve.model_loader.loader import LoadedModel, eos_token_ids, load_model, resolve_dtype
-from flashserve.sampling_params import SamplingParams
 from flashserve.worker.runner import ModelRunner, model_shape
 
 # name: (hidden, layers, q heads, kv heads, head_dim, intermediate, vocab, tied, rope_theta, max_positions)

@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import NOTHING, ScheduledRequest, SchedulerOutput, sample_error
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.model_loader.loader import LoadedModel
 from flashserve.models import hf
-from flashserve.sampling_params import SamplingParams
 from flashserve.worker.runner import ModelRunner, build_runner, model_shape
 
 PAGE = 16

@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.model_loader.loader import embedded_gguf_path
 from flashserve.models.llama import LlamaModel, UnsupportedModelError, WeightMismatchError
-from flashserve.sampling_params import SamplingParams
 
 PAGE = 16
 NUM_PAGES = 48

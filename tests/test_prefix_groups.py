@@ -148,14 +148,14 @@ UNRELATED = ["Write a haiku about rain.", "What is two plus two?"]
 
 @pytest.fixture(scope="module")
 def llm() -> Any:
-    from flashserve.llm import LLM
+    from flashserve.entrypoints.llm import LLM
 
     # 47 pages of 16 tokens: the big batch below needs several times that.
     return LLM("", num_pages=48, max_num_batched_tokens=256, max_num_seqs=8)
 
 
 def greedy(max_tokens: int = 6) -> Any:
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
@@ -205,7 +205,7 @@ def test_generate_leaves_no_page_pinned_or_held(llm: Any) -> None:
 
 @pytest.mark.slow
 def test_cascade_attention_on_gives_the_same_greedy_tokens_as_off(llm: Any) -> None:
-    from flashserve.llm import LLM
+    from flashserve.entrypoints.llm import LLM
 
     cascade = LLM("", num_pages=48, max_num_batched_tokens=256, max_num_seqs=8, cascade_attention="on")
     runner = cascade.engine.executor
@@ -227,8 +227,8 @@ def test_under_cache_pressure_groups_compute_far_fewer_prompt_tokens_than_arriva
         tiny_llama_config: Any) -> None:
     """BatchLLM's point: when the cache cannot hold every shared prefix at once, arrival order
     evicts a prefix before most of its group arrives; groups compute each prefix about once."""
-    from flashserve.llm import LLM
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.entrypoints.llm import LLM
 
     config = tiny_llama_config
     rng = random.Random(0)

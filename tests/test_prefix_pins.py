@@ -3,9 +3,9 @@ submission until every member was submitted and every request of it ended, withi
 
 from __future__ import annotations
 
-from flashserve.engine.kv_cache_manager import KVCacheManager, PageHasher
 from flashserve.engine.prefix_groups import GroupPlan, PrefixGroup
 from flashserve.engine.prefix_pins import GroupPins
+from flashserve.kv_cache.manager import KVCacheManager, PageHasher
 
 PAGE = 4
 PREFIX = list(range(100, 108))  # two full pages

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from flashserve.api.options import APIOptions
-from flashserve.engine.async_engine import AsyncEngine
+from flashserve.client.async_engine import AsyncEngine
 from production_helpers import Stack, assert_openai_error, completion, serve_engine, wait_for
 
 

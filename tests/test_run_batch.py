@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from flashserve.batch import main
-from flashserve.batch_lines import BatchRequest, LineError, parse_line, plan_requests
 from flashserve.cli import RUN_BATCH_OPTIONS, SERVER_ONLY_FLAGS, build_parser, to_batch_args
+from flashserve.entrypoints.run_batch.lines import BatchRequest, LineError, parse_line, plan_requests
+from flashserve.entrypoints.run_batch.main import main
 
 
 def batch_args(*argv: str) -> Any:
@@ -118,7 +118,7 @@ INPUT = [
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[Any, dict[str, Any]], Any]:
     """(exit code, result lines by custom_id, the engine stack) of one run over INPUT."""
     from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
-    from flashserve.llm import build_engine
+    from flashserve.entrypoints.llm import build_engine
 
     stack = build_engine(ModelConfig(), CacheConfig(num_pages=128), SchedulerConfig(max_num_seqs=8,
                                                                                     max_num_batched_tokens=256))
@@ -166,7 +166,7 @@ def test_the_400_body_equals_what_the_server_answers_over_http(run: Any) -> None
 
     import httpx
 
-    from flashserve.server_stack import build_server
+    from flashserve.entrypoints.stack import build_server
 
     server = build_server(batch_args("-i", "x", "-o", "y").serve, run[2])
     body = json.loads(INPUT[6])["body"]
@@ -201,7 +201,7 @@ class InstantEngine:
     def __init__(self) -> None:
         import multiprocessing
 
-        from flashserve.batch_app import RemoteEngine
+        from flashserve.entrypoints.run_batch.app import RemoteEngine
 
         self.events: list[tuple[str, int]] = []
         from_engine, self.outbox = multiprocessing.Pipe(duplex=False)
@@ -230,7 +230,7 @@ def test_a_line_starts_only_once_the_line_before_it_reached_the_engine(smollm2_t
     import io
 
     from flashserve.api.server import build_app
-    from flashserve.batch_app import run_lines
+    from flashserve.entrypoints.run_batch.app import run_lines
 
     fake = InstantEngine()
     app = build_app(fake.remote, smollm2_tokenizer, ["m"], 2048, vocab_size=49152)
@@ -242,7 +242,7 @@ def test_a_line_starts_only_once_the_line_before_it_reached_the_engine(smollm2_t
 
 def test_the_app_process_imports_the_tokenizer_classes_without_torch_and_torch_still_imports_after() -> None:
     script = ("import sys\n"
-              "from flashserve.batch_app import import_tokenizer_classes\n"
+              "from flashserve.entrypoints.run_batch.app import import_tokenizer_classes\n"
               "import_tokenizer_classes()\n"
               "from transformers import PreTrainedTokenizerFast\n"
               "print('torch' in sys.modules)\n"
@@ -258,9 +258,9 @@ def test_the_pipe_to_the_engine_takes_64_long_requests_before_the_engine_reads()
     import multiprocessing
     import threading
 
-    from flashserve.batch import pipe
-    from flashserve.engine.streams import Add
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.client.streams import Add
+    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.entrypoints.run_batch.main import pipe
 
     reader, writer = pipe(multiprocessing.get_context("spawn"))
     add = Add("r", list(range(100_000, 102_200)), SamplingParams(max_tokens=100))
@@ -281,9 +281,9 @@ def app_process_that_exits(to_engine: Any, from_engine: Any) -> None:
 @pytest.mark.slow
 def test_an_app_process_that_dies_ends_the_run_with_exit_code_1(
         run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import flashserve.batch
+    import flashserve.entrypoints.run_batch.main
 
-    monkeypatch.setattr(flashserve.batch.batch_app, "main", app_process_that_exits)
+    monkeypatch.setattr(flashserve.entrypoints.run_batch.main.batch_app, "main", app_process_that_exits)
     (tmp_path / "in.jsonl").write_text("\n".join(INPUT[:4]) + "\n")
     code = main(batch_args("-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--no-progress"),
                 stack=run[2])

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.sample.sampler import (
     Sampler,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
 )
-from flashserve.sampling_params import SamplingParams
 from flashserve.worker.input_batch import BatchRow
 
 

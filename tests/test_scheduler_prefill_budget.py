@@ -6,8 +6,8 @@ from __future__ import annotations
 from test_scheduler import fixed_token, req, step
 
 from flashserve.config import SchedulerConfig
-from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.scheduler import Scheduler
+from flashserve.kv_cache.manager import KVCacheManager
 
 
 def make(prefill_only: int | None) -> Scheduler:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from flashserve.config import ModelConfig
-from flashserve.llm import LLM
+from flashserve.engine.sampling_params import SamplingParams
+from flashserve.entrypoints.llm import LLM
 from flashserve.model_loader.loader import load_model
-from flashserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -91,7 +91,7 @@ def test_budget_keeps_a_floor_on_a_slow_or_busy_machine() -> None:
 
 def test_engine_on_a_cpu_resolves_the_auto_budget_before_scheduling(tmp_path) -> None:  # noqa: ANN001
     from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
-    from flashserve.llm import build_engine
+    from flashserve.entrypoints.llm import build_engine
 
     config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 512}

@@ -15,7 +15,8 @@ import pytest
 
 import xgrammar as xgr
 
-from flashserve.api.structured import (
+from flashserve.engine.sampling_params import InvalidParameter
+from flashserve.structured.compiler import (
     GrammarCompiler,
     GrammarSpec,
     XGrammar,
@@ -23,8 +24,7 @@ from flashserve.api.structured import (
     tool_call_spec,
     unroll_bounded_strings,
 )
-from flashserve.engine.grammar import bitmask_words, step_bitmask
-from flashserve.sampling_params import InvalidParameter
+from flashserve.structured.grammar import bitmask_words, step_bitmask
 
 VOCAB = 49152
 

@@ -26,10 +26,10 @@ from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.distributed.comm import MULTICAST_OFF_ENV, close_tp_group, init_tp_group
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.engine.outputs import ScheduledRequest
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.executor.launch import RankFailed, RankProcesses
 from flashserve.layers.ops import torch_ops
 from flashserve.models.llama import LlamaModel
-from flashserve.sampling_params import SamplingParams
 
 WORLD = 2
 PAGE = 16

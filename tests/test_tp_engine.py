@@ -23,9 +23,9 @@ from typing import Any, Iterator
 import pytest
 
 from flashserve.cli import build_parser, to_configs
+from flashserve.engine.sampling_params import SamplingParams
+from flashserve.entrypoints.llm import LLM
 from flashserve.executor.launch import RankFailed
-from flashserve.llm import LLM
-from flashserve.sampling_params import SamplingParams
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=211,
@@ -107,7 +107,7 @@ def test_steps_go_through_shared_memory_whose_file_is_gone_once_the_ranks_run(tm
 
 def test_interpreter_exit_without_close_stops_the_workers(tmp_path: Path) -> None:
     script = (
-        "from flashserve.llm import LLM\n"
+        "from flashserve.entrypoints.llm import LLM\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({write_config(tmp_path)!r}, tensor_parallel_size=2, **{ENGINE!r})\n"
         "    print(*[p.pid for p in llm.engine.executor.workers.processes.values()])\n"

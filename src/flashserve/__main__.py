@@ -11,11 +11,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if ns.command == "serve":
-        from flashserve.serve import run_serve
+        from flashserve.entrypoints.serve import main as serve
 
-        run_serve(to_configs(ns))
+        return serve(to_configs(ns))
     elif ns.command == "run-batch":
-        from flashserve.batch import main as run_batch
+        from flashserve.entrypoints.run_batch.main import main as run_batch
 
         return run_batch(to_batch_args(ns))
     return 0

@@ -9,9 +9,9 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.llm import LLM
+from flashserve.engine.sampling_params import SamplingParams
+from flashserve.entrypoints.llm import LLM
 from flashserve.models.hf import HFCausalLM
-from flashserve.sampling_params import SamplingParams
 from flashserve.worker.runner import NativeCausalLM
 
 

@@ -16,7 +16,7 @@ from flashserve.attention.base import BatchLayout
 from flashserve.attention.flashinfer import FlashInferAttentionBackend
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.sampling_params import SamplingParams
 
 PAGE = 16
 NUM_PAGES = 96

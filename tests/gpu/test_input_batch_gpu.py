@@ -12,8 +12,8 @@ import torch
 from test_engine_gpu import RecordingSampler, assert_sampled_from_teacher_forced_logits
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.llm import LLM
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.sampling_params import SamplingParams
+from flashserve.entrypoints.llm import LLM
 
 
 @pytest.fixture(scope="module")

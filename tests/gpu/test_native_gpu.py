@@ -19,10 +19,10 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.engine.outputs import ScheduledRequest
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.model_loader.loader import dummy_hf_config
 from flashserve.models.hf import HFCausalLM
 from flashserve.models.llama import LlamaModel
-from flashserve.sampling_params import SamplingParams
 from flashserve.worker.runner import NativeCausalLM, model_shape
 
 PAGE = 16

@@ -14,12 +14,12 @@ import torch
 
 from test_engine_gpu import RecordingSampler
 
-from flashserve.engine.grammar import TokenBitmask, bitmask_words
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.llm import LLM
+from flashserve.engine.sampling_params import SamplingParams
+from flashserve.entrypoints.llm import LLM
 from flashserve.sample.logprobs import compute_logprobs
 from flashserve.sample.sampler import Sampler
-from flashserve.sampling_params import SamplingParams
+from flashserve.structured.grammar import TokenBitmask, bitmask_words
 from flashserve.worker.input_batch import InputBatch
 
 VOCAB = 128_256
@@ -78,7 +78,7 @@ def llm() -> LLM:
 
 
 def test_a_batch_of_grammar_logprob_and_plain_rows_under_cuda_graphs(llm: LLM) -> None:
-    from flashserve.api.structured import GrammarCompiler, GrammarSpec
+    from flashserve.structured.compiler import GrammarCompiler, GrammarSpec
 
     runner = llm.engine.executor
     assert runner.graphs is not None, "decode steps should run from CUDA graphs"

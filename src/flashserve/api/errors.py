@@ -13,9 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flashserve.engine.client import EngineDead
+from flashserve.client.protocol import EngineDead
+from flashserve.engine.sampling_params import InvalidParameter
 from flashserve.metrics import Metrics
-from flashserve.sampling_params import InvalidParameter
 
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"

@@ -27,11 +27,14 @@ from flashserve.api.choices import (
     chat_choices,
     completion_choices,
 )
-from flashserve.api.json_body import LoneSurrogate, loads
 from flashserve.api.errors import APIError, engine_dead, install_error_handlers, invalid, overloaded
-from flashserve.api.middleware import GuardMiddleware, RequestIdMiddleware
+from flashserve.api.json_body import LoneSurrogate, loads
 from flashserve.api.logprobs import TokenTexts
+from flashserve.api.middleware import GuardMiddleware, RequestIdMiddleware
 from flashserve.api.options import APIOptions, ServerState
+from flashserve.api.response_store import ResponseStore
+from flashserve.api.serving_messages import AnthropicErrors, MessagesServing
+from flashserve.api.serving_responses import ResponsesServing
 from flashserve.api.streaming import (
     CLIENT_CLOSED,
     ClientGone,
@@ -42,15 +45,12 @@ from flashserve.api.streaming import (
     unless_disconnected,
     usage,
 )
-from flashserve.api.structured import spec_from_request
 from flashserve.api.tools.render import TemplateSupport, template_support
 from flashserve.api.ui import add_ui
-from flashserve.api.response_store import ResponseStore
-from flashserve.api.serving_messages import AnthropicErrors, MessagesServing
-from flashserve.api.serving_responses import ResponsesServing
-from flashserve.engine.client import EngineClient
+from flashserve.client.protocol import EngineClient
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
-from flashserve.sampling_params import SamplingParams
+from flashserve.structured.compiler import spec_from_request
 
 
 def _model_not_found(model: str) -> APIError:

@@ -18,10 +18,10 @@ from starlette.requests import Request
 
 from flashserve.api.choices import ChoiceResult
 from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, engine_dead, invalid, overloaded
-from flashserve.engine.client import EngineClient, EngineDead, EngineOverloaded
+from flashserve.client.protocol import EngineClient, EngineDead, EngineOverloaded
 from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.sampling_params import InvalidParameter, SamplingParams
 from flashserve.metrics import RequestRecord
-from flashserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 

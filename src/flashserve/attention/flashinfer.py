@@ -39,7 +39,7 @@ import torch
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import PrefixLevel
 from flashserve.attention.kv_quant import is_fp8, to_cache
-from flashserve.pinned import PinnedStaging
+from flashserve.worker.pinned import PinnedStaging
 
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 # FA2 prefill reads out of bounds (or computes garbage) for other head sizes (FLASHINFER.md §8).

@@ -23,9 +23,9 @@ from typing import Any
 
 import msgspec
 
-from flashserve.api.structured import GrammarSpec
+from flashserve.client.streams import Abort, Add
 from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.streams import Abort, Add
+from flashserve.structured.compiler import GrammarSpec
 
 # Bump whenever a message below changes shape.
 PROTOCOL_VERSION = 1

@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 from flashserve.client.codec import AddRequest, Dead, EngineSetup, StepOutputs, recv, send
 from flashserve.client.output_processor import OutputProcessor
-from flashserve.engine.client import EngineDead, EngineOverloaded
+from flashserve.client.protocol import EngineDead, EngineOverloaded
+from flashserve.client.streams import Abort, Add, OutputStreams
 from flashserve.engine.engine import check_request
-from flashserve.engine.streams import Abort, Add, OutputStreams
 
 logger = logging.getLogger(__name__)
 

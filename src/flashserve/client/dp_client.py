@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from flashserve.client.core_client import EngineCoreClient
 from flashserve.client.router import PrefixRouter
 from flashserve.engine.outputs import RequestOutput
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.sampling_params import SamplingParams
 
 
 class DataParallelClient:

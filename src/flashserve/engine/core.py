@@ -23,11 +23,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from flashserve.client.codec import PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, Hello, StepOutputs, recv, send
+from flashserve.client.streams import Abort, error_output
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
 from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.streams import Abort, error_output
 from flashserve.metrics import Metrics
 
 logger = logging.getLogger(__name__)

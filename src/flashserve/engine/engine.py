@@ -23,12 +23,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from flashserve.engine.detokenizer import IncrementalDetokenizer, raw_decoder
+from flashserve.client.detokenizer import IncrementalDetokenizer, raw_decoder
 from flashserve.engine.outputs import RequestOutput, SampledTokens, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request
+from flashserve.engine.sampling_params import InvalidParameter, SamplingParams
 from flashserve.engine.scheduler import Scheduler
 from flashserve.engine.stop import check_stop
-from flashserve.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 

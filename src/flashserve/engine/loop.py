@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from flashserve.client.streams import Abort, Add, error_output
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.streams import Abort, Add, error_output
 from flashserve.metrics import Metrics, StepStats
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from flashserve.engine.grammar import TokenBitmask
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.sampling_params import SamplingParams
+from flashserve.structured.grammar import TokenBitmask
 
 
 @dataclass(slots=True)

@@ -13,8 +13,8 @@ Pure Python, called only from the scheduler (the engine loop).
 
 from __future__ import annotations
 
-from flashserve.engine.kv_cache_manager import KVCacheManager, PageHash, PageHasher
 from flashserve.engine.request import Request
+from flashserve.kv_cache.manager import KVCacheManager, PageHash, PageHasher
 
 
 class PrefixCache:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flashserve.engine.kv_cache_manager import KVCacheManager, PageHasher
 from flashserve.engine.prefix_groups import GroupPlan
+from flashserve.kv_cache.manager import KVCacheManager, PageHasher
 
 
 class GroupPins:

@@ -41,12 +41,12 @@ from collections import deque
 from typing import Sequence
 
 from flashserve.config import SchedulerConfig
-from flashserve.engine.grammar import TokenBitmask, step_bitmask
-from flashserve.engine.kv_cache_manager import KVCacheManager
 from flashserve.engine.outputs import SampledTokens, ScheduledRequest, SchedulerOutput
 from flashserve.engine.prefix_cache import PrefixCache
 from flashserve.engine.request import FinishReason, Request, RequestStatus
 from flashserve.engine.stop import check_stop
+from flashserve.kv_cache.manager import KVCacheManager
+from flashserve.structured.grammar import TokenBitmask, step_bitmask
 
 
 class Scheduler:

@@ -2,7 +2,7 @@
 socket, over an `EngineCoreClient` to the engine core (with `--data-parallel-size N`, a
 `DataParallelClient` over one per engine core).
 
-Its life follows the rules of `flashserve.serve`: SIGTERM drains (new requests get 503, running
+Its life follows the rules of `flashserve.entrypoints.lifecycle`: SIGTERM drains (new requests get 503, running
 ones finish for up to `--shutdown-timeout` s) and exits 0; a dead engine core fails every open
 request and exits 1.
 """
@@ -32,7 +32,7 @@ def main(index: int, conns: list[Connection], sock: socket.socket, args: Any) ->
     # Told to stop before it serves (while the model loads): nothing to drain. uvicorn installs
     # its own handlers once it serves.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    from flashserve.batch_app import import_tokenizer_classes
+    from flashserve.entrypoints.run_batch.app import import_tokenizer_classes
 
     import_tokenizer_classes()  # while the engine core loads the model
     setups = [_handshake(index, conn) for conn in conns]
@@ -73,8 +73,8 @@ async def serve(conns: list[Connection], sock: socket.socket, setups: list[Engin
 
     from flashserve.api.options import ServerState
     from flashserve.api.server import build_app
+    from flashserve.entrypoints.lifecycle import drain, graceful_server, stop_when_dead
     from flashserve.metrics import Metrics
-    from flashserve.serve import drain, graceful_server, stop_when_dead
 
     setup = setups[0]
     names = list(args.model.served_model_names) or [setup.model_name]

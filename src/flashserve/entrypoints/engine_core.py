@@ -36,7 +36,7 @@ class CoreParts:
 
 def load_serve_core(args: Any) -> CoreParts:
     """The engine of `flashserve serve` for `args` (a `cli.ServeArgs`)."""
-    from flashserve.server_stack import load_engine
+    from flashserve.entrypoints.stack import load_engine
 
     stack = load_engine(args, detokenize=False)
     loaded = stack.loaded
@@ -45,7 +45,7 @@ def load_serve_core(args: Any) -> CoreParts:
     def compile_grammar(spec: Any) -> Any:
         nonlocal compiler
         if compiler is None:  # built on the first grammar: the token table takes a moment
-            from flashserve.api.structured import GrammarCompiler
+            from flashserve.structured.compiler import GrammarCompiler
 
             compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         return compiler.submit(spec)

@@ -204,7 +204,7 @@ def is_launched_worker_rank(args: Any) -> bool:
 def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.load_serve_core) -> int:
     """Serves until shutdown; returns the exit code."""
     if is_launched_worker_rank(args):
-        from flashserve.server_stack import load_engine
+        from flashserve.entrypoints.stack import load_engine
 
         load_engine(args)  # runs the rank's steps, then exits 0
         return 0
@@ -214,3 +214,9 @@ def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.lo
         return Supervisor(args, load).run()
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def main(args: Any) -> int:
+    """`flashserve serve`: logging as `--log-level` says, then `run`."""
+    logging.basicConfig(level=args.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.sample.sampler import Sampler, SamplingRow, _to_device, step_seed
-from flashserve.sampling_params import SamplingParams
 
 
 class FlashInferSampler(Sampler):

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import TokenLogprob
-from flashserve.pinned import PinnedStaging
+from flashserve.structured.grammar import TokenBitmask
+from flashserve.worker.pinned import PinnedStaging
 
 if TYPE_CHECKING:
     from flashserve.worker.input_batch import BatchRow

@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
-from flashserve.engine.grammar import TokenBitmask
-from flashserve.pinned import PinnedStaging
+from flashserve.engine.sampling_params import SamplingParams
 from flashserve.sample.logprobs import apply_token_bitmask
-from flashserve.sampling_params import SamplingParams
+from flashserve.structured.grammar import TokenBitmask
+from flashserve.worker.pinned import PinnedStaging
 
 _MASK64 = (1 << 64) - 1
 

@@ -16,12 +16,12 @@ from flashserve.attention.base import AttentionBackend
 from flashserve.attention.cascade import CascadePolicy, cascade_policy
 from flashserve.attention.kv_quant import resolve_kv_cache_dtype
 from flashserve.config import CacheConfig, ModelConfig
-from flashserve.engine.grammar import TokenBitmask
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sample_error
 from flashserve.model_loader.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.models.hf import HFCausalLM, attention_scale
 from flashserve.models.llama import LlamaModel, UnsupportedModelError
 from flashserve.sample.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
+from flashserve.structured.grammar import TokenBitmask
 from flashserve.worker.input_batch import BatchRow, InputBatch, append_sampled
 from flashserve.worker.step_inputs import StepInputBuilder, StepInputs
 
@@ -397,7 +397,7 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
     """Runs a prefill step, a decode step (with sampling) and a one-request decode step on free
     pages, so that every kernel module is built (FlashInfer JIT) and every step size class is
     compiled (`--torch-compile`) before the server reports healthy."""
-    from flashserve.sampling_params import SamplingParams
+    from flashserve.engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     n = min(4, num_pages - 1)

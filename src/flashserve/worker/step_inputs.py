@@ -21,8 +21,8 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import CascadePolicy
-from flashserve.pinned import PinnedStaging
 from flashserve.worker.input_batch import BatchRow
+from flashserve.worker.pinned import PinnedStaging
 
 if TYPE_CHECKING:
     from flashserve.worker.runner import LaunchedStep

@@ -2,7 +2,7 @@
 
 The API layer reads `response_format` (OpenAI), `structured_outputs` (vLLM's extension) and
 `tool_choice` into a `GrammarSpec`, compiles it with xgrammar and passes the result in
-`SamplingParams.grammar`; the engine only sees the `flashserve.engine.grammar` protocol.
+`SamplingParams.grammar`; the engine only sees the `flashserve.structured.grammar` protocol.
 
 Compiling takes milliseconds to seconds depending on the schema, so it runs in worker threads (the
 event loop keeps serving), results are kept in an LRU cache keyed by the spec (clients repeat the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from flashserve.sampling_params import InvalidParameter
+from flashserve.engine.sampling_params import InvalidParameter
 
 if TYPE_CHECKING:
     import xgrammar as xgr

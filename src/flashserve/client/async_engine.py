@@ -18,12 +18,12 @@ import threading
 import time
 from typing import Callable
 
-from flashserve.engine.client import EngineOverloaded
+from flashserve.client.protocol import EngineOverloaded
+from flashserve.client.streams import Abort, Add, OutputStreams
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
-from flashserve.engine.outputs import RequestOutput
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
-from flashserve.engine.streams import Abort, Add, OutputStreams
+from flashserve.engine.outputs import RequestOutput
 from flashserve.metrics import Metrics
 
 logger = logging.getLogger(__name__)

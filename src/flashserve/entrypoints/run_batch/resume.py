@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from flashserve.batch_lines import BatchRequest, LineError
+from flashserve.entrypoints.run_batch.lines import BatchRequest, LineError
 
 # Error codes of lines that failed on the server's side: run again on resume.
 _RETRIED_ERRORS = frozenset({"internal_error"})

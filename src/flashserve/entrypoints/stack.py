@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 from flashserve.api.options import ServerState
 from flashserve.api.server import build_app
 from flashserve.cli import ServeArgs
-from flashserve.engine.async_engine import AsyncEngine
+from flashserve.client.async_engine import AsyncEngine
 from flashserve.metrics import Metrics
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from flashserve.llm import EngineStack
+    from flashserve.entrypoints.llm import EngineStack
 
 logger = logging.getLogger("flashserve")
 
@@ -41,7 +41,7 @@ class ServerStack:
 def load_engine(args: ServeArgs, detokenize: bool = True) -> EngineStack:
     """Load the model and build the synchronous engine (torch is imported here); `detokenize=False`
     for an engine that leaves text and stop strings to its front ends."""
-    from flashserve.llm import build_engine
+    from flashserve.entrypoints.llm import build_engine
 
     t0 = time.perf_counter()
     stack = build_engine(args.model, args.cache, args.scheduler, cuda_graph=args.cuda_graph, detokenize=detokenize)

@@ -1,5 +1,5 @@
 """run-batch's app process: every batch line goes through the server's own app here, in a process of
-its own, while the engine runs in the process that started this one (`flashserve.batch`).
+its own, while the engine runs in the process that started this one (`flashserve.entrypoints.run_batch.main`).
 
 The app's work for a line (JSON, validation, tokenizing, the handler, the response body) holds
 Python's GIL; in the engine's process it would take turns with the engine loop, whose host work
@@ -26,10 +26,10 @@ from typing import IO, Any
 # grammar) while the engine process loads the model.
 from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
-from flashserve.batch_lines import BatchRequest, LineError, error_line, parse_line, post, result_line
-from flashserve.engine.client import EngineDead
+from flashserve.client.protocol import EngineDead
+from flashserve.client.streams import Abort, Add, OutputStreams
 from flashserve.engine.engine import check_request
-from flashserve.engine.streams import Abort, Add, OutputStreams
+from flashserve.entrypoints.run_batch.lines import BatchRequest, LineError, error_line, parse_line, post, result_line
 
 logger = logging.getLogger("flashserve")
 

@@ -4,7 +4,7 @@
 what arrives in the queue until the output that finishes it; closing the iterator early aborts the
 request (`_send`). Where the engine runs is the subclass's business: `AsyncEngine` drives one in a
 thread of this process; run-batch's app process reaches one in another process
-(`flashserve.batch_app.RemoteEngine`). Either delivers each step's outputs with `_dispatch` on
+(`flashserve.entrypoints.run_batch.app.RemoteEngine`). Either delivers each step's outputs with `_dispatch` on
 the event loop, and `_fail_all` when the engine is gone.
 """
 
@@ -14,9 +14,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from flashserve.engine.client import EngineDead
+from flashserve.client.protocol import EngineDead
 from flashserve.engine.outputs import RequestOutput
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 request's output and says which tokens may come next, as a packed bitmask.
 
 The API layer builds and compiles grammars (JSON schemas, regexes, choices, EBNF, tool calls; see
-`flashserve.api.structured`) and passes one in `SamplingParams.grammar`. The engine creates a
+`flashserve.structured.compiler`) and passes one in `SamplingParams.grammar`. The engine creates a
 matcher per request, advances the step's matchers with their sampled tokens in one call, stops a
 request when its grammar has terminated, and fills each step's token bitmask for the sampler. It
 never sees what the grammar means.

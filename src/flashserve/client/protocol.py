@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol
 
 from flashserve.engine.outputs import RequestOutput
-from flashserve.sampling_params import SamplingParams
+from flashserve.engine.sampling_params import SamplingParams
 
 
 class EngineDead(RuntimeError):

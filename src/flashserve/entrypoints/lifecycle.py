@@ -1,5 +1,4 @@
-"""`flashserve serve`: the engine core in a process of its own, uvicorn and the app in front-end
-processes (`flashserve.entrypoints`); here, the front end's rules for its life.
+"""A front-end process's rules for its life (`entrypoints/api_server.py` follows them).
 
 Shutdown on SIGTERM (or Ctrl+C) is graceful: the server keeps listening but answers new requests
 with 503, lets the running ones finish for up to `--shutdown-timeout` seconds, ends the rest with
@@ -16,12 +15,10 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import threading
 from types import FrameType
 from typing import Any, Awaitable, Callable
 
-from flashserve.cli import ServeArgs
 
 logger = logging.getLogger("flashserve")
 
@@ -90,14 +87,3 @@ def stop_when_dead(server: Any, state: Any) -> Callable[[str], None]:
         timer.start()
 
     return on_dead
-
-
-def run_serve(args: ServeArgs) -> None:
-    logging.basicConfig(
-        level=args.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    from flashserve.entrypoints.serve import run
-
-    code = run(args)
-    if code:
-        sys.exit(code)

@@ -46,7 +46,7 @@ class SamplingParams:
     # (0: the sampled token's only); None: none. `prompt_logprobs` likewise for the prompt's tokens.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    # A compiled grammar (`flashserve.engine.grammar.Grammar`) the output must follow; None: free text.
+    # A compiled grammar (`flashserve.structured.grammar.Grammar`) the output must follow; None: free text.
     grammar: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

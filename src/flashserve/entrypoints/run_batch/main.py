@@ -3,7 +3,7 @@
 Every line goes through the server's own app (`batch_lines.post`), so its result line holds exactly
 the status code and body that `flashserve serve` would answer, errors included; a line that is no
 request at all (bad JSON, no custom_id, a method or url the batch API does not take) gets an error
-line instead, and the run goes on. The app runs in a process of its own (`batch_app`), started
+line instead, and the run goes on. The app runs in a process of its own (`app.py`), started
 while this one loads the model, so that its work for each line does not take turns with the engine
 loop for the GIL; this process runs the engine and serves the app's requests (`serve_app`). The two
 talk through a pipe each way, each message sent by the thread that makes it: a multiprocessing
@@ -36,16 +36,16 @@ try:
 except ImportError:  # not on Windows
     fcntl = None  # type: ignore[assignment]
 
-from flashserve import batch_app
-from flashserve.batch_lines import BatchRequest, LineError, parse_line, plan_requests
-from flashserve.batch_resume import duplicate_ids, prepare_output, remaining
 from flashserve.cli import BatchArgs
+from flashserve.client.streams import error_output
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.outputs import RequestOutput
 from flashserve.engine.prefix_pins import GroupPins
-from flashserve.engine.streams import error_output
-from flashserve.server_stack import load_engine, served_names
+from flashserve.entrypoints.run_batch import app as batch_app
+from flashserve.entrypoints.run_batch.lines import BatchRequest, LineError, parse_line, plan_requests
+from flashserve.entrypoints.run_batch.resume import duplicate_ids, prepare_output, remaining
+from flashserve.entrypoints.stack import load_engine, served_names
 
 logger = logging.getLogger("flashserve")
 
@@ -245,7 +245,7 @@ def _grammar_compiler(stack: Any) -> Callable[[Any], Any]:
     def compile_grammar(spec: Any) -> Any:
         nonlocal compiler
         if compiler is None:
-            from flashserve.api.structured import GrammarCompiler
+            from flashserve.structured.compiler import GrammarCompiler
 
             loaded = stack.loaded
             compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
