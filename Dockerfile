@@ -51,17 +51,19 @@ COPY benchmark/prebuild_kernels.py ./benchmark/prebuild_kernels.py
 RUN python3 benchmark/prebuild_kernels.py --installed --jobs "${PREBUILD_JOBS}" --build-dir /tmp/prebuild \
     && rm -rf /tmp/prebuild
 
-# Caches that should outlive the container: downloaded models, FlashInfer's compiled kernels.
+# Caches that should outlive the container: downloaded models, FlashInfer's compiled kernels,
+# GGUF models converted once (the embedded default among them).
 # FLASHINFER_USE_CUDA_NORM: the prebuilt norm module, not CuTe-DSL kernels compiled at first use.
 ENV HF_HOME=/cache/huggingface \
     FLASHINFER_WORKSPACE_BASE=/cache/flashinfer \
+    FLASHSERVE_CACHE_DIR=/cache/flashserve \
     FLASHINFER_USE_CUDA_NORM=1 \
     FLASHSERVE_HOST=0.0.0.0 \
     FLASHSERVE_PORT=8000
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin flashserve \
-    && mkdir -p /cache/huggingface /cache/flashinfer \
+    && mkdir -p /cache/huggingface /cache/flashinfer /cache/flashserve \
     && chown -R 10001:10001 /cache
-VOLUME ["/cache/huggingface", "/cache/flashinfer"]
+VOLUME ["/cache/huggingface", "/cache/flashinfer", "/cache/flashserve"]
 USER 10001
 WORKDIR /home/flashserve
 

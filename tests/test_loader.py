@@ -1,9 +1,10 @@
-"""Model loading: dummy shapes, dtypes, eos ids, max_model_len, and the embedded default."""
+"""Model loading: dummy shapes, dtypes, eos ids, max_model_len, the embedded default and its converted copy."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.engine.sampling_params import SamplingParams
-from flashserve.model_loader import loader
+from flashserve.model_loader import gguf_cache, loader
 from flashserve.model_loader.loader import LoadedModel, eos_token_ids, load_model, resolve_dtype
 from flashserve.worker.runner import ModelRunner, model_shape
 
@@ -144,6 +145,73 @@ def test_embedded_default_through_the_runner_matches_eager(embedded: LoadedModel
     runner = ModelRunner(embedded, backend, None, 16)
     request = ScheduledRequest("r", ids, 0, [3, 1, 6, 0], True, SamplingParams())
     torch.testing.assert_close(runner.forward(SchedulerOutput([request]))[0], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_gguf_converted_once_loads_the_same_weights_tokenizer_and_template(
+        embedded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path))
+    direct = load_model(ModelConfig(), "cpu")  # converts the GGUF, then keeps it
+    (entry,) = (tmp_path / "gguf").iterdir()
+    converted = load_model(ModelConfig(), "cpu")
+    for a, b in ((direct, converted), (embedded, converted)):
+        weights_a, weights_b = a.model.state_dict(), b.model.state_dict()
+        assert weights_a.keys() == weights_b.keys()
+        assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+        assert (a.name, a.max_model_len, a.eos_token_ids, a.vocab_size, a.dtype) == (
+            b.name, b.max_model_len, b.eos_token_ids, b.vocab_size, b.dtype)
+        text = "Héllo wörld <|im_start|> 日本語\n\n  def f(x): return x**2"
+        assert a.tokenizer(text).input_ids == b.tokenizer(text).input_ids
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        assert (a.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+                == b.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+        assert a.hf_config.to_diff_dict().keys() == b.hf_config.to_diff_dict().keys()
+    assert (entry / "model.safetensors").is_file()
+
+
+def test_a_changed_gguf_file_or_requested_dtype_gets_a_new_converted_entry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"one")
+    first = gguf_cache.entry_path(str(gguf), ("auto", "cpu"))
+    assert gguf_cache.entry_path(str(gguf), ("auto", "cuda")) != first
+    gguf.write_bytes(b"other")
+    os.utime(gguf, ns=(1, 1))
+    assert gguf_cache.entry_path(str(gguf), ("auto", "cpu")) != first
+
+
+def test_flashserve_cache_dir_off_turns_the_converted_copy_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHSERVE_CACHE_DIR", "off")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    assert gguf_cache.entry_path(str(gguf), ("auto", "cpu")) is None
+    assert gguf_cache.lookup(str(gguf), ("auto", "cpu")) is None
+
+
+def test_an_unwritable_cache_directory_warns_and_the_load_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(blocker))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    with caplog.at_level("WARNING", logger="flashserve.model_loader.gguf_cache"):
+        assert gguf_cache.store(str(gguf), ("auto", "cpu"), object(), object(), None) is None
+    assert "could not keep the converted m.gguf" in caplog.text
+
+
+def test_an_entry_another_process_wrote_first_is_kept_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    entry = Path(gguf_cache.entry_path(str(gguf), ("auto", "cpu")))  # type: ignore[arg-type]
+    entry.mkdir(parents=True)
+    (entry / "model.safetensors").write_bytes(b"theirs")
+    assert gguf_cache.store(str(gguf), ("auto", "cpu"), object(), object(), None) == str(entry)
+    assert (entry / "model.safetensors").read_bytes() == b"theirs"
+    assert gguf_cache.lookup(str(gguf), ("auto", "cpu")) == str(entry)
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no half-written copy left
 
 
 def test_local_checkpoint_dir_loads_its_weights_without_a_tokenizer(tmp_path: Path) -> None:

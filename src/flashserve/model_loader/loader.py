@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from flashserve.config import ModelConfig
+from flashserve.model_loader import gguf_cache
 
 if TYPE_CHECKING:
     from flashserve.model_loader.checkpoint import DummyCheckpoint
@@ -324,6 +325,7 @@ def load_model(config: ModelConfig, device: torch.device | str, *, weights: bool
     """
     device = torch.device(device)
     source, gguf_file = config.model, None
+    how = ""  # how the weights were read, for the log
     t0 = time.perf_counter()
     if not weights and config.load_format == "dummy":
         hf_config = dummy_hf_config(source)
@@ -354,6 +356,13 @@ def load_model(config: ModelConfig, device: torch.device | str, *, weights: bool
             name = os.path.splitext(gguf_file)[0]
         else:
             name = source
+        if gguf_file:
+            gguf_path, gguf_key = os.path.join(source, gguf_file), (config.dtype, device.type)
+            converted = gguf_cache.lookup(gguf_path, gguf_key)
+            if converted is not None:  # converted by an earlier load: read as an HF directory
+                source, gguf_file, how = converted, None, f" (GGUF converted earlier, from {converted})"
+            else:
+                how = " (GGUF, dequantized)"
         with _gguf_read_once() if gguf_file else contextlib.nullcontext():
             model, hf_config = _load_pretrained(source, gguf_file, config, device)
         dtype = next(model.parameters()).dtype
@@ -375,7 +384,9 @@ def load_model(config: ModelConfig, device: torch.device | str, *, weights: bool
     model.eval()
     t_done = time.perf_counter()
     logger.info("loaded %s in %.1f s: config and weights %.1f s%s, tokenizer %.1f s", name, t_done - t0,
-                t_weights - t0, " (GGUF, dequantized)" if gguf_file else "", t_done - t_weights)
+                t_weights - t0, how, t_done - t_weights)
+    if gguf_file and not config.tokenizer and tokenizer is not None:  # the next load reads it converted
+        gguf_cache.store(gguf_path, gguf_key, model, hf_config, tokenizer)
     vocab_size = int(model.get_input_embeddings().weight.shape[0])
     if tokenizer is not None and len(tokenizer) > vocab_size:
         logger.warning(
