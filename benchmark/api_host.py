@@ -16,9 +16,10 @@ is `benchmark.serve_bench`'s concurrency workload (24 prompt tokens, 384 out, st
 process per `--client-workers`).
 
 For each concurrency it reports the server's CPU seconds per streamed token (user + system time
-over the phase, from /proc), in all and per process, the engine's steps per second, and the median
-TPOT the client saw. Prints a table; writes `--out` (JSON; by default under the git-ignored
-benchmark/results/local/).
+over the phase, from /proc), in all and per process, the client's, the share of the machine's cores
+the two kept busy (near 100%: the machine, not the server, sets the pace), the engine's steps per
+second, and the median TPOT the client saw. Prints a table; writes `--out` (JSON; by default under
+the git-ignored benchmark/results/local/).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -168,6 +170,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU time of this process's finished children (the benchmark client's)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def server_processes(pid: int) -> dict[str, int]:
     """The server's processes by name: the one started, and its children (engine core, front ends)."""
     found = {"server": pid}
@@ -199,19 +207,19 @@ def run_model(args: argparse.Namespace, model: str, tmp: str) -> list[dict[str, 
             raise RuntimeError(failure)
         procs = server_processes(server.pid)
         print(f"{model}: processes {sorted(procs)}")
-        print(f"{'streams':>8} {'tokens':>8} {'server CPU us/token':>20} {'steps/s':>8} {'TPOT p50 ms':>12} "
-              f"{'out tok/s':>10}  CPU us/token per process")
+        print(f"{'streams':>8} {'tokens':>8} {'server CPU us/token':>20} {'client':>7} {'busy':>5} {'steps/s':>8} "
+              f"{'TPOT p50 ms':>12} {'out tok/s':>10}  CPU us/token per process")
         for c in map(int, args.concurrency.split(",")):
             out_dir = Path(tmp) / f"{model}-c{c}"
             steps0 = json.loads(stats.read_text())["steps"]
             cpu0 = {name: cpu_seconds(pid) for name, pid in procs.items()}
-            t0 = time.monotonic()
+            t0, client0 = time.monotonic(), children_cpu_seconds()
             subprocess.run([sys.executable, "-m", "benchmark.serve_bench", "--base-url", url, "--workload",
                             "concurrency", "--concurrency", str(c), "--repeats", "1", "--token-ids",
                             "--workers", str(args.client_workers), "--gpu-name", "cpu", "--out-dir",
                             str(out_dir), "--no-summary", "--no-progress", "--warmup", "0"],
                            check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-            wall = time.monotonic() - t0
+            wall, client_cpu = time.monotonic() - t0, children_cpu_seconds() - client0
             time.sleep(0.5)  # the stats file catches up
             per_process = {name: cpu_seconds(pid) - cpu0[name] for name, pid in procs.items()}
             cpu, steps = sum(per_process.values()), json.loads(stats.read_text())["steps"] - steps0
@@ -221,12 +229,16 @@ def run_model(args: argparse.Namespace, model: str, tmp: str) -> list[dict[str, 
             row = {"process_model": model, "streams": c, "output_tokens": tokens, "server_cpu_s": cpu, "wall_s": wall,
                    "server_cpu_us_per_token": cpu / tokens * 1e6,
                    "cpu_us_per_token_by_process": {k: v / tokens * 1e6 for k, v in per_process.items()},
+                   "client_cpu_us_per_token": client_cpu / tokens * 1e6,
+                   # Of the machine's cores over the phase, the share the server and the client kept busy.
+                   "machine_busy_share": (cpu + client_cpu) / (wall * (os.cpu_count() or 1)),
                    "engine_steps": steps, "steps_per_s": steps / m["duration_s"], "tpot_p50_ms": m["tpot_ms"]["median"],
                    "output_tok_per_s": m["output_token_throughput"]}
             row["load_average_1min"] = os.getloadavg()[0]  # the machine's other work, which TPOT feels
             rows.append(row)
             shares = ", ".join(f"{k} {v:.1f}" for k, v in row["cpu_us_per_token_by_process"].items())
-            print(f"{c:8d} {tokens:8d} {row['server_cpu_us_per_token']:20.1f} {row['steps_per_s']:8.0f} "
+            print(f"{c:8d} {tokens:8d} {row['server_cpu_us_per_token']:20.1f} {row['client_cpu_us_per_token']:7.1f} "
+                  f"{row['machine_busy_share']:5.0%} {row['steps_per_s']:8.0f} "
                   f"{row['tpot_p50_ms']:12.2f} {row['output_tok_per_s']:10.0f}  {shares}", flush=True)
     finally:
         server.terminate()
