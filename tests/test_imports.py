@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,15 @@ def unresolved(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_flashserve_import_names_a_module_and_a_name_that_exist(path: Path) -> None:
     assert unresolved(path) == []
+
+
+def test_the_engine_kv_cache_client_and_api_import_no_torch() -> None:
+    # The front ends and the scheduler never touch a tensor: a front-end process starts without
+    # torch's import time and memory, and engine/ and kv_cache/ stay testable without it.
+    packages = sorted({p.relative_to(SRC).with_suffix("").as_posix().replace("/", ".")
+                       for d in ("engine", "kv_cache", "client") for p in (SRC / "flashserve" / d).glob("*.py")})
+    script = "import sys\n" + "".join(f"import {m}\n" for m in [*packages, "flashserve.api.server"]) + \
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]"]
