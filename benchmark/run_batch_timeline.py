@@ -25,13 +25,13 @@ OUT = os.environ.get("OUT", "/tmp")
 import flashserve.entrypoints.run_batch.app as ba  # noqa: E402
 
 APP: dict = {"t_import": T_IMPORT, "t_batch_app_imported": time.time(), "admits": [], "results": []}
-_main, _run_lines, _admit, _result_line = ba.main, ba.run_lines, ba.RemoteEngine._admit, ba.result_line
+_main, _run_lines, _admit, _result_line = ba.main, ba.run_lines, ba.BatchEngineClient._admit, ba.result_line
 
 
-def _timed_main(to_engine, from_engine):  # type: ignore[no-untyped-def]
+def _timed_main(reader, writer, done):  # type: ignore[no-untyped-def]
     APP["t_main"], APP["torch_at_main"] = time.time(), "torch" in sys.modules
     try:
-        _main(to_engine, from_engine)
+        _main(reader, writer, done)
     finally:
         APP["t_end"] = time.time()
         with open(os.path.join(OUT, "app_timeline.json"), "w") as f:
@@ -56,7 +56,7 @@ def _timed_result_line(*args, **kwargs):  # type: ignore[no-untyped-def]
     return _result_line(*args, **kwargs)
 
 
-ba.main, ba.run_lines, ba.RemoteEngine._admit, ba.result_line = (
+ba.main, ba.run_lines, ba.BatchEngineClient._admit, ba.result_line = (
     _timed_main, _timed_run_lines, _timed_admit, _timed_result_line)
 
 
@@ -66,22 +66,22 @@ def main() -> None:
     import tempfile
     from pathlib import Path
 
-    import flashserve.entrypoints.run_batch.main as fb
+    from flashserve.engine.core import EngineCore
     from flashserve.entrypoints.llm import LLM
 
     from benchmark.batchllm_bench import group_prompts, offline, run_batch
 
-    receives: list[tuple[float, float, bool, int]] = []
-    receive = fb._receive
+    receives: list[tuple[float, float, bool, int]] = []  # (start, end, idle wait, outputs it made)
+    receive = EngineCore._receive
 
-    def timed_receive(inbox, app, wait):  # type: ignore[no-untyped-def]
+    def timed_receive(self, wait_for):  # type: ignore[no-untyped-def]
         t0 = time.time()
-        messages = receive(inbox, app, wait)
-        if messages or wait:
-            receives.append((t0, time.time(), wait, len(messages)))
-        return messages
+        outputs = receive(self, wait_for)
+        if outputs or wait_for is None:
+            receives.append((t0, time.time(), wait_for is None, len(outputs)))
+        return outputs
 
-    fb._receive = timed_receive
+    EngineCore._receive = timed_receive
     model = os.environ.get("MODEL", "llama-3.2-1b")
     if model == "embedded":
         llm = LLM()

@@ -177,3 +177,39 @@ def test_a_front_end_refuses_requests_past_max_waiting_as_the_engine_core_report
         client.shutdown()
 
     asyncio.run(main())
+
+
+class RecordingPins:
+    """Stands in for run-batch's `GroupPins`: records what the engine core tells it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def submitted(self, group: int, member: int) -> None:
+        self.calls.append(("submitted", group, member))
+
+    def finished(self, group: int) -> None:
+        self.calls.append(("finished", group))
+
+    def release_all(self) -> None:
+        self.calls.append(("release_all",))
+
+
+def test_an_engine_core_pins_a_batch_group_from_its_first_request_until_its_requests_end():
+    pins = RecordingPins()
+    ours, theirs = Pipe(duplex=True)
+    core = EngineCore(make_engine([3, 4]), EngineSetup(PROTOCOL_VERSION, None, "m", 512, (), VOCAB), pins=pins)  # type: ignore[arg-type]
+    send(theirs, Hello(PROTOCOL_VERSION, 0))
+    for rid, member in (("r0", (0, 0)), ("r1", (0, 1)), ("lone", None)):  # all read by the core's first turn
+        send(theirs, AddRequest(Add(rid, [1, 2], SamplingParams(max_tokens=2)), None, member))
+    thread = threading.Thread(target=lambda: core.connect(ours) and core.run(), daemon=True)
+    thread.start()
+    assert isinstance(recv(theirs), EngineSetup)
+    finished: set[str] = set()
+    while len(finished) < 3:
+        message = recv(theirs)
+        assert isinstance(message, StepOutputs)
+        finished |= {out.request_id for out in message.outputs if out.finished}
+    theirs.close()  # the front end is done: the run ends and every pin goes
+    thread.join(5)
+    assert pins.calls == [("submitted", 0, 0), ("submitted", 0, 1), ("finished", 0), ("finished", 0), ("release_all",)]

@@ -194,28 +194,36 @@ def test_a_line_with_a_grammar_gets_output_that_follows_it(run: Any) -> None:
 
 
 class InstantEngine:
-    """Stands in for the engine process at the far end of `RemoteEngine`'s pipes: each request gets
-    its whole output at once; `events` records when the app starts a line and when each line's
-    request reaches the engine."""
+    """Stands in for the engine process's `EngineCore` at the far end of the app client's pipes:
+    each request gets its whole output at once; `events` records when the app starts a line and
+    when each line's request reaches the engine."""
 
     def __init__(self) -> None:
         import multiprocessing
 
-        from flashserve.entrypoints.run_batch.app import RemoteEngine
+        from flashserve.client.codec import PROTOCOL_VERSION, EngineSetup
+        from flashserve.entrypoints.run_batch.app import BatchEngineClient
+        from flashserve.entrypoints.run_batch.pipes import Duplex
 
         self.events: list[tuple[str, int]] = []
         from_engine, self.outbox = multiprocessing.Pipe(duplex=False)
-        self.remote = RemoteEngine(2048, 49152, self, from_engine)  # type: ignore[arg-type]
+        setup = EngineSetup(PROTOCOL_VERSION, None, "m", 2048, (), 49152)
+        self.remote = BatchEngineClient(Duplex(from_engine, self), setup, {})  # type: ignore[arg-type]
 
-    def send(self, message: tuple[str, Any]) -> None:
+    def send_bytes(self, data: bytes) -> None:
+        """The app client's messages to the engine."""
+        from flashserve.client.codec import AddRequest, StepOutputs, decode, send
         from flashserve.engine.outputs import RequestOutput
 
-        kind, value = message
-        if kind == "add":
-            add, _, line_no = value
-            self.events.append(("admit", line_no))
-            out = RequestOutput(add.request_id, [28], "a", True, "length", len(add.prompt_token_ids), 1)
-            self.outbox.send(("outputs", [out]))
+        message = decode(data)
+        if isinstance(message, AddRequest):
+            self.events.append(("admit", self.remote.line.get().line_no))
+            add = message.add
+            send(self.outbox, StepOutputs([RequestOutput(add.request_id, [28], "a", True, "length",
+                                                         len(add.prompt_token_ids), 1)]))
+
+    def close(self) -> None:
+        pass
 
     def app(self, app: Any) -> Any:
         async def recording(scope: Any, receive: Any, send: Any) -> None:
@@ -258,22 +266,24 @@ def test_the_pipe_to_the_engine_takes_64_long_requests_before_the_engine_reads()
     import multiprocessing
     import threading
 
+    from flashserve.client.codec import AddRequest, send
     from flashserve.client.streams import Add
     from flashserve.engine.sampling_params import SamplingParams
-    from flashserve.entrypoints.run_batch.main import pipe
+    from flashserve.entrypoints.run_batch.pipes import pipe
 
     reader, writer = pipe(multiprocessing.get_context("spawn"))
     add = Add("r", list(range(100_000, 102_200)), SamplingParams(max_tokens=100))
-    sender = threading.Thread(target=lambda: [writer.send(("add", (add, None, n))) for n in range(64)], daemon=True)
+    sender = threading.Thread(target=lambda: [send(writer, AddRequest(add, None, (0, n))) for n in range(64)],
+                              daemon=True)
     sender.start()
     sender.join(5)
     sent_without_a_read = not sender.is_alive()
     while reader.poll():  # let a blocked sender finish
-        reader.recv()
+        reader.recv_bytes()
     assert sent_without_a_read
 
 
-def app_process_that_exits(to_engine: Any, from_engine: Any) -> None:
+def app_process_that_exits(reader: Any, writer: Any, done: Any) -> None:
     """Stands in for `batch_app.main` in a spawned app process: it dies before answering anything."""
     raise SystemExit(3)
 

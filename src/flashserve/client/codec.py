@@ -28,7 +28,7 @@ from flashserve.engine.outputs import RequestOutput
 from flashserve.structured.compiler import GrammarSpec
 
 # Bump whenever a message below changes shape.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,12 @@ class EngineSetup:
 @dataclass(frozen=True)
 class AddRequest:
     """A new request: `add.params.grammar` is None; `grammar_spec` is the grammar the engine core
-    compiles for it, or None."""
+    compiles for it, or None. `prefix_member`: (group, member) of an offline batch's prefix-sharing
+    plan (run-batch), whose group's prefix the engine core keeps pinned while the group runs."""
 
     add: Add
     grammar_spec: GrammarSpec | None = None
+    prefix_member: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

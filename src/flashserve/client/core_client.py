@@ -69,9 +69,13 @@ class EngineCoreClient(OutputStreams):
             params, spec = replace(params, grammar=None), grammar.spec
         # Stop strings are found here, so the engine must send every step's tokens.
         add = replace(add, params=params, stream=add.stream or bool(params.stop))
-        self._put(AddRequest(add, spec))
+        self._put(self._request(add, spec))
         self._outputs.add(add.request_id, add.prompt_token_ids, add.params)
         self._num_waiting += 1
+
+    def _request(self, add: Add, grammar_spec: Any) -> AddRequest:
+        """The message that submits `add` (run-batch's client adds the request's batch line)."""
+        return AddRequest(add, grammar_spec)
 
     def _send(self, item: Abort) -> None:
         self._outputs.discard(item.request_id)

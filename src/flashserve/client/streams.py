@@ -3,9 +3,9 @@
 `generate()` registers a request's queue, hands the request to the engine (`_admit`), and yields
 what arrives in the queue until the output that finishes it; closing the iterator early aborts the
 request (`_send`). Where the engine runs is the subclass's business: `AsyncEngine` drives one in a
-thread of this process; run-batch's app process reaches one in another process
-(`flashserve.entrypoints.run_batch.app.RemoteEngine`). Either delivers each step's outputs with `_dispatch` on
-the event loop, and `_fail_all` when the engine is gone.
+thread of this process; `EngineCoreClient` (front ends, run-batch's app process) reaches an engine
+core in another process. Either delivers each step's outputs with `_dispatch` on the event loop,
+and `_fail_all` when the engine is gone.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
 from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.prefix_pins import GroupPins
 from flashserve.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,16 @@ class EngineCore:
         compile_grammar: Callable[[Any], Any] | None = None,
         metrics: Metrics | None = None,
         queue_timeout: float | None = None,
+        pins: GroupPins | None = None,
     ) -> None:
+        """`pins`: an offline batch's prefix-sharing groups (run-batch), pinned as their requests
+        (`AddRequest.prefix_member`) come and go."""
         self.engine = engine
         self.setup = setup
         self.compile_grammar = compile_grammar
         self.queue_timeout = queue_timeout
+        self.pins = pins
+        self._group_of: dict[str, int] = {}  # request id -> its pinned group
         self._recorder = StepRecorder(engine, metrics)
         self._conns: list[Connection] = []
         self._owner: dict[str, Connection] = {}  # request id -> the front end it answers
@@ -74,6 +80,13 @@ class EngineCore:
 
     def run(self) -> str | None:
         """Serves until every front end is gone (returns None) or the step loop fails (returns why)."""
+        try:
+            return self._run()
+        finally:
+            if self.pins is not None:
+                self.pins.release_all()
+
+    def _run(self) -> str | None:
         with existing_objects_frozen():
             while self._conns:
                 start = time.monotonic()
@@ -115,12 +128,17 @@ class EngineCore:
             out = apply_abort(self.engine, message)
             if out is None:  # unknown to the engine: finished already, or its grammar still compiles
                 self._owner.pop(message.request_id, None)
+                if (group := self._group_of.pop(message.request_id, None)) is not None:
+                    self.pins.finished(group)  # type: ignore[union-attr]
             return out
         if not isinstance(message, AddRequest):
             logger.warning("ignoring an unexpected message from a front end: %r", type(message).__name__)
             return None
         add = message.add
         self._owner[add.request_id] = conn
+        if self.pins is not None and message.prefix_member is not None:  # pinned before it can be scheduled
+            self.pins.submitted(*message.prefix_member)
+            self._group_of[add.request_id] = message.prefix_member[0]
         if message.grammar_spec is None:
             return apply_add(self.engine, add)
         if self.compile_grammar is None:
@@ -178,6 +196,8 @@ class EngineCore:
         by_conn: dict[Connection, list[RequestOutput]] = {}
         owner = self._owner
         for out in outputs:
+            if out.finished and self._group_of and (group := self._group_of.pop(out.request_id, None)) is not None:
+                self.pins.finished(group)  # type: ignore[union-attr]
             conn = owner.pop(out.request_id, None) if out.finished else owner.get(out.request_id)
             if conn is not None:
                 by_conn.setdefault(conn, []).append(out)

@@ -92,6 +92,12 @@ class LLMEngine:
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
         self.num_step_tokens = 0  # output tokens the last step() produced, held ones included
 
+    def set_tokenizer(self, tokenizer: Any | None) -> None:
+        """Detokenize (and find stop strings) with `tokenizer` from the next request on; None leaves
+        text to the front ends."""
+        self.tokenizer = tokenizer
+        self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self._live)

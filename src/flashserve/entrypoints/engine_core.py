@@ -38,7 +38,12 @@ def load_serve_core(args: Any) -> CoreParts:
     """The engine of `flashserve serve` for `args` (a `cli.ServeArgs`)."""
     from flashserve.entrypoints.stack import load_engine
 
-    stack = load_engine(args, detokenize=False)
+    return core_parts(load_engine(args, detokenize=False))
+
+
+def core_parts(stack: Any) -> CoreParts:
+    """An engine core's parts over a loaded `EngineStack` (whose engine leaves text to the front
+    ends: `detokenize=False`)."""
     loaded = stack.loaded
     compiler = None
 

@@ -1,9 +1,7 @@
-"""The server's pieces short of the HTTP listener: the engine, its `AsyncEngine` loop and the
-OpenAI app over it.
-
-`flashserve serve` puts uvicorn in front of them; `flashserve run-batch` sends each line of a batch
-file through the very same app in-process, so that a batch result carries exactly the body (and
-the status code) the server would have answered.
+"""Loading the engine as `flashserve serve` configures it (`load_engine`: the engine core process
+and run-batch's engine process call it), and an in-process server over it (`build_server`: an
+`AsyncEngine` loop in a thread and the OpenAI app, no HTTP listener), for callers that want the
+app without processes.
 """
 
 from __future__ import annotations

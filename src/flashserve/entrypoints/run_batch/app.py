@@ -1,12 +1,13 @@
 """run-batch's app process: every batch line goes through the server's own app here, in a process of
-its own, while the engine runs in the process that started this one (`flashserve.entrypoints.run_batch.main`).
+its own, while the engine core runs in the process that started this one (`main.py`).
 
-The app's work for a line (JSON, validation, tokenizing, the handler, the response body) holds
-Python's GIL; in the engine's process it would take turns with the engine loop, whose host work
-bounds a step on a fast GPU. Here the two run side by side. The engine process sends an `AppSetup`
-once the model is loaded; this process then sends each request the app submits (`Add`, its
-grammar as a spec, which the engine process compiles) and each abort, and gets back each step's
-outputs, through a pipe each way. Everything that crosses is plain data.
+The app's work for a line (JSON, validation, tokenizing, the handler, detokenizing, the response
+body) holds Python's GIL; in the engine's process it would take turns with the engine loop, whose
+host work bounds a step on a fast GPU. Here the two run side by side. The engine process sends an
+`AppSetup` once the model is loaded; then this process is a front end of that process's
+`EngineCore`, as `flashserve serve`'s front ends are of theirs (`client/core_client.py`): the same
+handshake, messages and codec over a pipe each way (`pipes.py`), with each request's place in the
+prefix-sharing plan added, so that the engine core pins its group's prefix while the group runs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import sys
 import time
 from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import IO, Any
 
@@ -26,28 +27,27 @@ from typing import IO, Any
 # grammar) while the engine process loads the model.
 from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
-from flashserve.client.protocol import EngineDead
-from flashserve.client.streams import Abort, Add, OutputStreams
-from flashserve.engine.engine import check_request
+from flashserve.client.codec import PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, Hello, StepOutputs, recv, send
+from flashserve.client.core_client import EngineCoreClient
+from flashserve.client.streams import Add
 from flashserve.entrypoints.run_batch.lines import BatchRequest, LineError, error_line, parse_line, post, result_line
+from flashserve.entrypoints.run_batch.pipes import Duplex
 
 logger = logging.getLogger("flashserve")
 
 
 @dataclass(frozen=True)
 class AppSetup:
-    """What the app process needs from the engine process, sent once the model is loaded."""
+    """What the app process needs from the engine process besides the engine core's `EngineSetup`,
+    sent once the model is loaded."""
 
-    tokenizer: Any
     served_model_names: list[str]
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
     api: APIOptions
     input_file: str
     output_file: str
     order: list[int]  # the line numbers of the valid requests to run, in submission order
     error_lines: list[int]  # the line numbers of the malformed lines to write an error line for
+    member_of_line: dict[int, tuple[int, int]]  # a line's (group, member) in the prefix-sharing plan
     num_done: int  # lines with a result in the output file already (a resumed run)
     max_concurrency: int
     progress: bool
@@ -56,90 +56,34 @@ class AppSetup:
 
 @dataclass(frozen=True)
 class LineTag:
-    """The batch line a task answers: the engine process finds the line's prefix-sharing group by
-    its number (it pins the prefix), and `submitted` is set once the line's first request is in the
-    engine's queue."""
+    """The batch line a task answers: its requests carry the line's place in the prefix-sharing
+    plan, and `submitted` is set once the line's first request is on its way to the engine."""
 
     line_no: int
     submitted: asyncio.Event
 
 
-class RemoteEngine(OutputStreams):
-    """An `EngineClient` whose engine runs in the process at the other end of two pipes:
-    `to_engine` takes ("add", (Add, grammar spec or None, batch line number or None)) and ("abort",
-    Abort); `from_engine` brings ("outputs", [RequestOutput]) per step and ("dead", reason) if the
-    engine loop dies. `line` is set, in each line's task, to the line the app is answering."""
+class BatchEngineClient(EngineCoreClient):
+    """The app's client of the engine process's `EngineCore`. `line` is set, in each line's task, to
+    the line the app is answering."""
 
-    def __init__(self, max_model_len: int, vocab_size: int, to_engine: Connection, from_engine: Connection) -> None:
-        super().__init__(max_model_len)
-        self.vocab_size = vocab_size
-        self._to_engine = to_engine
-        self._from_engine = from_engine
-        self._dead: str | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+    def __init__(self, conn: Any, setup: EngineSetup, member_of_line: dict[int, tuple[int, int]]) -> None:
+        super().__init__(conn, setup)
+        self.member_of_line = member_of_line
         self.num_output_tokens = 0  # generated by the engine so far, finished requests or not
         self.line: ContextVar[LineTag | None] = ContextVar("flashserve_batch_line", default=None)
 
-    def start(self) -> None:
-        """Starts reading the engine's messages on the running event loop, as they arrive (a thread
-        of their own would wait up to 5 ms for the GIL at each, behind this loop's work)."""
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._from_engine.fileno(), self._read)
-
-    def shutdown(self) -> None:
-        if self._loop is not None:
-            self._loop.remove_reader(self._from_engine.fileno())
-        self._fail_all("the run is over")
-
-    def is_healthy(self) -> bool:
-        return self._dead is None
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead
-
-    def _admit(self, add: Add) -> None:
-        check_request(add.prompt_token_ids, add.params, self.vocab_size)  # a bad id is the client's 400
-        grammar = add.params.grammar
-        if grammar is not None:  # compiled objects stay here; the engine process compiles the spec
-            add = replace(add, params=replace(add.params, grammar=None))
+    def _request(self, add: Add, grammar_spec: Any) -> AddRequest:
         tag = self.line.get()
-        self._put(("add", (add, grammar.spec if grammar is not None else None, tag.line_no if tag is not None else None)))
-        if tag is not None:
-            tag.submitted.set()
+        if tag is None:
+            return AddRequest(add, grammar_spec)
+        tag.submitted.set()
+        return AddRequest(add, grammar_spec, self.member_of_line.get(tag.line_no))
 
-    def _send(self, item: Abort) -> None:
-        if self._dead is None:  # else the engine is gone with every request
-            try:
-                self._put(("abort", item))
-            except EngineDead:  # it went just now; the reader reports it
-                pass
-
-    def _put(self, message: tuple[str, Any]) -> None:
-        try:
-            self._to_engine.send(message)
-        except OSError:  # a broken pipe: the engine process is gone
-            raise EngineDead("the engine process exited") from None
-
-    def _read(self) -> None:
-        """Every message waiting in the pipe (a message is written whole, so a read that starts
-        finishes at once)."""
-        try:
-            while self._from_engine.poll():
-                self._receive(self._from_engine.recv())
-        except (EOFError, OSError):  # the engine process is gone
-            assert self._loop is not None
-            self._loop.remove_reader(self._from_engine.fileno())
-            self._receive(("dead", "the engine process exited"))
-
-    def _receive(self, message: tuple[str, Any]) -> None:
-        kind, value = message
-        if kind == "outputs":
-            self.num_output_tokens += sum(len(out.new_token_ids) for out in value)
-            self._dispatch(value)
-        elif kind == "dead" and self._dead is None:
-            self._dead = value
-            self._fail_all(value)
+    def _receive(self, message: Any) -> None:
+        if isinstance(message, StepOutputs):
+            self.num_output_tokens += sum(len(out.new_token_ids) for out in message.outputs)
+        super()._receive(message)
 
 
 @dataclass
@@ -201,23 +145,28 @@ def import_tokenizer_classes() -> None:
             del sys.modules["torch"]
 
 
-def main(to_engine: Connection, from_engine: Connection) -> None:
-    """The app process: waits for the setup (None: the engine did not load), runs every line, and
-    sends ("done", the run's summary)."""
+def main(reader: Connection, writer: Connection, done: Connection) -> None:
+    """The app process: waits for the setup (None: the engine did not load), greets the engine core,
+    runs every line, and sends the run's summary through `done`."""
+    conn = Duplex(reader, writer)
     try:
         import_tokenizer_classes()
         try:
-            setup = from_engine.recv()
+            setup = recv(conn)
         except EOFError:  # the engine process ended before the model loaded
             return
         if setup is None:
             return
+        send(conn, Hello(PROTOCOL_VERSION, 0))
+        engine_setup = recv(conn)
+        if isinstance(engine_setup, Dead):
+            raise SystemExit(f"flashserve run-batch: {engine_setup.reason}")
         logging.basicConfig(level=setup.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if setup.log_level != "DEBUG":  # one log line per request would bury the progress bar
             logging.getLogger("flashserve.requests").setLevel(logging.WARNING)
-        engine = RemoteEngine(setup.max_model_len, setup.vocab_size, to_engine, from_engine)
-        app = build_app(engine, setup.tokenizer, setup.served_model_names, setup.max_model_len,
-                        eos_token_ids=setup.eos_token_ids, options=setup.api, vocab_size=setup.vocab_size)
+        engine = BatchEngineClient(conn, engine_setup, setup.member_of_line)
+        app = build_app(engine, engine_setup.tokenizer, setup.served_model_names, engine_setup.max_model_len,
+                        eos_token_ids=engine_setup.eos_token_ids, options=setup.api, vocab_size=engine_setup.vocab_size)
         with open(setup.input_file, encoding="utf-8") as f:
             items = [parse_line(text, n) for n, text in enumerate(f, 1) if text.strip()]
         by_line = {item.line_no: item for item in items}
@@ -226,12 +175,12 @@ def main(to_engine: Connection, from_engine: Connection) -> None:
         with open(setup.output_file, "a", encoding="utf-8") as out:  # after the results of an earlier run
             tally = asyncio.run(run_lines(app, engine, errors, requests, out, setup.max_concurrency,  # type: ignore[arg-type]
                                           setup.progress, setup.num_done))
-        to_engine.send(("done", tally.summary()))
+        done.send(tally.summary())
     except KeyboardInterrupt:  # the engine process, interrupted too, reports it
         sys.exit(130)
 
 
-async def run_lines(app: Any, engine: RemoteEngine, errors: list[LineError], requests: list[BatchRequest],
+async def run_lines(app: Any, engine: BatchEngineClient, errors: list[LineError], requests: list[BatchRequest],
                     out: IO[str], max_concurrency: int, progress: bool, num_done: int = 0) -> Tally:
     """Every request through `app`, at most `max_concurrency` at once, in order; a result line is
     written (and flushed) as each finishes, after an error line for each malformed line. The
