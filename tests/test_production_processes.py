@@ -170,3 +170,20 @@ def test_sigterm_with_streams_open_drains_both_front_ends_and_leaves_nothing(mod
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert_nothing_left(server)
+
+
+def test_a_start_removes_the_metrics_directories_of_supervisors_no_longer_running(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from flashserve.entrypoints.serve import remove_stale_metrics_dirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"flashserve-metrics-{int(gone.stdout)}-abc"  # a supervisor killed with -9
+    running = tmp_path / f"flashserve-metrics-{os.getpid()}-def"
+    other = tmp_path / "flashserve-metrics-notapid-x"
+    for folder in (stale, running, other):
+        folder.mkdir()
+        (folder / "counter_1.db").write_bytes(b"")
+    assert remove_stale_metrics_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and running.exists() and other.exists()

@@ -201,6 +201,32 @@ def is_launched_worker_rank(args: Any) -> bool:
     return launched_rank(args.model.tensor_parallel_size) not in (None, 0)
 
 
+METRICS_DIR_PREFIX = "flashserve-metrics-"
+
+
+def remove_stale_metrics_dirs(parent: str) -> list[str]:
+    """Removes the metrics directories of supervisors that no longer run (killed with -9, they could
+    not clean up): `flashserve-metrics-<pid>-*` whose pid is gone. Returns what it removed."""
+    removed = []
+    for entry in Path(parent).glob(f"{METRICS_DIR_PREFIX}*-*"):
+        pid = entry.name[len(METRICS_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not entry.is_dir() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(str(entry))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.load_serve_core) -> int:
     """Serves until shutdown; returns the exit code."""
     if is_launched_worker_rank(args):
@@ -208,7 +234,8 @@ def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.lo
 
         load_engine(args)  # runs the rank's steps, then exits 0
         return 0
-    metrics_dir = tempfile.mkdtemp(prefix="flashserve-metrics-")
+    remove_stale_metrics_dirs(tempfile.gettempdir())
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the children inherit it
     try:
         return Supervisor(args, load).run()
