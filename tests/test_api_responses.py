@@ -37,7 +37,8 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    args = ["--tool-call-parser", "hermes", "--responses-store-max-entries", str(STORE_SIZE)]
+    # Two front ends: a request that continues a stored response may reach either of them.
+    args = ["--tool-call-parser", "hermes", "--responses-store-max-entries", str(STORE_SIZE), "--api-server-count", "2"]
     with live_server(args) as (base, _proc):
         yield base
 

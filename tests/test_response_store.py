@@ -1,13 +1,18 @@
-"""The Responses API's in-memory store and the Responses/Messages input translations, without a server."""
+"""The Responses API's stores (in memory, and the SQLite file the front ends of one server share) and
+the Responses/Messages input translations, without a server."""
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
 from flashserve.api import messages_protocol as mp
 from flashserve.api import responses_protocol as rp
 from flashserve.api.errors import APIError
-from flashserve.api.response_store import MissingResponse, ResponseStore, StoredResponse
+from flashserve.api.response_store import MissingResponse, ResponseStore, SharedResponseStore, StoredResponse
 from flashserve.cli import build_parser, to_configs
 
 
@@ -24,8 +29,16 @@ def stored(response_id: str, previous: str | None = None, said: str = "hi") -> S
     return StoredResponse({"id": response_id, "output": output}, [{"role": "user", "content": said}], previous)
 
 
-def test_a_full_store_drops_the_least_recently_used() -> None:
-    store = ResponseStore(max_entries=2, max_age_s=60)
+@pytest.fixture(params=["memory", "shared"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Any]:
+    """A factory of one kind of store; every shared store it makes opens the same file."""
+    if request.param == "memory":
+        return ResponseStore
+    return functools.partial(SharedResponseStore, str(tmp_path / "responses.sqlite3"))
+
+
+def test_a_full_store_drops_the_least_recently_used(make_store: Callable[..., Any]) -> None:
+    store = make_store(max_entries=2, max_age_s=60)
     store.put(stored("a"))
     store.put(stored("b"))
     store.get("a")  # now b is the least recently used
@@ -35,9 +48,9 @@ def test_a_full_store_drops_the_least_recently_used() -> None:
         store.get("b")
 
 
-def test_a_response_expires_its_max_age_after_its_last_use() -> None:
+def test_a_response_expires_its_max_age_after_its_last_use(make_store: Callable[..., Any]) -> None:
     clock = Clock()
-    store = ResponseStore(max_entries=10, max_age_s=60, clock=clock)
+    store = make_store(max_entries=10, max_age_s=60, clock=clock)
     store.put(stored("a"))
     clock.now = 50
     store.get("a")
@@ -48,16 +61,16 @@ def test_a_response_expires_its_max_age_after_its_last_use() -> None:
         store.get("a")
 
 
-def test_a_conversation_is_every_turn_in_order() -> None:
-    store = ResponseStore(max_entries=10, max_age_s=60)
+def test_a_conversation_is_every_turn_in_order(make_store: Callable[..., Any]) -> None:
+    store = make_store(max_entries=10, max_age_s=60)
     store.put(stored("a", said="one"))
     store.put(stored("b", previous="a", said="two"))
     texts = [i["content"] if i["role"] == "user" else i["content"][0]["text"] for i in store.conversation("b")]
     assert texts == ["one", "re one", "two", "re two"]
 
 
-def test_a_conversation_with_a_lost_turn_names_that_turn() -> None:
-    store = ResponseStore(max_entries=10, max_age_s=60)
+def test_a_conversation_with_a_lost_turn_names_that_turn(make_store: Callable[..., Any]) -> None:
+    store = make_store(max_entries=10, max_age_s=60)
     store.put(stored("a"))
     store.put(stored("b", previous="a"))
     store.delete("a")
@@ -66,10 +79,21 @@ def test_a_conversation_with_a_lost_turn_names_that_turn() -> None:
     assert err.value.response_id == "a"
 
 
-def test_a_store_of_size_zero_keeps_nothing() -> None:
-    store = ResponseStore(max_entries=0, max_age_s=60)
+def test_a_store_of_size_zero_keeps_nothing(make_store: Callable[..., Any]) -> None:
+    store = make_store(max_entries=0, max_age_s=60)
     store.put(stored("a"))
     assert len(store) == 0 and not store.enabled
+
+
+def test_front_ends_sharing_a_store_file_see_each_others_responses(tmp_path: Path) -> None:
+    path = str(tmp_path / "responses.sqlite3")
+    first, second = SharedResponseStore(path, 10, 60), SharedResponseStore(path, 10, 60)
+    first.put(stored("a"))
+    second.put(stored("b", previous="a", said="more"))
+    assert [item["content"] for item in first.conversation("b")][::2] == ["hi", "more"]
+    second.delete("a")
+    with pytest.raises(MissingResponse):
+        first.get("a")
 
 
 def test_store_limits_are_flags_with_environment_twins() -> None:

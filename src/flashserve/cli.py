@@ -150,8 +150,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "--data-parallel-size: prefix (longest cached prefix, then least load) or load (least load only)",
            ["prefix", "load"]),
     Option("--responses-store-max-entries", _count, 1000, "most responses the Responses API keeps for "
-           "previous_response_id and GET /v1/responses/{id}, in this process's memory (lost on restart, not "
-           "shared between processes); past it the least recently used go first; 0: none are kept"),
+           "previous_response_id and GET /v1/responses/{id}, shared by the server's front ends (lost on restart, not "
+           "shared between servers); past it the least recently used go first; 0: none are kept"),
     Option("--responses-store-max-age", _positive_float, 3600.0, "seconds a stored response is kept after "
            "it was last created or read"),
     Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "

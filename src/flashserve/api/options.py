@@ -29,10 +29,13 @@ class APIOptions:
     # api/tools/render.py, which is also used where no format is known or the template shows no tools.
     tool_call_parser: str | None = "auto"
     ui: bool = True  # the chat page at / (api/ui.py)
-    # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id}): in this
-    # process's memory, at most this many (0: none stored), each dropped this long after its last use.
+    # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id}): at most
+    # this many (0: none stored), each dropped this long after its last use.
     responses_store_max_entries: int = 1000
     responses_store_max_age_s: float = 3600.0
+    # A SQLite file that every front end of one `flashserve serve` shares for them (set by the
+    # supervisor, in its temporary directory); None: this process's memory.
+    responses_store_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_sequences_per_request < 1:

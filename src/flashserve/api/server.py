@@ -32,7 +32,7 @@ from flashserve.api.json_body import LoneSurrogate, loads
 from flashserve.api.logprobs import TokenTexts
 from flashserve.api.middleware import GuardMiddleware, RequestIdMiddleware
 from flashserve.api.options import APIOptions, ServerState
-from flashserve.api.response_store import ResponseStore
+from flashserve.api.response_store import ResponseStore, SharedResponseStore
 from flashserve.api.serving_messages import AnthropicErrors, MessagesServing
 from flashserve.api.serving_responses import ResponsesServing
 from flashserve.api.streaming import (
@@ -364,7 +364,9 @@ class _JSONRoute(APIRoute):
 
 def _add_translated_routes(app: FastAPI, serving: _OpenAIServing, options: APIOptions) -> None:
     """The APIs translated onto the chat endpoint: OpenAI's Responses, Anthropic's Messages."""
-    store = ResponseStore(options.responses_store_max_entries, options.responses_store_max_age_s)
+    bounds = (options.responses_store_max_entries, options.responses_store_max_age_s)
+    path = options.responses_store_path
+    store = SharedResponseStore(path, *bounds) if path is not None else ResponseStore(*bounds)
     responses, messages = ResponsesServing(serving, store), MessagesServing(serving)
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/responses", responses.create, methods=["POST"], response_model=None)

@@ -110,7 +110,7 @@ class ResponsesServing:
         except MissingResponse as missing:
             why = ("this server stores no responses (--responses-store-max-entries 0)" if not self.store.enabled
                    else "it was never stored here, or was deleted, evicted or expired; stored responses are "
-                        "kept in this server process's memory only")
+                        "kept by this server only, until it restarts")
             gone = "" if missing.response_id == previous_id else f" (an earlier response it continues, " \
                                                                  f"'{missing.response_id}', is gone)"
             raise APIError(404, f"Previous response with id '{previous_id}' not found{gone}: {why}.",

@@ -23,6 +23,7 @@ directory, made here and removed at exit, so that every front end's /metrics sho
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -237,6 +238,9 @@ def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.lo
     remove_stale_metrics_dirs(tempfile.gettempdir())
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the children inherit it
+    # Stored responses in a file every front end opens (prometheus reads only the *.db files here).
+    args = dataclasses.replace(args, api=dataclasses.replace(
+        args.api, responses_store_path=os.path.join(metrics_dir, "responses.sqlite3")))
     try:
         return Supervisor(args, load).run()
     finally:
