@@ -1,6 +1,6 @@
 """`flashserve run-batch -i requests.jsonl -o results.jsonl`: an OpenAI Batch API file, offline.
 
-Every line goes through the server's own app (`batch_lines.post`), so its result line holds exactly
+Every line goes through the server's own app (`lines.post`), so its result line holds exactly
 the status code and body that `flashserve serve` would answer, errors included; a line that is no
 request at all (bad JSON, no custom_id, a method or url the batch API does not take) gets an error
 line instead, and the run goes on. The app runs in a process of its own (`app.py`), started
@@ -14,7 +14,7 @@ and requests reached the engine in bursts, long after the app made them. Up to
 submitted in prefix-sharing order (`engine/prefix_groups.py`) unless `--no-prefix-grouping`.
 Result lines are written and flushed as requests finish, so an interrupted run keeps every
 finished result, and a run on the same output file resumes it: it runs only the lines without a
-result there (`batch_resume`; --overwrite starts afresh). A file whose custom_ids repeat is refused.
+result there (`resume.py`; --overwrite starts afresh). A file whose custom_ids repeat is refused.
 
 Exit code 0 when the run completes, failed lines or not; 1 if the engine died on the way (or the
 app process did); 2 when the input cannot be read or repeats a custom_id, or the output cannot be
