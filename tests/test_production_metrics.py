@@ -144,20 +144,40 @@ async def test_metrics_endpoint_needs_no_engine_state_to_render(smollm2_tokenize
     assert "flashserve_time_to_first_token_seconds_bucket" in r.text
 
 
-@pytest.mark.parametrize("value", [0.0004, 0.02, 1e9])  # in the first bucket, a middle one, past the last
-def test_repeated_observations_count_as_the_same_number_of_single_ones(value: float) -> None:
+def test_buffered_observations_count_as_the_same_single_ones_once_flushed() -> None:
     from prometheus_client import CollectorRegistry, Histogram
 
-    from flashserve.metrics import ITL_BUCKETS, observe_repeated
+    from flashserve.metrics import ITL_BUCKETS, HistogramBuffer
 
-    one_by_one, repeated = CollectorRegistry(), CollectorRegistry()
+    # A value in the first bucket, on a bound, in a middle one and past the last, some repeated.
+    observations = [(0.0004, 1), (ITL_BUCKETS[3], 2), (0.02, 7), (1e9, 3)]
+    one_by_one, buffered = CollectorRegistry(), CollectorRegistry()
     single = Histogram("h", "h", buckets=ITL_BUCKETS, registry=one_by_one)
-    for _ in range(7):
-        single.observe(value)
-    observe_repeated(Histogram("h", "h", buckets=ITL_BUCKETS, registry=repeated), value, 7)
+    for value, count in observations:
+        for _ in range(count):
+            single.observe(value)
+    buffer = HistogramBuffer(Histogram("h", "h", buckets=ITL_BUCKETS, registry=buffered))
+    for value, count in observations:
+        buffer.observe(value, count)
+    assert buffered.get_sample_value("h_count") == 0  # nothing is added before the flush
+    buffer.flush()
     for bound in [*map(str, ITL_BUCKETS), "+Inf"]:
         labels = {"le": bound}
         expected = one_by_one.get_sample_value("h_bucket", labels)
-        assert expected is not None and repeated.get_sample_value("h_bucket", labels) == expected
-    assert repeated.get_sample_value("h_count") == one_by_one.get_sample_value("h_count") == 7
-    assert repeated.get_sample_value("h_sum") == pytest.approx(one_by_one.get_sample_value("h_sum"), rel=1e-12)
+        assert expected is not None and buffered.get_sample_value("h_bucket", labels) == expected
+    assert buffered.get_sample_value("h_count") == one_by_one.get_sample_value("h_count") == 13
+    assert buffered.get_sample_value("h_sum") == pytest.approx(one_by_one.get_sample_value("h_sum"), rel=1e-12)
+
+
+def test_a_long_streams_token_gaps_reach_the_histogram_before_it_ends() -> None:
+    from flashserve.metrics import ITL_FLUSH_TOKENS, Metrics, RequestRecord
+
+    metrics = Metrics()
+    record = RequestRecord(metrics, "r", num_prompt_tokens=3, num_choices=1)
+    count = lambda: metrics.registry.get_sample_value("flashserve_inter_token_latency_seconds_count")  # noqa: E731
+    for n in range(1, ITL_FLUSH_TOKENS + 2):  # the first token has no gap before it
+        record.tokens(0, 1, n)
+    assert count() == ITL_FLUSH_TOKENS  # added while the stream runs, not only at its end
+    record.tokens(0, 1, ITL_FLUSH_TOKENS + 2)
+    record.close()
+    assert count() == ITL_FLUSH_TOKENS + 1

@@ -15,6 +15,7 @@ carry an `engine` label, one value per engine core of `--data-parallel-size` ("0
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import os
@@ -144,21 +145,46 @@ class _Families:
         return self.families
 
 
-def observe_repeated(histogram: Histogram, value: float, count: int) -> None:
-    """`count` observations of `value`, as `count` calls of `observe` would make them, for the cost
-    of one: prometheus_client has no weighted observe, and the output that ends a request that is
-    not streamed brings all its tokens after the first at once (100 observe calls took 0.45 ms).
-    Falls back to the calls if the histogram's internals are not the ones this reads."""
-    sum_, buckets, bounds = (getattr(histogram, name, None) for name in ("_sum", "_buckets", "_upper_bounds"))
-    if count == 1 or sum_ is None or buckets is None or bounds is None:
-        for _ in range(count):
-            histogram.observe(value)
-        return
-    sum_.inc(value * count)
-    for bucket, bound in zip(buckets, bounds):
-        if value <= bound:
-            bucket.inc(count)
+# Tokens a request's inter-token gaps are held for before they go into the histogram.
+ITL_FLUSH_TOKENS = 64
+
+
+class HistogramBuffer:
+    """Observations held per bucket and added to `histogram` in one go (`flush`), as that many
+    `observe` calls would add them. Under `flashserve serve` every observe writes two values of a
+    shared-memory file under a lock (4.2 us a call on the 2-core VM, against 0.2 us to count one
+    here): per streamed token that was about a tenth of a front end's CPU. Reads the histogram's
+    bucket bounds and values; where those internals are missing, observes at once."""
+
+    __slots__ = ("histogram", "bounds", "counts", "total", "pending")
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        internals = all(hasattr(histogram, name) for name in ("_sum", "_buckets", "_upper_bounds"))
+        self.bounds: list[float] | None = list(histogram._upper_bounds) if internals else None
+        self.counts = [0] * len(self.bounds or ())
+        self.total = 0.0
+        self.pending = 0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value`."""
+        if self.bounds is None:
+            for _ in range(count):
+                self.histogram.observe(value)
             return
+        self.counts[bisect.bisect_left(self.bounds, value)] += count  # the first bound >= value
+        self.total += value * count
+        self.pending += count
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.histogram._sum.inc(self.total)
+        for bucket, count in zip(self.histogram._buckets, self.counts):
+            if count:
+                bucket.inc(count)
+        self.counts = [0] * len(self.counts)
+        self.total, self.pending = 0.0, 0
 
 
 class RequestRecord:
@@ -177,6 +203,8 @@ class RequestRecord:
         self._last_token: list[float | None] = [None] * num_choices
         self.output_tokens = [0] * num_choices
         self.finish_reasons: list[str | None] = [None] * num_choices
+        # Inter-token gaps, added to the histogram every ITL_FLUSH_TOKENS tokens and at the end.
+        self._itl = HistogramBuffer(metrics.itl)
         self._closed = False
 
     def tokens(self, index: int, num_new_tokens: int, num_output_tokens: int) -> None:
@@ -190,7 +218,9 @@ class RequestRecord:
             self.metrics.ttft.observe(now - self.arrival)
         last = self._last_token[index]
         if last is not None:  # one observation per token, at the tokens' mean gap
-            observe_repeated(self.metrics.itl, (now - last) / num_new_tokens, num_new_tokens)
+            self._itl.observe((now - last) / num_new_tokens, num_new_tokens)
+            if self._itl.pending >= ITL_FLUSH_TOKENS:
+                self._itl.flush()
         self._last_token[index] = now
         self.output_tokens[index] = max(self.output_tokens[index], num_output_tokens)
 
@@ -204,6 +234,7 @@ class RequestRecord:
         if self._closed:
             return
         self._closed = True
+        self._itl.flush()
         for i, reason in enumerate(self.finish_reasons):
             if reason is None:
                 self.finish(i, "abort")
