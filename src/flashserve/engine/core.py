@@ -196,7 +196,7 @@ class EngineCore:
         by_conn: dict[Connection, list[RequestOutput]] = {}
         owner = self._owner
         for out in outputs:
-            if out.finished and self._group_of and (group := self._group_of.pop(out.request_id, None)) is not None:
+            if self._group_of and out.finished and (group := self._group_of.pop(out.request_id, None)) is not None:
                 self.pins.finished(group)  # type: ignore[union-attr]
             conn = owner.pop(out.request_id, None) if out.finished else owner.get(out.request_id)
             if conn is not None:

@@ -220,11 +220,11 @@ def remove_stale_metrics_dirs(parent: str) -> list[str]:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: it runs, as someone else's
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's process
-        return True
+    except PermissionError:
+        pass
     return True
 
 
