@@ -1,7 +1,7 @@
 """Data parallelism on one node: one engine against `--data-parallel-size 2`, then prefix routing
 on and off, each server started once and run under its workloads in turn.
 
-    python -m benchmark.dp_bench --model llama-3.1-8b --out DIR [--tokenizer .whl/llama3-tokenizer]
+    python -m benchmark.dp_bench --model llama-3.1-8b --out DIR [--tokenizer .whl/llama3-tokenizer] [--workers 4]
 
 - one:      max_throughput (512 x 1024/256 +-50%, all at once); random 2048/256 at RATE req/s
 - dp2:      the same, random at 2 x RATE (target: >= 1.8x the throughput, P99 TTFT as at RATE);
@@ -88,13 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="a tokenizer folder for text prompts (default: token-id prompts)")
     p.add_argument("--rate", type=float, default=8.0, help="one engine's random-workload rate (req/s)")
     p.add_argument("--server-arg", action="append", default=[], help="a flag for every server (repeat)")
+    p.add_argument("--workers", type=int, default=4,
+                   help="benchmark client processes for each run (one process cannot keep up with two engines)")
+    p.add_argument("--only", help="server labels to run, comma-separated (default: all of one, dp2, dp2-load)")
     p.add_argument("--budget-s", type=float, default=500.0)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     table: dict[str, dict[str, dict]] = {}
-    for i, (label, flags, runs) in enumerate(PLAN):
+    plan = [row for row in PLAN if not args.only or row[0] in args.only.split(",")]
+    for i, (label, flags, runs) in enumerate(plan):
         need = START_S + sum(RUN_S[name] for name, _ in runs)
         if i and time.monotonic() - t0 + need > args.budget_s:
             print(f"{label}: skipped, {need:.0f} s would pass the budget", flush=True)
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 for name, bench_args in runs:
                     bench_args = [a.replace("2RATE", f"{2 * args.rate:g}").replace("RATE", f"{args.rate:g}")
-                                  for a in bench_args]
+                                  for a in bench_args] + ["--workers", str(args.workers)]
                     result = bench(base, args.tokenizer, bench_args, f"{label}-{name}", args.out)
                     table.setdefault(label, {})[name] = figures(result)
                     print(label, name, table[label][name], flush=True)

@@ -18,6 +18,8 @@ with the same arguments, so their names (URIs) are the ones looked up at run tim
 - `sample/flashinfer.py`: softmax, top-k/top-p/min-p sampling and renorms (one module).
 - `distributed/comm.py`: the fused all-reduce + RMSNorm (`trtllm_comm`; its source comes back with
   `make comm-source`).
+- `layers/fp8.py` and `--kv-cache-dtype fp8` (group `fp8`): the cuBLASLt GEMM module behind `bmm_fp8`
+  (FP8 projections at small batches) and the FP8-KV attention of the first head size.
 
     python benchmark/prebuild_kernels.py                       # every module, into the wheel in .whl/
     python benchmark/prebuild_kernels.py --modules comm        # the fused all-reduce only
@@ -47,7 +49,7 @@ from typing import Any
 
 ARCHS = "9.0a"  # H100 and H200
 CURAND = "nvidia-curand==10.4.4.72"  # CUDA 13's cuRAND, for its headers
-GROUPS = ("attention", "ops", "sampling", "comm")
+GROUPS = ("attention", "ops", "sampling", "comm", "fp8")
 _IMPORT_NEEDS = [("numpy", "numpy"), ("packaging", "packaging"), ("requests", "requests"), ("tqdm", "tqdm"),
                  ("jinja2", "jinja2"), ("filelock", "filelock"), ("markupsafe", "markupsafe"),
                  ("urllib3", "urllib3"), ("idna", "idna"), ("certifi", "certifi"),
@@ -68,10 +70,16 @@ def spec_factories(head_dims: list[int], dtypes: list[str]) -> list[tuple[str, s
                     f"torch.int32, {head_dim}, {head_dim}, 0, False, False, False)"
                 )
     first, rest = attention[:1], attention[1:]
+    # FP8: the small-batch GEMM (cuBLASLt through `bmm_fp8`) and attention over an FP8 KV cache
+    # (queries and output in the model's dtype) for the first head size.
+    fp8 = ["gen_gemm_module()"] + [
+        f"_gen_batch_prefill_primary_module('fa2', torch.{dtypes[0]}, torch.float8_e4m3fn, torch.{dtypes[0]}, "
+        f"torch.int32, {head_dims[0]}, {head_dims[0]}, 0, False, False, False)"]
     ops = ["gen_norm_module()", "gen_rope_module()", "gen_page_module()", "gen_act_and_mul_module('silu')",
            "gen_cascade_module()"]  # fmt: skip
     return ([("attention", s) for s in first] + [("ops", s) for s in ops] + [("sampling", "gen_sampling_module()")]
-            + [("comm", "gen_trtllm_comm_module()")] + [("attention", s) for s in rest])  # fmt: skip
+            + [("comm", "gen_trtllm_comm_module()")] + [("attention", s) for s in rest]
+            + [("fp8", s) for s in fp8])  # fmt: skip
 
 
 # The generators that `spec_factories`' expressions call, imported where those are evaluated.
@@ -81,6 +89,7 @@ from flashinfer.jit.activation import gen_act_and_mul_module
 from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
 from flashinfer.jit.cascade import gen_cascade_module
 from flashinfer.jit.comm import gen_trtllm_comm_module
+from flashinfer.jit.gemm import gen_gemm_module
 from flashinfer.jit.norm import gen_norm_module
 from flashinfer.jit.page import gen_page_module
 from flashinfer.jit.rope import gen_rope_module
@@ -245,6 +254,22 @@ def build(exprs: list[str], env: dict[str, str], aot: Path, wheel: Path | None) 
     return results
 
 
+def seed_from_wheel(wheel: Path, aot: Path) -> list[str]:
+    """Copies the modules the wheel already holds into the aot folder, so that they are not built
+    again (a fresh build folder beside a wheel that an earlier run filled)."""
+    seeded = []
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            parts = name.split("/")
+            if name.startswith("flashinfer/data/aot/") and name.endswith(".so") and len(parts) == 5:
+                dest = aot / parts[3] / parts[4]
+                if not dest.exists():
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(z.read(name))
+                    seeded.append(parts[3])
+    return seeded
+
+
 def add_to_wheel(wheel: Path, files: list[Path]) -> list[str]:
     """Stores each file of an aot folder (<module>/<module>.so, ARCHS) at the same place under
     flashinfer/data/aot in the wheel, unless the same bytes are there. Zip entries cannot be
@@ -324,6 +349,9 @@ def main() -> None:
             print(f"{len(libraries)} modules from {aot} in {wheel} ({wheel.stat().st_size / 2**20:.1f} MiB)")
             return
         env = prepare(wheel, build_dir, args.cuda_home)
+        seeded = seed_from_wheel(wheel, aot)
+        if seeded:
+            print(f"{len(seeded)} modules already in {wheel.name}: not built again")
     env["MAX_JOBS"] = str(args.jobs)
     start = time.time()
     results = build(exprs, env, aot, wheel)

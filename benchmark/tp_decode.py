@@ -2,7 +2,7 @@
 beside the per-GPU weight + KV read floor, with the all-reduce's share of the step.
 
     python -m benchmark.tp_decode [--model llama-3.1-8b] [--tp 1,2,2+fused] [--batches 1,64] [--kv-len 512]
-        [--gpu-memory-utilization 0.5]
+        [--gpu-memory-utilization 0.5] [--quantization fp8] [--kv-cache-dtype fp8]
 
 A step is rank 0's `runner.forward` of `batch` one-token decode rows over `kv-len` cached tokens
 each (the step sent to the workers, the graph replayed on every rank, the logits gathered), timed
@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--engine-tokens", type=int, default=64, help="decode steps per engine measurement (0: skip it)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="raise for a model near a GPU's size")
+    p.add_argument("--quantization", choices=["fp8"], help="FP8 weights (quantized at load); the floor reads them as 1 byte")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: the floor reads KV as 1 byte")
     p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     p.add_argument("--plot", type=Path, help="only draw the PNG of an earlier run's JSON (no GPU needed)")
     args = p.parse_args(argv)
@@ -151,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     rates = measure_rates("cuda")
     shape = ModelShape.from_config(model_config(args.model))
+    # FP8 weights: the projections are read as 1 byte each, the LM head and norms stay bfloat16.
+    fp8_saving = shape.matmul_params * (shape.dtype_bytes - 1) if args.quantization == "fp8" else 0
+    kv_factor = 0.5 if args.kv_cache_dtype == "fp8" else 1.0
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     print(f"{gpu} x {torch.cuda.device_count()}: {args.model} (dummy weights) decode step, KV of {args.kv_len} tokens "
@@ -160,15 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     for config in args.tp.split(","):
         tp, fused = int(config.removesuffix("+fused")), config.endswith("+fused")
         llm = LLM(args.model, load_format="dummy", tensor_parallel_size=tp, max_num_seqs=max(batches),
-                  gpu_memory_utilization=args.gpu_memory_utilization, enable_flashinfer_allreduce_fusion=fused)
+                  gpu_memory_utilization=args.gpu_memory_utilization, enable_flashinfer_allreduce_fusion=fused,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
         runner: Any = llm.engine.executor
         for batch in batches:
             step = decode_step(runner, batch, args.kv_len)
             ms = time_steps(runner, step, args.steps)
-            floor = decode_step_floor_s(shape, rates, [args.kv_len] * batch) * 1e3 / tp
+            kv_s = decode_step_floor_s(shape, rates, [args.kv_len] * batch) - shape.weight_bytes / rates.copy_bytes_per_s
+            floor = ((shape.weight_bytes - fp8_saving) / rates.copy_bytes_per_s + kv_s * kv_factor) * 1e3 / tp
             kernels_ms, share = kernel_time(runner, step)
             engine_ms = engine_step_ms(llm, batch, args.kv_len, args.engine_tokens) if args.engine_tokens else None
-            rows.append({"tp": tp, "fused": fused, "batch": batch, "kv_len": args.kv_len, "step_ms": ms,
+            rows.append({"tp": tp, "fused": fused, "quantization": args.quantization,
+                         "kv_cache_dtype": args.kv_cache_dtype, "batch": batch, "kv_len": args.kv_len, "step_ms": ms,
                          "kernel_ms": kernels_ms, "engine_step_ms": engine_ms, "floor_ms": floor,
                          "allreduce_kernel_share": share, "graphs": runner.graphs is not None,
                          "overlap": llm.engine.overlap})  # fmt: skip
