@@ -62,7 +62,7 @@ comm-prebuilt: comm-source
 	$(PY) benchmark/prebuild_kernels.py --modules comm
 
 # Every FlashInfer module the server uses (attention for head sizes 128 and 64 in bfloat16, norm,
-# RoPE, page, SiLU, cascade merge, sampling, the fused all-reduce, the FP8 GEMM and FP8-KV attention),
+# RoPE, page, SiLU, cascade merge, sampling, the fused all-reduce, FP8-KV attention),
 # compiled here for sm_90a and stored in that wheel: a fresh GPU machine loads them instead of
 # building them. Slow on few cores
 # (PREBUILD_JOBS nvcc processes; an interrupted run resumes from build/prebuild-kernels).

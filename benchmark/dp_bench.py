@@ -9,7 +9,8 @@ on and off, each server started once and run under its workloads in turn.
 - dp2-load: shared_prefix 32 x 16 with --data-parallel-routing load (least load only)
 
 Each server's /metrics (per-engine labels) and, on GPUs, `nvidia-smi`'s processes are saved beside
-the serve_bench results; `dp.json` holds the table and the ratios. Stops before a server whose runs
+the serve_bench results, and every 5 s of each run its engines' running and waiting requests and
+token counters (`progress-<server>-<run>.txt`); `dp.json` holds the table and the ratios. Stops before a server whose runs
 would pass `--budget-s`, keeping what it has.
 """
 
@@ -19,6 +20,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +69,23 @@ def save_state(base: str, label: str, out: Path) -> None:
         pass
 
 
+def watch(base: str, path: Path, stop: threading.Event, every_s: float = 5.0) -> None:
+    """Appends the engines' running/waiting requests and token counters from /metrics every
+    `every_s` until `stop` is set: how a run progressed, also one that never finished."""
+    keep = ("num_requests_running", "num_requests_waiting", "generation_tokens_total", "prompt_tokens_total")
+    t0 = time.monotonic()
+    with open(path, "a") as f:
+        while not stop.wait(every_s):
+            try:
+                text = httpx.get(f"{base}/metrics", timeout=5).text
+            except httpx.HTTPError as exc:
+                f.write(f"{time.monotonic() - t0:6.1f} s /metrics failed: {exc}\n")
+                continue
+            lines = [ln for ln in text.splitlines() if ln.startswith("flashserve_") and any(k in ln for k in keep)]
+            f.write(f"{time.monotonic() - t0:6.1f} s " + "; ".join(ln.removeprefix("flashserve_") for ln in lines) + "\n")
+            f.flush()
+
+
 def ratios(table: dict[str, dict[str, dict]]) -> dict[str, float]:
     def get(label: str, run: str, key: str) -> float | None:
         return table.get(label, {}).get(run, {}).get(key)
@@ -91,13 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4,
                    help="benchmark client processes for each run (one process cannot keep up with two engines)")
     p.add_argument("--only", help="server labels to run, comma-separated (default: all of one, dp2, dp2-load)")
+    p.add_argument("--runs", help="workloads to run on each server, comma-separated (default: each server's all)")
+    p.add_argument("--run-timeout-s", type=float, default=240.0, help="a serve_bench run past it is stopped")
     p.add_argument("--budget-s", type=float, default=500.0)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     table: dict[str, dict[str, dict]] = {}
-    plan = [row for row in PLAN if not args.only or row[0] in args.only.split(",")]
+    plan = [(label, flags, [r for r in runs if not args.runs or r[0] in args.runs.split(",")])
+            for label, flags, runs in PLAN if not args.only or label in args.only.split(",")]
+    plan = [row for row in plan if row[2]]
     for i, (label, flags, runs) in enumerate(plan):
         need = START_S + sum(RUN_S[name] for name, _ in runs)
         if i and time.monotonic() - t0 + need > args.budget_s:
@@ -112,7 +135,16 @@ def main(argv: list[str] | None = None) -> int:
                 for name, bench_args in runs:
                     bench_args = [a.replace("2RATE", f"{2 * args.rate:g}").replace("RATE", f"{args.rate:g}")
                                   for a in bench_args] + ["--workers", str(args.workers)]
-                    result = bench(base, args.tokenizer, bench_args, f"{label}-{name}", args.out)
+                    stop_watch = threading.Event()
+                    watcher = threading.Thread(target=watch, args=(base, args.out / f"progress-{label}-{name}.txt",
+                                                                   stop_watch), daemon=True)
+                    watcher.start()
+                    try:
+                        result = bench(base, args.tokenizer, bench_args, f"{label}-{name}", args.out,
+                                       timeout_s=args.run_timeout_s)
+                    finally:
+                        stop_watch.set()
+                        watcher.join()
                     table.setdefault(label, {})[name] = figures(result)
                     print(label, name, table[label][name], flush=True)
                 save_state(base, label, args.out)

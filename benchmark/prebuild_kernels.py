@@ -18,8 +18,8 @@ with the same arguments, so their names (URIs) are the ones looked up at run tim
 - `sample/flashinfer.py`: softmax, top-k/top-p/min-p sampling and renorms (one module).
 - `distributed/comm.py`: the fused all-reduce + RMSNorm (`trtllm_comm`; its source comes back with
   `make comm-source`).
-- `layers/fp8.py` and `--kv-cache-dtype fp8` (group `fp8`): the cuBLASLt GEMM module behind `bmm_fp8`
-  (FP8 projections at small batches) and the FP8-KV attention of the first head size.
+- `--kv-cache-dtype fp8` (group `fp8`): the FP8-KV attention of the first head size. (The FP8 GEMM
+  module behind `bmm_fp8` needs cuBLAS headers this toolkit lacks; it compiles on first use.)
 
     python benchmark/prebuild_kernels.py                       # every module, into the wheel in .whl/
     python benchmark/prebuild_kernels.py --modules comm        # the fused all-reduce only
@@ -70,11 +70,11 @@ def spec_factories(head_dims: list[int], dtypes: list[str]) -> list[tuple[str, s
                     f"torch.int32, {head_dim}, {head_dim}, 0, False, False, False)"
                 )
     first, rest = attention[:1], attention[1:]
-    # FP8: the small-batch GEMM (cuBLASLt through `bmm_fp8`) and attention over an FP8 KV cache
-    # (queries and output in the model's dtype) for the first head size.
-    fp8 = ["gen_gemm_module()"] + [
-        f"_gen_batch_prefill_primary_module('fa2', torch.{dtypes[0]}, torch.float8_e4m3fn, torch.{dtypes[0]}, "
-        f"torch.int32, {head_dims[0]}, {head_dims[0]}, 0, False, False, False)"]
+    # FP8: attention over an FP8 KV cache (queries and output in the model's dtype) for the first
+    # head size. The small-batch FP8 GEMM's module (`gen_gemm_module`, behind `bmm_fp8`) needs the
+    # cuBLAS headers, which a toolkit of nvcc alone lacks: it compiles on first use.
+    fp8 = [f"_gen_batch_prefill_primary_module('fa2', torch.{dtypes[0]}, torch.float8_e4m3fn, torch.{dtypes[0]}, "
+           f"torch.int32, {head_dims[0]}, {head_dims[0]}, 0, False, False, False)"]
     ops = ["gen_norm_module()", "gen_rope_module()", "gen_page_module()", "gen_act_and_mul_module('silu')",
            "gen_cascade_module()"]  # fmt: skip
     return ([("attention", s) for s in first] + [("ops", s) for s in ops] + [("sampling", "gen_sampling_module()")]
@@ -89,7 +89,6 @@ from flashinfer.jit.activation import gen_act_and_mul_module
 from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
 from flashinfer.jit.cascade import gen_cascade_module
 from flashinfer.jit.comm import gen_trtllm_comm_module
-from flashinfer.jit.gemm import gen_gemm_module
 from flashinfer.jit.norm import gen_norm_module
 from flashinfer.jit.page import gen_page_module
 from flashinfer.jit.rope import gen_rope_module

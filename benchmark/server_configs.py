@@ -45,12 +45,18 @@ def start_server(model: str, tokenizer: str | None, flags: list[str],
     return proc, base, wait_ready(proc, base, time.monotonic() + 600, model_config(model)["vocab_size"])
 
 
-def bench(base: str, tokenizer: str | None, bench_args: list[str], label: str, out: Path) -> dict | None:
-    """One serve_bench run against `base`; its result JSON (None if it wrote none)."""
+def bench(base: str, tokenizer: str | None, bench_args: list[str], label: str, out: Path,
+          timeout_s: float | None = None) -> dict | None:
+    """One serve_bench run against `base`; its result JSON (None if it wrote none, or ran past
+    `timeout_s`)."""
     before = set(out.glob("*.json"))
-    subprocess.run([sys.executable, "-m", "benchmark.serve_bench", "--base-url", base, *prompt_flags(tokenizer),
-                    *bench_args, "--label", label, "--out-dir", str(out), "--no-summary", "--no-progress"],
-                   check=False)
+    try:
+        subprocess.run([sys.executable, "-m", "benchmark.serve_bench", "--base-url", base, *prompt_flags(tokenizer),
+                        *bench_args, "--label", label, "--out-dir", str(out), "--no-summary", "--no-progress"],
+                       check=False, timeout=timeout_s)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        print(f"{label}: serve_bench ran past {timeout_s:.0f} s", flush=True)
+        return None
     new = sorted(set(out.glob("*.json")) - before)
     return json.loads(new[-1].read_text()) if new else None
 
