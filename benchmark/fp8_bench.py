@@ -3,8 +3,7 @@
 1. GEMMs: each Llama-3.1-8B projection shape (fused qkv, o, fused gate_up, down) at 1..512 rows,
    GPU time per call replayed from CUDA graphs: bfloat16 `F.linear`, the FP8 layer (per-token
    activation quantization + row-wise `torch._scaled_mm`), `_scaled_mm` alone on quantized
-   operands, the quantization alone, and the weight-read floors; the FP8 layer eagerly as well; up
-   to `GEMV_M` rows the fused GEMV kernel, with a sweep of its block sizes and warps at 1 and GEMV_M.
+   operands, the quantization alone, and the weight-read floors; the FP8 layer eagerly as well.
 2. Decode steps of the Llama-3.1-8B shape (dummy weights) from CUDA graphs: bfloat16, FP8 weights,
    FP8 weights + FP8 KV cache, against the weight(+KV)-read floors of bfloat16 (~16 GB) and FP8
    (~8 GB) at the measured copy bandwidth.
@@ -57,14 +56,9 @@ def graph_us(fn: Callable[[], Any], warmup: int, iters: int, reps: int = 20) -> 
     return time_ms(graph.replay, warmup, iters) * 1e3 / reps
 
 
-# (block_n, block_k or None for the kernel's choice, num_warps) of the FP8 GEMV sweep.
-GEMV_SWEEP = [(bn, None, nw) for bn in (8, 16, 32, 64) for nw in (4, 8)] + [(16, 128, 4), (16, 1024, 4), (32, 128, 4)]
-
-
 def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
     from flashserve.layers.fp8 import (
-        GEMV_M, SMALL_M, fp8_gemm_small_m, fp8_gemv, fp8_linear, quantize_rows, quantize_weight_per_channel,
-        scale_rows_cols,
+        SMALL_M, fp8_gemm_small_m, fp8_linear, quantize_rows, quantize_weight_per_channel, scale_rows_cols,
     )  # fmt: skip
 
     rows: list[dict[str, Any]] = []
@@ -94,20 +88,7 @@ def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
                                                      warmup, iters)
                 except Exception as exc:  # noqa: BLE001 - recorded; the other columns stand
                     r["layer_bmm_fp8_error"] = f"{type(exc).__name__}: {exc}"[:200]
-            if m <= GEMV_M:
-                try:
-                    r["gemv_us"] = graph_us(lambda: fp8_gemv(xq, xs, wq, ws, None), warmup, iters)
-                    r["layer_gemv_us"] = r["quantize_us"] + r["gemv_us"]
-                    if m in (1, GEMV_M):  # the kernel's block sizes and warps, for its defaults
-                        r["gemv_sweep_us"] = {
-                            f"n{bn}-k{bk or 'auto'}-w{nw}": graph_us(
-                                lambda: fp8_gemv(xq, xs, wq, ws, None, block_n=bn, block_k=bk, num_warps=nw),
-                                warmup, iters)
-                            for bn, bk, nw in GEMV_SWEEP}  # fmt: skip
-                except Exception as exc:  # noqa: BLE001 - recorded; the other columns stand
-                    r["gemv_error"] = f"{type(exc).__name__}: {exc}"[:200]
-            r["layer_path"] = ("gemv" if m <= GEMV_M else "bmm_fp8" if m <= SMALL_M and bmm_fp8 is not None
-                               else "scaled_mm")  # fmt: skip
+            r["layer_path"] = "bmm_fp8" if m <= SMALL_M and bmm_fp8 is not None else "scaled_mm"
             r["fp8_layer_eager_us"] = time_ms(lambda: fp8_linear(x, wq, None, ws, None), warmup, iters) * 1e3
             if bmm_fp8 is not None:  # per-tensor scales: the speed of FlashInfer's (cuBLASLt) FP8 GEMM
                 try:
@@ -316,15 +297,9 @@ def summary(results: dict[str, Any]) -> None:
         print(f"gemm {r['shape']:8} m={r['m']:4d}: bf16 {r['bf16_us']:8.1f} us  fp8 {r['fp8_layer_us']:8.1f} us "
               f"(scaled_mm {r['scaled_mm_us']:7.1f}, quantize {r['quantize_us']:5.1f}, flashinfer bmm_fp8 "
               f"{r.get('flashinfer_bmm_fp8_us') or 0:7.1f}, epilogue {r.get('epilogue_us') or 0:5.1f}; layer via "
-              f"bmm_fp8 {r.get('layer_bmm_fp8_us') or 0:6.1f} / gemv {r.get('layer_gemv_us') or 0:6.1f} / scaled_mm "
-              f"{r['layer_scaled_mm_us']:6.1f}, runs "
+              f"bmm_fp8 {r.get('layer_bmm_fp8_us') or 0:6.1f} / scaled_mm {r['layer_scaled_mm_us']:6.1f}, runs "
               f"{r['layer_path']})  x{r['speedup']:.2f}  "
               f"floors bf16 {r['floor_bf16_us']:.1f} / fp8 {r['floor_fp8_us']:.1f} us")
-    for r in results.get("gemm", []):
-        if r.get("gemv_sweep_us"):
-            best = sorted(r["gemv_sweep_us"].items(), key=lambda kv: kv[1])[:3]
-            print(f"gemv sweep {r['shape']:8} m={r['m']}: " + ", ".join(f"{k} {v:.1f} us" for k, v in best)
-                  + f" (floor {r['floor_fp8_us']:.1f} us)")
     for r in [r for key in ("decode_bf16", "decode_fp8", "decode_fp8+fp8kv") for r in results.get(key) or []]:
         print(f"decode {r['model']:10} b={r['batch']:4d}: {r['graph_ms']:7.3f} ms, floor {r['floor_ms']:6.3f} ms "
               f"({r['x_floor']:.2f}x), weights {r['weight_bytes'] / 1e9:.2f} GB")

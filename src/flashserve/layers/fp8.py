@@ -9,8 +9,7 @@ scales applied in the GEMM's epilogue, no host sync, so a CUDA graph can hold it
 `SMALL_M` rows (decode) cuBLASLt's row-wise kernels are no faster than bfloat16 on an H100 (8B o
 projection at 1 row: 15 us against 10.5), so there FlashInfer's `bmm_fp8` (per-tensor scales, 6.4
 us) runs with unit scales and one Triton kernel applies both scales (and the bias) to its bfloat16
-output in place. Up to `GEMV_M` rows one Triton kernel does it all (`fp8_gemv`): it streams the
-weight once, multiplies in float32 and applies the scales and bias as it writes.
+output in place.
 
 On a CPU nothing here runs at inference: FP8 weights are dequantized to the compute dtype at load.
 """
@@ -185,71 +184,6 @@ def fp8_gemm_small_m(xq: Tensor, xs: Tensor, weight: Tensor, weight_scale: Tenso
     return scale_rows_cols(y, xs, weight_scale, bias)
 
 
-# Rows up to which the fused GEMV kernel runs (a matrix-vector product per row: the weight is read
-# once for all of them, so it stays bound by the weight read while the rows are few).
-GEMV_M = 4
-
-
-@functools.cache
-def _triton_fp8_gemv() -> Any:
-    """y[m, n] = sum_k xq[m, k] w[n, k] * xs[m] * ws[n] (+ bias[n]) for a few rows m, in one kernel,
-    or None without Triton. Each program owns BLOCK_N output columns of every row and streams their
-    weight rows once, BLOCK_K bytes at a time; products accumulate elementwise in float32 registers
-    and are summed over K once at the end."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        n_mask = rn < N
-        m_mask = rm < M
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_mask = rk < K
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        y = tl.sum(acc, axis=2)
-        y = y * tl.load(xs_ptr + rm, mask=m_mask, other=0.0)[:, None] * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)[None, :]
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-    def run(xq: Tensor, xs: Tensor, w: Tensor, ws: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
-            block_n: int, block_k: int | None, num_warps: int) -> Tensor:
-        m, k = xq.shape
-        n = w.shape[0]
-        y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-        block_m = triton.next_power_of_2(max(m, 1))
-        # About 8K float32 accumulators a program (64 registers a thread at 4 warps).
-        block_k = block_k or max(64, min(triton.next_power_of_2(k), 8192 // (block_m * block_n)))
-        kernel[(triton.cdiv(n, block_n),)](xq, xs, w, ws, bias if bias is not None else y, y, m, n, k,
-                                            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                                            BLOCK_K=block_k, num_warps=num_warps)
-        return y
-
-    return run
-
-
-def fp8_gemv(xq: Tensor, xs: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
-             out_dtype: torch.dtype = torch.bfloat16, block_n: int = 16, block_k: int | None = None,
-             num_warps: int = 4) -> Tensor:  # fmt: skip
-    """xq [M, K] float8 (M <= GEMV_M) @ weight [N, K] float8 .T * xs [M, 1] * weight_scale [N] (+ bias),
-    [M, N] in `out_dtype`, in one Triton kernel (CUDA); every operand contiguous. The block sizes
-    and warps are for `benchmark.fp8_bench`'s sweep; the defaults are what it chose."""
-    fused = _triton_fp8_gemv()
-    if fused is None:
-        raise RuntimeError("fp8_gemv needs Triton")
-    return fused(xq, xs.reshape(-1), weight, weight_scale.reshape(-1), bias, out_dtype, block_n, block_k, num_warps)
-
-
 def fp8_linear(
     x: Tensor, weight: Tensor, bias: Tensor | None, weight_scale: Tensor, input_scale: Tensor | None,
     input_scale_ub: float | None = None,
@@ -257,8 +191,8 @@ def fp8_linear(
     """x [..., K] @ dequant(weight [N, K] float8, weight_scale [1, N] float32).T + bias.
 
     Activations are quantized per token, or with `input_scale` (static, per tensor) when given.
-    Up to GEMV_M rows the fused GEMV kernel, up to SMALL_M FlashInfer's bmm_fp8 and the scaling
-    kernel, above it row-wise `_scaled_mm`; all write bfloat16, and another activation dtype is cast back.
+    Up to SMALL_M rows FlashInfer's bmm_fp8 and the scaling kernel, above it row-wise `_scaled_mm`;
+    both write bfloat16, and another activation dtype is cast back.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -266,9 +200,7 @@ def fp8_linear(
         xq, xs = quantize_static(x2, input_scale)
     else:
         xq, xs = quantize_rows(x2, input_scale_ub)
-    if 0 < x2.shape[0] <= GEMV_M and x2.is_cuda and _triton_fp8_gemv() is not None:
-        out = fp8_gemv(xq, xs, weight, weight_scale, bias)
-    elif 0 < x2.shape[0] <= SMALL_M and x2.is_cuda and _bmm_fp8() is not None:
+    if 0 < x2.shape[0] <= SMALL_M and x2.is_cuda and _bmm_fp8() is not None:
         out = fp8_gemm_small_m(xq, xs, weight, weight_scale, bias)
     else:
         out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=weight_scale, out_dtype=torch.bfloat16)
