@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Any
 
 import httpx
 import pytest
 from pydantic import ValidationError
 
-from fake_engine import EOS, MODEL, FakeEngine, ask, chat, complete, post
+from fake_engine import EOS, MODEL, FakeEngine, api_client, ask, chat, complete, post
 from flashserve.api import protocol
-from flashserve.api.server import build_app
+from flashserve.api.server import TOKENIZE_INLINE_CHARS, build_app
 
 pytestmark = pytest.mark.anyio
 
@@ -177,3 +179,31 @@ async def test_omitted_model_means_the_first_served_name(tokenizer: Any) -> None
 async def test_ignored_openai_fields_are_accepted(tokenizer: Any) -> None:
     r = await ask(FakeEngine(), tokenizer, user="u", logit_bias={}, tool_choice="none")
     assert r.status_code == 200
+
+
+class HeldTokenizer:
+    """The real tokenizer, except that encoding a long text waits until `release` is set."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        if len(text) > TOKENIZE_INLINE_CHARS:
+            assert self.release.wait(10), "never released"
+        return self._tokenizer.encode(text, *args, **kwargs)
+
+
+async def test_a_long_prompt_is_tokenized_while_other_requests_are_answered(tokenizer: Any) -> None:
+    held = HeldTokenizer(tokenizer)
+    async with api_client(FakeEngine(), held, max_model_len=8192) as client:
+        long = asyncio.create_task(client.post("/v1/completions", json={"model": MODEL, "max_tokens": 2,
+                                                                       "prompt": "word " * TOKENIZE_INLINE_CHARS}))
+        short = await asyncio.wait_for(client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}), 5)
+        assert short.status_code == 200 and not long.done()
+        held.release.set()
+        r = await asyncio.wait_for(long, 10)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > TOKENIZE_INLINE_CHARS // 2

@@ -6,6 +6,9 @@ Handlers never touch scheduling: they build SamplingParams, open one engine requ
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,6 +60,11 @@ def _model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
 
+# Inputs up to this many characters are tokenized on the event loop (faster than a thread hop);
+# longer ones in the tokenizer thread.
+TOKENIZE_INLINE_CHARS = 4096
+
+
 @dataclass(frozen=True)
 class ChatPlan:
     """What one chat request hands the engine: its prompt ids, grammar and tool mode."""
@@ -95,6 +103,8 @@ class _OpenAIServing:
         self.eos_token_ids = tuple(eos_token_ids) or ((fallback,) if isinstance(fallback, int) else ())
         self.created = int(time.time())
         self.vocab_size = vocab_size
+        # One thread tokenizes long inputs, in arrival order, off the event loop (see `_off_loop`).
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flashserve-tokenize")
         self.text_of = TokenTexts(tokenizer)
         self.grammars = Grammars(tokenizer, vocab_size, self.eos_token_ids)
         self._template_support: TemplateSupport | None = None
@@ -122,10 +132,10 @@ class _OpenAIServing:
         support = self.template_support
         tools = tool_mode(body, self.options.tool_call_parser, self.tokenizer, support)
         conversation, kwargs = chat_conversation(body, tools, support)
+        size = sum(len(str(m.get("content") or "")) for m in conversation)
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
-            )
+            encoded = await self._off_loop(size, self.tokenizer.apply_chat_template, conversation,
+                                           add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
         except Exception as exc:  # templates raise on shapes they refuse (roles out of order, ...)
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from exc
         prompt = as_ids(encoded)
@@ -148,7 +158,8 @@ class _OpenAIServing:
         model = self._check(body)
         items = self._prompt_items(body.prompt)
         self._check_fan_out(len(items), body.n, "prompt")
-        prompts = [self._tokenize(item) for item in items]
+        prompts = [await self._off_loop(len(item), self._tokenize, item) if isinstance(item, str) else self._tokenize(item)
+                   for item in items]  # fmt: skip
         grammar = await self.grammars.compile(spec_from_request(None, body.structured_outputs))
         echo = None
         if body.echo:
@@ -215,6 +226,15 @@ class _OpenAIServing:
         if isinstance(prompt[0], int):
             return [prompt]  # type: ignore[list-item]
         return list(prompt)  # type: ignore[arg-type]
+
+    async def _off_loop(self, size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs), in the tokenizer thread when its input is longer than
+        `TOKENIZE_INLINE_CHARS`, else here. Tokenizing a 2,000-token prompt takes milliseconds: a
+        burst of them on the event loop held every stream and /metrics for seconds."""
+        if size <= TOKENIZE_INLINE_CHARS:
+            return fn(*args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
+                                                                functools.partial(fn, *args, **kwargs))
 
     def _tokenize(self, item: str | list[int]) -> list[int]:
         if isinstance(item, str):
