@@ -10,10 +10,12 @@ import time
 from multiprocessing import Pipe
 from typing import Any, Callable
 
+import pytest
+
 from test_engine import VOCAB, make_engine
 
 from flashserve.client.codec import (
-    PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, Hello, StepOutputs, decode, encode, recv, send,
+    PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, FrameWriter, Hello, StepOutputs, decode, encode, recv, send,
 )
 from flashserve.client.core_client import EngineCoreClient
 from flashserve.client.protocol import EngineDead, EngineOverloaded
@@ -213,3 +215,41 @@ def test_an_engine_core_pins_a_batch_group_from_its_first_request_until_its_requ
     theirs.close()  # the front end is done: the run ends and every pin goes
     thread.join(5)
     assert pins.calls == [("submitted", 0, 0), ("submitted", 0, 1), ("finished", 0), ("finished", 0), ("release_all",)]
+
+
+def _pipe_pair(kind: str) -> tuple[Any, Any]:
+    """(front end's end, engine core's end): a duplex socket pair, or run-batch's two one-way pipes."""
+    if kind == "socket pair":
+        return Pipe(duplex=True)
+    import multiprocessing
+
+    from flashserve.entrypoints.run_batch.pipes import Duplex, pipe
+
+    context = multiprocessing.get_context("spawn")
+    to_core_rx, to_core_tx = pipe(context)
+    to_front_rx, to_front_tx = pipe(context)
+    return Duplex(to_front_rx, to_core_tx), Duplex(to_core_rx, to_front_tx)
+
+
+@pytest.mark.parametrize("kind", ["socket pair", "one-way pipes"])
+def test_a_frame_writer_queues_what_the_pipe_cannot_take_and_the_far_end_reads_every_message_in_order(kind):
+    """A burst of long-prompt requests larger than the pipe: writing never blocks the event loop
+    (the engine core may be blocked writing its outputs to this front end meanwhile), and once the
+    far end reads, every message arrives whole and in order."""
+    front, core = _pipe_pair(kind)
+    messages = [AddRequest(Add(f"r-{i}", list(range(i, i + 3000)), SamplingParams(max_tokens=4)), None)
+                for i in range(300)]  # about 2 MB of frames
+
+    async def main() -> None:
+        writer = FrameWriter(front, asyncio.get_running_loop())
+        for message in messages:
+            writer.write(message)  # returns at once: nobody reads yet
+        assert writer.backlog > 0
+        received: list[Any] = []
+        reader = threading.Thread(target=lambda: received.extend(recv(core) for _ in messages), daemon=True)
+        reader.start()
+        assert await soon(lambda: writer.backlog == 0 and not reader.is_alive(), 10)
+        writer.close()
+        assert received == messages
+
+    asyncio.run(main())

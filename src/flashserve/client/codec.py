@@ -12,11 +12,19 @@ the hot ones: a step's outputs for 100 streams encode 4x and decode 2x faster
 The front end speaks first: `Hello(PROTOCOL_VERSION)`; the engine core answers with an
 `EngineSetup` of the same version or a `Dead` that says why not. A front end and an engine core of
 different versions never exchange requests.
+
+A front end writes through `FrameWriter`, which never blocks its event loop: the engine core
+blocks while a front end's pipe is full of its outputs, so a front end blocked in turn on a pipe
+full of its requests (a burst of long prompts) would wait for it forever.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import pickle
+import struct
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -110,3 +118,65 @@ def send(conn: Connection, message: Message) -> None:
 def recv(conn: Connection) -> Message:
     """Raises EOFError (or OSError) when the far end is gone."""
     return decode(conn.recv_bytes())
+
+
+class FrameWriter:
+    """Sends messages on `conn` (a duplex `Connection`, or run-batch's `Duplex` of two pipes) from
+    an event loop without blocking it: what the pipe cannot take now waits here, in order, and goes
+    out as the far end reads (`add_writer`). Frames are `Connection`'s own (a 4-byte big-endian
+    length, or -1 and an 8-byte one), so the far end reads them with `recv_bytes`. Each write makes
+    the descriptor non-blocking for its own duration only, so the reads on it (on the same loop,
+    never at the same time) still block until a message is whole.
+    """
+
+    def __init__(self, conn: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._fd = getattr(conn, "writer", conn).fileno()
+        self._pending: deque[memoryview] = deque()
+
+    @property
+    def backlog(self) -> int:
+        """Bytes waiting for the far end."""
+        return sum(len(chunk) for chunk in self._pending)
+
+    def write(self, message: Message) -> None:
+        """Queues the message; raises OSError (BrokenPipeError) when the far end is gone."""
+        payload = encode(message)
+        n = len(payload)
+        header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+        frame = memoryview(header + payload)
+        if self._pending:
+            self._pending.append(frame)
+            return
+        sent = self._write(frame)
+        if sent < len(frame):
+            self._pending.append(frame[sent:])
+            self._loop.add_writer(self._fd, self._flush)
+
+    def close(self) -> None:
+        """Drops what waits (the far end is going away with it)."""
+        if self._pending:
+            self._loop.remove_writer(self._fd)
+            self._pending.clear()
+
+    def _write(self, data: memoryview) -> int:
+        os.set_blocking(self._fd, False)
+        try:
+            return os.write(self._fd, data)
+        except BlockingIOError:
+            return 0
+        finally:
+            os.set_blocking(self._fd, True)
+
+    def _flush(self) -> None:
+        try:
+            while self._pending:
+                chunk = self._pending[0]
+                sent = self._write(chunk)
+                if sent < len(chunk):
+                    self._pending[0] = chunk[sent:]
+                    return
+                self._pending.popleft()
+        except OSError:  # the far end is gone; its reader reports that
+            self._pending.clear()
+        self._loop.remove_writer(self._fd)

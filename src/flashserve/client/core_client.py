@@ -16,7 +16,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from flashserve.client.codec import AddRequest, Dead, EngineSetup, StepOutputs, recv, send
+from flashserve.client.codec import AddRequest, Dead, EngineSetup, FrameWriter, StepOutputs, recv
 from flashserve.client.output_processor import OutputProcessor
 from flashserve.client.protocol import EngineDead, EngineOverloaded
 from flashserve.client.streams import Abort, Add, OutputStreams
@@ -39,16 +39,21 @@ class EngineCoreClient(OutputStreams):
         self._outputs = OutputProcessor(setup.tokenizer)
         self._num_waiting = 0  # the engine's queue length as last reported, plus adds sent since
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._writer: FrameWriter | None = None
         self._dead: str | None = None
 
     def start(self) -> None:
-        """Starts reading the engine core's messages on the running event loop."""
+        """Starts reading the engine core's messages on the running event loop, and writing to it
+        from there without blocking."""
         self._loop = asyncio.get_running_loop()
+        self._writer = FrameWriter(self._conn, self._loop)
         self._loop.add_reader(self._conn.fileno(), self._read)
 
     def shutdown(self) -> None:
         self._stop_reading()
         self._fail_all("the server is shutting down")
+        if self._writer is not None:
+            self._writer.close()
         self._conn.close()
 
     def is_healthy(self) -> bool:
@@ -86,8 +91,10 @@ class EngineCoreClient(OutputStreams):
                 pass
 
     def _put(self, message: AddRequest | Abort) -> None:
+        if self._writer is None:
+            raise EngineDead("the engine core client has not started")
         try:
-            send(self._conn, message)
+            self._writer.write(message)
         except OSError:  # a broken pipe: the engine core is gone
             raise EngineDead("the engine core process exited") from None
 
