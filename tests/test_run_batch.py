@@ -207,23 +207,21 @@ class InstantEngine:
 
         self.events: list[tuple[str, int]] = []
         from_engine, self.outbox = multiprocessing.Pipe(duplex=False)
+        self._to_engine = multiprocessing.Pipe(duplex=False)  # unused: `_put` is replaced
         setup = EngineSetup(PROTOCOL_VERSION, None, "m", 2048, (), 49152)
-        self.remote = BatchEngineClient(Duplex(from_engine, self), setup, {})  # type: ignore[arg-type]
+        self.remote = BatchEngineClient(Duplex(from_engine, self._to_engine[1]), setup, {})
+        self.remote._put = self._put  # type: ignore[method-assign]
 
-    def send_bytes(self, data: bytes) -> None:
-        """The app client's messages to the engine."""
-        from flashserve.client.codec import AddRequest, StepOutputs, decode, send
+    def _put(self, message: Any) -> None:
+        """The app client's messages, as they are handed to its pipe to the engine."""
+        from flashserve.client.codec import AddRequest, StepOutputs, send
         from flashserve.engine.outputs import RequestOutput
 
-        message = decode(data)
         if isinstance(message, AddRequest):
             self.events.append(("admit", self.remote.line.get().line_no))
             add = message.add
             send(self.outbox, StepOutputs([RequestOutput(add.request_id, [28], "a", True, "length",
                                                          len(add.prompt_token_ids), 1)]))
-
-    def close(self) -> None:
-        pass
 
     def app(self, app: Any) -> Any:
         async def recording(scope: Any, receive: Any, send: Any) -> None:

@@ -1,8 +1,8 @@
 """The pipes between run-batch's two processes: one each way, each as large as the system allows.
 
-The engine process reads between steps, so a step's worth of the app's requests must fit in the
-pipe: at the default 64 KiB five to seven requests of a 2,200-token prompt did, and the app's event
-loop, blocked in its next send, waited for the engine's next step. A socket pair (what a duplex
+The engine process reads between steps, so a step's worth of the app's requests should fit in the
+pipe: at the default 64 KiB five to seven requests of a 2,200-token prompt did, and the rest waited
+for the engine's next step (once in the app's blocked event loop; now in its `FrameWriter`). A socket pair (what a duplex
 `multiprocessing.Pipe` is) holds about 200 KiB unless the system's limits were raised; a pipe can be
 set to 1 MiB, Linux's default most for an unprivileged process. `Duplex` makes the two one-way
 pipes of one end look like the duplex connection that `EngineCore` and `EngineCoreClient` speak
