@@ -253,3 +253,38 @@ def test_a_frame_writer_queues_what_the_pipe_cannot_take_and_the_far_end_reads_e
         assert received == messages
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_of_long_prompts_while_the_engine_core_waits_on_a_full_output_pipe_ends_every_request():
+    """The engine core blocks writing outputs to a front end that is not reading; that front end
+    then submits more than its pipe holds. Both used to wait for each other forever: now the
+    requests queue in the front end, and every request ends once it reads again."""
+    from test_engine import ScriptedExecutor
+
+    from flashserve.config import SchedulerConfig
+    from flashserve.engine.scheduler import Scheduler
+    from flashserve.kv_cache.manager import KVCacheManager
+
+    async def main() -> None:
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192), KVCacheManager(4096, 16),
+                              max_model_len=4096)
+        core = CoreThread(LLMEngine(scheduler, ScriptedExecutor([3] * 50), None, vocab_size=VOCAB))
+        (client,) = core.clients()
+        client._stop_reading()  # busy elsewhere: the engine core's outputs fill the pipe, then it waits
+        streams = [asyncio.create_task(_collect(client, f"s{i}", [1, 2], SamplingParams(max_tokens=600, ignore_eos=True)))
+                   for i in range(32)]
+        await asyncio.sleep(1.0)
+        burst = [asyncio.create_task(_collect(client, f"b{i}", [5 + i % 50] * 3000, SamplingParams(max_tokens=1)))
+                 for i in range(64)]  # about 1 MB of requests
+        await asyncio.sleep(0.2)  # the loop turns: nothing blocked it
+        assert client._writer is not None and client._writer.backlog > 0
+        asyncio.get_running_loop().add_reader(client._conn.fileno(), client._read)
+        done = await asyncio.wait_for(asyncio.gather(*streams, *burst), 60)
+        assert all(outs[-1].finish_reason == "length" for outs in done)
+        assert sum(len(o.new_token_ids) for outs in done[:32] for o in outs) == 32 * 600
+        assert await soon(lambda: core.engine.scheduler.kv_cache.num_used_pages == 0)
+        client.shutdown()
+        core.thread.join(5)
+
+    asyncio.run(main())
