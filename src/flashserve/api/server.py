@@ -158,8 +158,7 @@ class _OpenAIServing:
         model = self._check(body)
         items = self._prompt_items(body.prompt)
         self._check_fan_out(len(items), body.n, "prompt")
-        prompts = [await self._off_loop(len(item), self._tokenize, item) if isinstance(item, str) else self._tokenize(item)
-                   for item in items]  # fmt: skip
+        prompts = [await self._off_loop(len(item) if isinstance(item, str) else 0, self._tokenize, item) for item in items]
         grammar = await self.grammars.compile(spec_from_request(None, body.structured_outputs))
         echo = None
         if body.echo:
