@@ -50,6 +50,7 @@ from typing import Any
 ARCHS = "9.0a"  # H100 and H200
 CURAND = "nvidia-curand==10.4.4.72"  # CUDA 13's cuRAND, for its headers
 GROUPS = ("attention", "ops", "sampling", "comm", "fp8")
+AOT_IN_WHEEL = "flashinfer/data/aot/"  # <module>/<module>.so and ARCHS under it
 _IMPORT_NEEDS = [("numpy", "numpy"), ("packaging", "packaging"), ("requests", "requests"), ("tqdm", "tqdm"),
                  ("jinja2", "jinja2"), ("filelock", "filelock"), ("markupsafe", "markupsafe"),
                  ("urllib3", "urllib3"), ("idna", "idna"), ("certifi", "certifi"),
@@ -260,7 +261,7 @@ def seed_from_wheel(wheel: Path, aot: Path) -> list[str]:
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
             parts = name.split("/")
-            if name.startswith("flashinfer/data/aot/") and name.endswith(".so") and len(parts) == 5:
+            if name.startswith(AOT_IN_WHEEL) and name.endswith(".so") and len(parts) == 5:
                 dest = aot / parts[3] / parts[4]
                 if not dest.exists():
                     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -273,7 +274,7 @@ def add_to_wheel(wheel: Path, files: list[Path]) -> list[str]:
     """Stores each file of an aot folder (<module>/<module>.so, ARCHS) at the same place under
     flashinfer/data/aot in the wheel, unless the same bytes are there. Zip entries cannot be
     replaced in place: a wheel holding another version of one is rewritten without it first."""
-    names = {"flashinfer/data/aot/" + "/".join(f.parts[-2:] if f.suffix == ".so" else f.parts[-1:]): f for f in files}
+    names = {AOT_IN_WHEEL + "/".join(f.parts[-2:] if f.suffix == ".so" else f.parts[-1:]): f for f in files}
     with zipfile.ZipFile(wheel) as z:
         held = {i.filename: i for i in z.infolist() if i.filename in names}
     same = {n for n, i in held.items() if i.file_size == names[n].stat().st_size

@@ -7,8 +7,8 @@ beside the per-GPU weight + KV read floor, with the all-reduce's share of the st
 A step is rank 0's `runner.forward` of `batch` one-token decode rows over `kv-len` cached tokens
 each (the step sent to the workers, the graph replayed on every rank, the logits gathered), timed
 on the host's clock with the device synchronised after each; median over `--steps`. The floor at
-TP = N is the one-GPU floor (`benchmark.floor.decode_step_floor_s`) over N: each rank reads its
-share of the weights and of the KV heads. `N+fused` runs N ranks with FlashInfer's fused
+TP = N is the one-GPU floor (`benchmark.floor.decode_step_floor_s`; FP8 weights or KV read as 1
+byte) over N: each rank reads its share of the weights and of the KV heads. `N+fused` runs N ranks with FlashInfer's fused
 all-reduce + add + RMSNorm (`--enable-flashinfer-allreduce-fusion`); a plain N keeps NCCL's
 all-reduce and the norm kernel (`--no-enable-flashinfer-allreduce-fusion`), although the server
 takes the fused kernel by default on GPUs that NVLink connects. Rank 0's kernel time per step (the sum over its kernels: what the step costs
@@ -30,7 +30,7 @@ from typing import Any
 
 from benchmark import LOCAL_RESULTS
 from benchmark.decode_attention import save_rows
-from benchmark.floor import ModelShape, decode_step_floor_s, measure_rates
+from benchmark.floor import ModelShape, measure_rates
 
 PAGE = 16
 
@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     rates = measure_rates("cuda")
     shape = ModelShape.from_config(model_config(args.model))
     # FP8 weights: the projections are read as 1 byte each, the LM head and norms stay bfloat16.
-    fp8_saving = shape.matmul_params * (shape.dtype_bytes - 1) if args.quantization == "fp8" else 0
-    kv_factor = 0.5 if args.kv_cache_dtype == "fp8" else 1.0
+    weight_bytes = shape.weight_bytes - (shape.matmul_params * (shape.dtype_bytes - 1) if args.quantization else 0)
+    kv_token_bytes = shape.kv_bytes_per_token // (shape.dtype_bytes if args.kv_cache_dtype == "fp8" else 1)
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     print(f"{gpu} x {torch.cuda.device_count()}: {args.model} (dummy weights) decode step, KV of {args.kv_len} tokens "
@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in batches:
             step = decode_step(runner, batch, args.kv_len)
             ms = time_steps(runner, step, args.steps)
-            kv_s = decode_step_floor_s(shape, rates, [args.kv_len] * batch) - shape.weight_bytes / rates.copy_bytes_per_s
-            floor = ((shape.weight_bytes - fp8_saving) / rates.copy_bytes_per_s + kv_s * kv_factor) * 1e3 / tp
+            floor = (weight_bytes + batch * args.kv_len * kv_token_bytes) / rates.copy_bytes_per_s * 1e3 / tp
             kernels_ms, share = kernel_time(runner, step)
             engine_ms = engine_step_ms(llm, batch, args.kv_len, args.engine_tokens) if args.engine_tokens else None
             rows.append({"tp": tp, "fused": fused, "quantization": args.quantization,
