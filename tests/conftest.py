@@ -45,3 +45,18 @@ def tiny_llama_config(tmp_path: Any) -> Any:
         "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
     }))  # fmt: skip
     return config
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any) -> Any:
+    """A test that fails while a `live_server` runs, or after one it started ended, gets the end of
+    the server's log in its report."""
+    from live_server import ENDED_LOG_TAILS, RUNNING_LOGS, log_tail
+
+    outcome = yield
+    report = outcome.get_result()
+    tails = [(path, log_tail(path)) for path in RUNNING_LOGS] + ENDED_LOG_TAILS
+    ENDED_LOG_TAILS.clear()
+    if report.failed:
+        for path, tail in tails:
+            report.sections.append((f"flashserve server log {os.path.basename(path)} (last lines)", tail))

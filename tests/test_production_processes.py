@@ -77,7 +77,8 @@ def assert_nothing_left(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def two_front_ends(model_config: str) -> Iterator[Server]:
-    with live_server(dummy_args(model_config, "--api-server-count", "2")) as (url, proc):
+    # At info, what each process did is in the report of a test that fails (conftest.py).
+    with live_server(dummy_args(model_config, "--api-server-count", "2", "--log-level", "info")) as (url, proc):
         yield serving(proc, url)
 
 
