@@ -120,22 +120,36 @@ class ResponseStore(_Chains):
 
 
 class SharedResponseStore(_Chains):
-    """The same rules over a SQLite file that several processes open (`path`); `clock` is wall
-    time, which every process reads alike. SQLite serialises the writers; a put, get or delete is
-    one short transaction."""
+    """The same rules over a SQLite file that several processes open (`path`, made beforehand by
+    `create`); `clock` is wall time, which every process reads alike. SQLite serialises the
+    writers; a put, get or delete is one short transaction."""
 
     def __init__(self, path: str, max_entries: int, max_age_s: float, clock: Callable[[], float] = time.time) -> None:
         _check_bounds(max_entries, max_age_s)
         self.max_entries = max_entries
         self.max_age_s = max_age_s
         self._clock = clock
-        self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for a writer
-        # last_used (the clock) for expiry; use (a counter) for the order of use, which two uses
-        # within the clock's resolution would leave undecided.
-        self._db.execute("CREATE TABLE IF NOT EXISTS responses "
-                         "(id TEXT PRIMARY KEY, entry TEXT NOT NULL, last_used REAL NOT NULL, use INTEGER NOT NULL)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_use ON responses (use)")
+        self._db = _connect(path)
+        if self._db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":  # not made by `create`
+            self._db.close()
+            self.create(path)
+            self._db = _connect(path)
+
+    @staticmethod
+    def create(path: str) -> None:
+        """Makes the file, once, before the processes that share it start. Two processes that
+        switch a new file to WAL at the same moment get "database is locked" at once (SQLite does
+        not wait on that lock), so that is never left to them."""
+        db = _connect(path)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for a writer; kept in the file
+            # last_used (the clock) for expiry; use (a counter) for the order of use, which two
+            # uses within the clock's resolution would leave undecided.
+            db.execute("CREATE TABLE IF NOT EXISTS responses "
+                       "(id TEXT PRIMARY KEY, entry TEXT NOT NULL, last_used REAL NOT NULL, use INTEGER NOT NULL)")
+            db.execute("CREATE INDEX IF NOT EXISTS responses_by_use ON responses (use)")
+        finally:
+            db.close()
 
     @property
     def enabled(self) -> bool:
@@ -186,3 +200,7 @@ class SharedResponseStore(_Chains):
 
     def _expire(self) -> None:
         self._db.execute("DELETE FROM responses WHERE last_used <= ?", (self._clock() - self.max_age_s,))
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    return sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)

@@ -40,6 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
+from flashserve.api.response_store import SharedResponseStore
 from flashserve.entrypoints import api_server, engine_core
 from flashserve.entrypoints.processes import DP_ENGINE_CORE_NAME, ENGINE_CORE_NAME
 
@@ -238,9 +239,11 @@ def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.lo
     remove_stale_metrics_dirs(tempfile.gettempdir())
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the children inherit it
-    # Stored responses in a file every front end opens (prometheus reads only the *.db files here).
-    args = dataclasses.replace(args, api=dataclasses.replace(
-        args.api, responses_store_path=os.path.join(metrics_dir, "responses.sqlite3")))
+    # Stored responses in a file every front end opens (prometheus reads only the *.db files here),
+    # made before they start.
+    store_path = os.path.join(metrics_dir, "responses.sqlite3")
+    SharedResponseStore.create(store_path)
+    args = dataclasses.replace(args, api=dataclasses.replace(args.api, responses_store_path=store_path))
     try:
         return Supervisor(args, load).run()
     finally:
