@@ -255,36 +255,70 @@ def test_a_frame_writer_queues_what_the_pipe_cannot_take_and_the_far_end_reads_e
     asyncio.run(main())
 
 
-@pytest.mark.timeout(120)
-def test_a_burst_of_long_prompts_while_the_engine_core_waits_on_a_full_output_pipe_ends_every_request():
-    """The engine core blocks writing outputs to a front end that is not reading; that front end
-    then submits more than its pipe holds. Both used to wait for each other forever: now the
-    requests queue in the front end, and every request ends once it reads again."""
+def _long_scheduler_engine() -> LLMEngine:
     from test_engine import ScriptedExecutor
 
     from flashserve.config import SchedulerConfig
     from flashserve.engine.scheduler import Scheduler
     from flashserve.kv_cache.manager import KVCacheManager
 
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192), KVCacheManager(4096, 16),
+                          max_model_len=4096)
+    return LLMEngine(scheduler, ScriptedExecutor([3] * 50), None, vocab_size=VOCAB)
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_of_long_prompts_from_a_front_end_that_is_not_reading_ends_every_request():
+    """A front end stops reading (its event loop busy elsewhere) while its streams run, so the
+    engine core's outputs fill the pipe; then it submits more than its own pipe holds. When both
+    sides blocked on their writes, each waited for the other forever: now the outputs wait in the
+    engine core, which goes on reading, and every request ends once the front end reads again."""
+
     async def main() -> None:
-        scheduler = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192), KVCacheManager(4096, 16),
-                              max_model_len=4096)
-        core = CoreThread(LLMEngine(scheduler, ScriptedExecutor([3] * 50), None, vocab_size=VOCAB))
+        core = CoreThread(_long_scheduler_engine())
         (client,) = core.clients()
-        client._stop_reading()  # busy elsewhere: the engine core's outputs fill the pipe, then it waits
+        client._stop_reading()
         streams = [asyncio.create_task(_collect(client, f"s{i}", [1, 2], SamplingParams(max_tokens=600, ignore_eos=True)))
                    for i in range(32)]
-        await asyncio.sleep(1.0)
+        assert await soon(lambda: core.core._out[core.core._conns[0]].pending, 30)
         burst = [asyncio.create_task(_collect(client, f"b{i}", [5 + i % 50] * 3000, SamplingParams(max_tokens=1)))
                  for i in range(64)]  # about 1 MB of requests
         await asyncio.sleep(0.2)  # the loop turns: nothing blocked it
-        assert client._writer is not None and client._writer.backlog > 0
         asyncio.get_running_loop().add_reader(client._conn.fileno(), client._read)
         done = await asyncio.wait_for(asyncio.gather(*streams, *burst), 60)
         assert all(outs[-1].finish_reason == "length" for outs in done)
         assert sum(len(o.new_token_ids) for outs in done[:32] for o in outs) == 32 * 600
         assert await soon(lambda: core.engine.scheduler.kv_cache.num_used_pages == 0)
         client.shutdown()
+        core.thread.join(5)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_front_end_that_stops_reading_holds_back_neither_the_engine_core_nor_the_other_front_end():
+    """One front end's event loop stalls while its streams run: the engine core keeps what it has
+    for it, in order, and goes on stepping; the other front end's request runs to its end
+    meanwhile; the stalled one gets every token once it reads again."""
+
+    async def main() -> None:
+        core = CoreThread(_long_scheduler_engine(), n=2)
+        stalled, served = core.clients()
+        stalled._stop_reading()
+        held = [asyncio.create_task(_collect(stalled, f"h{i}", [1, 2], SamplingParams(max_tokens=2000, ignore_eos=True)))
+                for i in range(64)]
+        assert await soon(lambda: core.core._out[core.core._conns[0]].pending, 30)
+        outs = await asyncio.wait_for(
+            _collect(served, "other", [5], SamplingParams(max_tokens=300, ignore_eos=True)), 30)
+        assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 300
+        assert core.core._out[core.core._conns[0]].pending  # the stalled one's outputs still wait
+        asyncio.get_running_loop().add_reader(stalled._conn.fileno(), stalled._read)
+        done = await asyncio.wait_for(asyncio.gather(*held), 60)
+        assert [sum(len(o.new_token_ids) for o in outs) for outs in done] == [2000] * 64
+        assert all(outs[-1].finish_reason == "length" for outs in done)
+        assert await soon(lambda: core.engine.scheduler.kv_cache.num_used_pages == 0)
+        for client in (stalled, served):
+            client.shutdown()
         core.thread.join(5)
 
     asyncio.run(main())

@@ -13,9 +13,10 @@ The front end speaks first: `Hello(PROTOCOL_VERSION)`; the engine core answers w
 `EngineSetup` of the same version or a `Dead` that says why not. A front end and an engine core of
 different versions never exchange requests.
 
-A front end writes through `FrameWriter`, which never blocks its event loop: the engine core
-blocks while a front end's pipe is full of its outputs, so a front end blocked in turn on a pipe
-full of its requests (a burst of long prompts) would wait for it forever.
+Neither side blocks on a write: a front end writes through `FrameWriter`, on its event loop; the
+engine core through a `FrameQueue` per front end, flushed between steps. Two processes blocked on
+full pipes to each other (a burst of long prompts one way, a step's outputs the other) would wait
+forever, and an engine core blocked on one front end that stopped reading would stall every other.
 """
 
 from __future__ import annotations
@@ -120,63 +121,94 @@ def recv(conn: Connection) -> Message:
     return decode(conn.recv_bytes())
 
 
-class FrameWriter:
-    """Sends messages on `conn` (a duplex `Connection`, or run-batch's `Duplex` of two pipes) from
-    an event loop without blocking it: what the pipe cannot take now waits here, in order, and goes
-    out as the far end reads (`add_writer`). Frames are `Connection`'s own (a 4-byte big-endian
-    length, or -1 and an 8-byte one), so the far end reads them with `recv_bytes`. Each write makes
-    the descriptor non-blocking for its own duration only, so the reads on it (on the same loop,
-    never at the same time) still block until a message is whole.
-    """
+class FrameQueue:
+    """Messages to one far end, written without blocking: what the pipe cannot take now waits here,
+    in order, and goes out on a later `put` or `flush` as the far end reads. `conn` is a duplex
+    `Connection`, or run-batch's `Duplex` of two pipes (written on its `writer`). Frames are
+    `Connection`'s own (a 4-byte big-endian length, or -1 and an 8-byte one), so the far end reads
+    them with `recv_bytes`. Each write makes the descriptor non-blocking for its own duration only,
+    so the reads on it (in the same thread, never at the same time) still block until a message is
+    whole."""
 
-    def __init__(self, conn: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._fd = getattr(conn, "writer", conn).fileno()
+    def __init__(self, conn: Any) -> None:
+        self.fd = getattr(conn, "writer", conn).fileno()
         self._pending: deque[memoryview] = deque()
+
+    @property
+    def pending(self) -> bool:
+        """Whether something waits for the far end to read."""
+        return bool(self._pending)
 
     @property
     def backlog(self) -> int:
         """Bytes waiting for the far end."""
         return sum(len(chunk) for chunk in self._pending)
 
-    def write(self, message: Message) -> None:
-        """Queues the message; raises OSError (BrokenPipeError) when the far end is gone."""
+    def put(self, message: Message) -> bool:
+        """Sends the message, or as much of it as the pipe takes, after what waits already; returns
+        whether something still waits. Raises OSError (BrokenPipeError) when the far end is gone."""
         payload = encode(message)
         n = len(payload)
         header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
-        frame = memoryview(header + payload)
-        if self._pending:
-            self._pending.append(frame)
-            return
-        sent = self._write(frame)
-        if sent < len(frame):
-            self._pending.append(frame[sent:])
-            self._loop.add_writer(self._fd, self._flush)
+        self._pending.append(memoryview(header + payload))
+        return self.flush()
 
-    def close(self) -> None:
+    def flush(self) -> bool:
+        """Sends what waits, as far as the pipe takes it now; returns whether something still
+        waits. Raises OSError when the far end is gone."""
+        pending = self._pending
+        while pending:
+            chunk = pending[0]
+            sent = self._write(chunk)
+            if sent < len(chunk):
+                pending[0] = chunk[sent:]
+                return True
+            pending.popleft()
+        return False
+
+    def clear(self) -> None:
         """Drops what waits (the far end is going away with it)."""
-        if self._pending:
-            self._loop.remove_writer(self._fd)
-            self._pending.clear()
+        self._pending.clear()
 
     def _write(self, data: memoryview) -> int:
-        os.set_blocking(self._fd, False)
+        os.set_blocking(self.fd, False)
         try:
-            return os.write(self._fd, data)
+            return os.write(self.fd, data)
         except BlockingIOError:
             return 0
         finally:
-            os.set_blocking(self._fd, True)
+            os.set_blocking(self.fd, True)
 
-    def _flush(self) -> None:
+
+class FrameWriter(FrameQueue):
+    """A `FrameQueue` on an event loop: what waits goes out as the far end reads (`add_writer`).
+    Reads on the same descriptor happen on the same loop, so never during a write."""
+
+    def __init__(self, conn: Any, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(conn)
+        self._loop = loop
+        self._watching = False
+
+    def write(self, message: Message) -> None:
+        """Queues the message; raises OSError (BrokenPipeError) when the far end is gone."""
+        if self.put(message) and not self._watching:
+            self._loop.add_writer(self.fd, self._on_writable)
+            self._watching = True
+
+    def close(self) -> None:
+        """Drops what waits (the far end is going away with it)."""
+        self.clear()
+        self._unwatch()
+
+    def _on_writable(self) -> None:
         try:
-            while self._pending:
-                chunk = self._pending[0]
-                sent = self._write(chunk)
-                if sent < len(chunk):
-                    self._pending[0] = chunk[sent:]
-                    return
-                self._pending.popleft()
+            if self.flush():
+                return
         except OSError:  # the far end is gone; its reader reports that
-            self._pending.clear()
-        self._loop.remove_writer(self._fd)
+            self.clear()
+        self._unwatch()
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._loop.remove_writer(self.fd)
+            self._watching = False

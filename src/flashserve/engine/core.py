@@ -9,20 +9,26 @@ A request's grammar arrives as a spec; the engine core compiles it in the compil
 the request joins the engine once it is compiled, so that a compilation never stalls the step loop.
 
 A front end that goes away (its pipe reads EOF or refuses a write) loses its requests, which are
-aborted and free their pages; the others go on. When the step loop itself fails (a device error),
-every front end gets a `Dead` and `run` returns the reason: the process exits non-zero then.
+aborted and free their pages; the others go on. Outputs go out without blocking (a `FrameQueue`
+per front end): a front end that stops reading for a while (its event loop busy) gets its messages
+later, in order, and the other front ends' streams do not wait for it. When the step loop itself
+fails (a device error), every front end gets a `Dead` and `run` returns the reason: the process
+exits non-zero then.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import selectors
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from flashserve.client.codec import PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, Hello, StepOutputs, recv, send
+from flashserve.client.codec import (
+    PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, FrameQueue, Hello, StepOutputs, recv, send,
+)
 from flashserve.client.streams import Abort, error_output
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
@@ -35,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 # While grammars compile and nothing runs: how long to wait for messages before checking again.
 COMPILE_POLL_SECONDS = 0.002
+# When the step loop died: how long the front ends get to read what waits for them and the `Dead`
+# (a front end that does not read by then still sees the pipe close when this process exits).
+DEAD_NOTICE_SECONDS = 5.0
 
 
 class EngineCore:
@@ -62,6 +71,7 @@ class EngineCore:
         self._owner: dict[str, Connection] = {}  # request id -> the front end it answers
         self._compiling: list[tuple[AddRequest, Connection, Any]] = []  # (request, front end, future)
         self._waiting_sent: dict[Connection, int] = {}  # the queue length each front end last heard
+        self._out: dict[Connection, FrameQueue] = {}  # what each front end has yet to read
 
     def connect(self, conn: Connection) -> bool:
         """The handshake with one front end: its Hello, then the setup (or a Dead on a version
@@ -76,6 +86,7 @@ class EngineCore:
             return False
         self._conns.append(conn)
         self._waiting_sent[conn] = 0
+        self._out[conn] = FrameQueue(conn)
         return True
 
     def run(self) -> str | None:
@@ -113,7 +124,7 @@ class EngineCore:
     # ---- from the front ends -------------------------------------------------------------------
     def _receive(self, wait_for: float | None) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        for conn in wait(self._conns, wait_for):
+        for conn in self._wait(wait_for):
             try:
                 while conn.poll():
                     out = self._apply(conn, recv(conn))
@@ -122,6 +133,33 @@ class EngineCore:
             except (EOFError, OSError):
                 self._drop(conn)
         return outputs
+
+    def _wait(self, timeout: float | None) -> list[Connection]:
+        """The front ends with messages to read, after up to `timeout` s (None: until one has).
+        Meanwhile what waits for a front end goes out as it reads."""
+        behind = [conn for conn in self._conns if self._out[conn].pending]
+        if not behind:
+            return wait(self._conns, timeout)
+        with selectors.DefaultSelector() as selector:
+            events: dict[int, int] = {}
+            for conn in self._conns:
+                events[conn.fileno()] = selectors.EVENT_READ
+            for conn in behind:
+                fd = self._out[conn].fd
+                events[fd] = events.get(fd, 0) | selectors.EVENT_WRITE
+            for fd, mask in events.items():
+                selector.register(fd, mask)
+            ready = {key.fd: mask for key, mask in selector.select(timeout)}
+        for conn in behind:
+            if ready.get(self._out[conn].fd, 0) & selectors.EVENT_WRITE:
+                self._flush(conn)
+        return [conn for conn in self._conns if ready.get(conn.fileno(), 0) & selectors.EVENT_READ]
+
+    def _flush(self, conn: Connection) -> None:
+        try:
+            self._out[conn].flush()
+        except OSError:
+            self._drop(conn)
 
     def _apply(self, conn: Connection, message: Any) -> RequestOutput | None:
         if isinstance(message, Abort):
@@ -185,6 +223,7 @@ class EngineCore:
                    "a front end went away; aborting its %d requests", num_open)
         self._conns.remove(conn)
         del self._waiting_sent[conn]
+        self._out.pop(conn).clear()
         for request_id in [rid for rid, owner in self._owner.items() if owner is conn]:
             del self._owner[request_id]
             self.engine.abort(request_id)
@@ -209,16 +248,31 @@ class EngineCore:
                 continue
             self._waiting_sent[conn] = num_waiting
             try:
-                send(conn, StepOutputs(mine or [], num_waiting))
+                self._out[conn].put(StepOutputs(mine or [], num_waiting))
             except OSError:
                 self._drop(conn)
 
     def _die(self, reason: str) -> str:
-        for conn in self._conns:
+        """Every front end hears why, after what waits for it, for up to DEAD_NOTICE_SECONDS."""
+        behind = []
+        for conn in list(self._conns):
             try:
-                send(conn, Dead(reason))
+                if self._out[conn].put(Dead(reason)):
+                    behind.append(conn)
             except OSError:
                 pass
+        deadline = time.monotonic() + DEAD_NOTICE_SECONDS
+        while behind and (left := deadline - time.monotonic()) > 0:
+            with selectors.DefaultSelector() as selector:
+                for conn in behind:
+                    selector.register(self._out[conn].fd, selectors.EVENT_WRITE, conn)
+                writable = [key.data for key, _ in selector.select(left)]
+            for conn in writable:
+                try:
+                    if not self._out[conn].flush():
+                        behind.remove(conn)
+                except OSError:
+                    behind.remove(conn)
         return reason
 
     def close(self) -> None:
