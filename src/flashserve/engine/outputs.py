@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+import msgspec
+
 from flashserve.engine.sampling_params import SamplingParams
 from flashserve.structured.grammar import TokenBitmask
 
@@ -83,11 +85,11 @@ class SchedulerOutput:
         return SchedulerOutput(rows, self.finished_ids, self.preempted_ids, None, self.schedules_ahead)
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A token's log-probability under the model's distribution at its position (log-softmax of the
     raw logits: before penalties, bias, temperature, filters and grammar masks, as vLLM reports by
-    default), and the `top` most likely tokens there, most likely first."""
+    default), and the `top` most likely tokens there, most likely first. A msgspec Struct, as
+    `RequestOutput` is."""
 
     token_id: int
     logprob: float
@@ -120,12 +122,16 @@ def sample_error(message: str) -> SampledTokens:
     return SampledTokens(error=message)
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     """What the engine tells the API about one request after a step (engine -> API).
 
-    Read-only by convention rather than frozen: one is made per running request per step, and a
-    slotted class's __init__ takes 0.5 us against a frozen one's 1.3 (12 fields, this project's VM)."""
+    One is made per running request per step and crosses to a front end in every step's message,
+    so it is a msgspec Struct that travels as an array (`client/codec.py`): against the slotted
+    dataclass it was, 512 of them are made in 120 us instead of 240, encode in 44 us instead of
+    417, decode in 158 us instead of 667, and take 34 KB instead of 113 (this project's 2-core
+    machine). Read-only by convention rather than frozen (a frozen class's __init__ costs more);
+    untracked by the garbage collector (`gc=False`): it holds lists of numbers and logprobs, never
+    anything that could refer back to it."""
 
     request_id: str
     new_token_ids: list[int]
@@ -157,7 +163,7 @@ def merge_outputs(parts: Sequence[RequestOutput]) -> RequestOutput:
     if any(p.logprobs is not None for p in parts):
         logprobs = [lp for p in parts for lp in (p.logprobs or ())]
     prompt_logprobs = next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None)
-    return replace(
+    return msgspec.structs.replace(
         last,
         new_token_ids=[t for p in parts for t in p.new_token_ids],
         new_text="".join(p.new_text for p in parts),
