@@ -100,13 +100,20 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter("flashserve_request_errors", "Error responses and error events by OpenAI error type",
                               ["type", "code"], registry=r)
+        self._step_gauge_values: tuple[int | None, ...] = (None,) * 5  # as last written by record_step
 
     def record_step(self, stats: StepStats) -> None:
-        self.requests_running.set(stats.num_running)
-        self.requests_waiting.set(stats.num_waiting)
-        self.kv_pages_used.set(stats.kv_pages_used)
-        self.kv_pages_free.set(stats.kv_pages_free)
-        self.kv_pages_cached.set(stats.kv_pages_cached)
+        # A gauge is written only when its value changed: under `flashserve serve` each write is a
+        # locked write to a shared-memory file, and most steps change few of them.
+        values = (stats.num_running, stats.num_waiting, stats.kv_pages_used, stats.kv_pages_free,
+                  stats.kv_pages_cached)
+        if values != self._step_gauge_values:
+            gauges = (self.requests_running, self.requests_waiting, self.kv_pages_used, self.kv_pages_free,
+                      self.kv_pages_cached)
+            for gauge, value, before in zip(gauges, values, self._step_gauge_values):
+                if value != before:
+                    gauge.set(value)
+            self._step_gauge_values = values
         if stats.prefix_cache_queries:
             self.prefix_queries.inc(stats.prefix_cache_queries)
         if stats.prefix_cache_hits:

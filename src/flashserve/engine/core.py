@@ -23,7 +23,7 @@ import logging
 import selectors
 import time
 from dataclasses import replace
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from flashserve.client.codec import (
@@ -72,6 +72,10 @@ class EngineCore:
         self._compiling: list[tuple[AddRequest, Connection, Any]] = []  # (request, front end, future)
         self._waiting_sent: dict[Connection, int] = {}  # the queue length each front end last heard
         self._out: dict[Connection, FrameQueue] = {}  # what each front end has yet to read
+        # One selector for the whole run (multiprocessing's `wait` builds one per call): every
+        # front end's read side, and the write side of those with outputs waiting.
+        self._selector = selectors.DefaultSelector()
+        self._interests: dict[int, int] = {}  # descriptor -> events registered
 
     def connect(self, conn: Connection) -> bool:
         """The handshake with one front end: its Hello, then the setup (or a Dead on a version
@@ -87,6 +91,7 @@ class EngineCore:
         self._conns.append(conn)
         self._waiting_sent[conn] = 0
         self._out[conn] = FrameQueue(conn)
+        self._interest(conn.fileno(), selectors.EVENT_READ, True)
         return True
 
     def run(self) -> str | None:
@@ -137,23 +142,34 @@ class EngineCore:
     def _wait(self, timeout: float | None) -> list[Connection]:
         """The front ends with messages to read, after up to `timeout` s (None: until one has).
         Meanwhile what waits for a front end goes out as it reads."""
-        behind = [conn for conn in self._conns if self._out[conn].pending]
-        if not behind:
-            return wait(self._conns, timeout)
-        with selectors.DefaultSelector() as selector:
-            events: dict[int, int] = {}
-            for conn in self._conns:
-                events[conn.fileno()] = selectors.EVENT_READ
-            for conn in behind:
-                fd = self._out[conn].fd
-                events[fd] = events.get(fd, 0) | selectors.EVENT_WRITE
-            for fd, mask in events.items():
-                selector.register(fd, mask)
-            ready = {key.fd: mask for key, mask in selector.select(timeout)}
+        behind = []
+        for conn in self._conns:
+            queue = self._out[conn]
+            self._interest(queue.fd, selectors.EVENT_WRITE, queue.pending)
+            if queue.pending:
+                behind.append(conn)
+        ready = {key.fd: mask for key, mask in self._selector.select(timeout)}
         for conn in behind:
             if ready.get(self._out[conn].fd, 0) & selectors.EVENT_WRITE:
                 self._flush(conn)
         return [conn for conn in self._conns if ready.get(conn.fileno(), 0) & selectors.EVENT_READ]
+
+    def _interest(self, fd: int, event: int, on: bool) -> None:
+        """Waits for `event` on `fd` from now on, or no longer."""
+        before = self._interests.get(fd, 0)
+        after = before | event if on else before & ~event
+        if after == before:
+            return
+        if not before:
+            self._selector.register(fd, after)
+        elif not after:
+            self._selector.unregister(fd)
+        else:
+            self._selector.modify(fd, after)
+        if after:
+            self._interests[fd] = after
+        else:
+            del self._interests[fd]
 
     def _flush(self, conn: Connection) -> None:
         try:
@@ -223,7 +239,10 @@ class EngineCore:
                    "a front end went away; aborting its %d requests", num_open)
         self._conns.remove(conn)
         del self._waiting_sent[conn]
-        self._out.pop(conn).clear()
+        queue = self._out.pop(conn)
+        queue.clear()
+        self._interest(queue.fd, selectors.EVENT_WRITE, False)
+        self._interest(conn.fileno(), selectors.EVENT_READ, False)
         for request_id in [rid for rid, owner in self._owner.items() if owner is conn]:
             del self._owner[request_id]
             self.engine.abort(request_id)
@@ -279,3 +298,4 @@ class EngineCore:
         for conn in self._conns:
             conn.close()
         self._conns.clear()
+        self._selector.close()
