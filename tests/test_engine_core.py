@@ -322,3 +322,32 @@ def test_a_front_end_that_stops_reading_holds_back_neither_the_engine_core_nor_t
         core.thread.join(5)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_front_end_that_leaves_too_much_unread_is_dropped_its_requests_freed_and_the_other_served(monkeypatch):
+    """Past `MAX_UNREAD_BYTES` of outputs unread, the engine core takes the front end for stuck:
+    its requests are aborted and free their pages, its pipe closes (when it reads again it finds
+    the engine core gone and ends its streams with an error), and the other front end goes on."""
+    from flashserve.engine import core as core_module
+
+    monkeypatch.setattr(core_module, "MAX_UNREAD_BYTES", 64 << 10)
+
+    async def main() -> None:
+        core = CoreThread(_long_scheduler_engine(), n=2)
+        stuck, served = core.clients()
+        stuck._stop_reading()
+        held = [asyncio.create_task(_collect(stuck, f"h{i}", [1, 2], SamplingParams(max_tokens=2000, ignore_eos=True)))
+                for i in range(64)]
+        assert await soon(lambda: len(core.core._conns) == 1, 60)  # dropped
+        assert await soon(lambda: core.engine.scheduler.kv_cache.num_used_pages == 0)
+        outs = await asyncio.wait_for(_collect(served, "other", [5], SamplingParams(max_tokens=50)), 30)
+        assert outs[-1].finish_reason == "length"
+        asyncio.get_running_loop().add_reader(stuck._conn.fileno(), stuck._read)
+        done = await asyncio.wait_for(asyncio.gather(*held), 30)
+        assert all(outs[-1].finish_reason == "error" for outs in done)
+        for client in (stuck, served):
+            client.shutdown()
+        core.thread.join(5)
+
+    asyncio.run(main())

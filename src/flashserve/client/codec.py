@@ -135,6 +135,7 @@ class FrameQueue:
     def __init__(self, conn: Any) -> None:
         self.fd = getattr(conn, "writer", conn).fileno()
         self._pending: deque[memoryview] = deque()
+        self._backlog = 0
 
     @property
     def pending(self) -> bool:
@@ -144,7 +145,7 @@ class FrameQueue:
     @property
     def backlog(self) -> int:
         """Bytes waiting for the far end."""
-        return sum(len(chunk) for chunk in self._pending)
+        return self._backlog
 
     def put(self, message: Message) -> bool:
         """Sends the message, or as much of it as the pipe takes, after what waits already; returns
@@ -152,7 +153,9 @@ class FrameQueue:
         payload = encode(message)
         n = len(payload)
         header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
-        self._pending.append(memoryview(header + payload))
+        frame = memoryview(header + payload)
+        self._pending.append(frame)
+        self._backlog += len(frame)
         return self.flush()
 
     def flush(self) -> bool:
@@ -162,6 +165,7 @@ class FrameQueue:
         while pending:
             chunk = pending[0]
             sent = self._write(chunk)
+            self._backlog -= sent
             if sent < len(chunk):
                 pending[0] = chunk[sent:]
                 return True
@@ -171,6 +175,7 @@ class FrameQueue:
     def clear(self) -> None:
         """Drops what waits (the far end is going away with it)."""
         self._pending.clear()
+        self._backlog = 0
 
     def _write(self, data: memoryview) -> int:
         os.set_blocking(self.fd, False)

@@ -11,7 +11,10 @@ the request joins the engine once it is compiled, so that a compilation never st
 A front end that goes away (its pipe reads EOF or refuses a write) loses its requests, which are
 aborted and free their pages; the others go on. Outputs go out without blocking (a `FrameQueue`
 per front end): a front end that stops reading for a while (its event loop busy) gets its messages
-later, in order, and the other front ends' streams do not wait for it. When the step loop itself
+later, in order, and the other front ends' streams do not wait for it. One that leaves more than
+`MAX_UNREAD_BYTES` unread is taken for stuck and dropped as if it had gone (its pipe closes, so it
+fails its requests when it reads again), rather than held in this process's memory without end.
+When the step loop itself
 fails (a device error), every front end gets a `Dead` and `run` returns the reason: the process
 exits non-zero then.
 """
@@ -41,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 # While grammars compile and nothing runs: how long to wait for messages before checking again.
 COMPILE_POLL_SECONDS = 0.002
+# Outputs a front end may leave unread before it is dropped: a step's message for 100 streams is
+# about 6.5 KB (`benchmark.codec_bench`), so this is some 40,000 steps of a stalled event loop.
+MAX_UNREAD_BYTES = 256 << 20
 # When the step loop died: how long the front ends get to read what waits for them and the `Dead`
 # (a front end that does not read by then still sees the pipe close when this process exits).
 DEAD_NOTICE_SECONDS = 5.0
@@ -266,9 +272,14 @@ class EngineCore:
             if mine is None and self._waiting_sent[conn] == num_waiting:
                 continue
             self._waiting_sent[conn] = num_waiting
+            queue = self._out[conn]
             try:
-                self._out[conn].put(StepOutputs(mine or [], num_waiting))
+                queue.put(StepOutputs(mine or [], num_waiting))
             except OSError:
+                self._drop(conn)
+                continue
+            if queue.backlog > MAX_UNREAD_BYTES:
+                logger.error("a front end left %.1f MB of outputs unread; dropping it", queue.backlog / 1e6)
                 self._drop(conn)
 
     def _die(self, reason: str) -> str:
