@@ -267,6 +267,20 @@ def _long_scheduler_engine() -> LLMEngine:
     return LLMEngine(scheduler, ScriptedExecutor([3] * 50), None, vocab_size=VOCAB)
 
 
+def _stall_first_of_two(core: CoreThread) -> tuple[EngineCoreClient, EngineCoreClient, list[asyncio.Task]]:
+    """Two front ends; the first stops reading (its event loop busy elsewhere) while 64 streams of
+    2,000 tokens of its own run. Returns (stalled, other, the stalled one's streams)."""
+    stalled, other = core.clients()
+    stalled._stop_reading()
+    held = [asyncio.create_task(_collect(stalled, f"h{i}", [1, 2], SamplingParams(max_tokens=2000, ignore_eos=True)))
+            for i in range(64)]
+    return stalled, other, held
+
+
+def _read_again(client: EngineCoreClient) -> None:
+    asyncio.get_running_loop().add_reader(client._conn.fileno(), client._read)
+
+
 @pytest.mark.timeout(120)
 def test_a_burst_of_long_prompts_from_a_front_end_that_is_not_reading_ends_every_request():
     """A front end stops reading (its event loop busy elsewhere) while its streams run, so the
@@ -284,7 +298,7 @@ def test_a_burst_of_long_prompts_from_a_front_end_that_is_not_reading_ends_every
         burst = [asyncio.create_task(_collect(client, f"b{i}", [5 + i % 50] * 3000, SamplingParams(max_tokens=1)))
                  for i in range(64)]  # about 1 MB of requests
         await asyncio.sleep(0.2)  # the loop turns: nothing blocked it
-        asyncio.get_running_loop().add_reader(client._conn.fileno(), client._read)
+        _read_again(client)
         done = await asyncio.wait_for(asyncio.gather(*streams, *burst), 60)
         assert all(outs[-1].finish_reason == "length" for outs in done)
         assert sum(len(o.new_token_ids) for outs in done[:32] for o in outs) == 32 * 600
@@ -303,16 +317,13 @@ def test_a_front_end_that_stops_reading_holds_back_neither_the_engine_core_nor_t
 
     async def main() -> None:
         core = CoreThread(_long_scheduler_engine(), n=2)
-        stalled, served = core.clients()
-        stalled._stop_reading()
-        held = [asyncio.create_task(_collect(stalled, f"h{i}", [1, 2], SamplingParams(max_tokens=2000, ignore_eos=True)))
-                for i in range(64)]
+        stalled, served, held = _stall_first_of_two(core)
         assert await soon(lambda: core.core._out[core.core._conns[0]].pending, 30)
         outs = await asyncio.wait_for(
             _collect(served, "other", [5], SamplingParams(max_tokens=300, ignore_eos=True)), 30)
         assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 300
         assert core.core._out[core.core._conns[0]].pending  # the stalled one's outputs still wait
-        asyncio.get_running_loop().add_reader(stalled._conn.fileno(), stalled._read)
+        _read_again(stalled)
         done = await asyncio.wait_for(asyncio.gather(*held), 60)
         assert [sum(len(o.new_token_ids) for o in outs) for outs in done] == [2000] * 64
         assert all(outs[-1].finish_reason == "length" for outs in done)
@@ -335,15 +346,12 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped_its_requests_freed_a
 
     async def main() -> None:
         core = CoreThread(_long_scheduler_engine(), n=2)
-        stuck, served = core.clients()
-        stuck._stop_reading()
-        held = [asyncio.create_task(_collect(stuck, f"h{i}", [1, 2], SamplingParams(max_tokens=2000, ignore_eos=True)))
-                for i in range(64)]
+        stuck, served, held = _stall_first_of_two(core)
         assert await soon(lambda: len(core.core._conns) == 1, 60)  # dropped
         assert await soon(lambda: core.engine.scheduler.kv_cache.num_used_pages == 0)
         outs = await asyncio.wait_for(_collect(served, "other", [5], SamplingParams(max_tokens=50)), 30)
         assert outs[-1].finish_reason == "length"
-        asyncio.get_running_loop().add_reader(stuck._conn.fileno(), stuck._read)
+        _read_again(stuck)
         done = await asyncio.wait_for(asyncio.gather(*held), 30)
         assert all(outs[-1].finish_reason == "error" for outs in done)
         for client in (stuck, served):
