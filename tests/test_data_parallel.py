@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import threading
 from collections.abc import Iterator
@@ -48,6 +49,37 @@ def test_a_prefix_does_not_pull_requests_past_the_balance_slack() -> None:
     loads = [0, 0]
     loads[first] = BALANCE_SLACK + 1
     assert router.choose(PREFIX + [1], None, loads) == 1 - first
+
+
+def test_a_prefix_does_not_pull_a_request_onto_an_engine_with_no_free_slot() -> None:
+    router = PrefixRouter(2, PAGE, slots=4)
+    first = router.choose(PREFIX, None, [0, 0])
+    loads = [0, 0]
+    loads[first], loads[1 - first] = 4, 2  # within the slack, but the prefix's engine would queue it
+    assert router.choose(PREFIX + [1], None, loads) == 1 - first
+
+
+def test_when_every_engine_is_full_the_prefix_counts_again() -> None:
+    router = PrefixRouter(2, PAGE, slots=4)
+    first = router.choose(PREFIX, None, [0, 0])
+    loads = [0, 0]
+    loads[first], loads[1 - first] = 6, 5
+    assert router.choose(PREFIX + [1], None, loads) == first
+
+
+def test_a_burst_of_shared_prefix_groups_fills_both_engines_slots_evenly() -> None:
+    # 32 groups x 16 prompts arriving at once in a random order onto two engines of 256 slots: without
+    # the slot rule this order put 271 requests on one engine, so 15 waited for a whole round of decoding.
+    router = PrefixRouter(2, PAGE, slots=256)
+    arrivals = [(group, member) for group in range(32) for member in range(16)]
+    random.Random(5).shuffle(arrivals)
+    loads, engines_of_group = [0, 0], [set() for _ in range(32)]
+    for group, member in arrivals:
+        engine = router.choose([1000 + group] * (8 * PAGE) + [member], None, loads)
+        loads[engine] += 1
+        engines_of_group[group].add(engine)
+    assert loads == [256, 256]
+    assert sum(len(engines) == 1 for engines in engines_of_group) >= 16  # most groups stay whole
 
 
 def test_a_different_cache_salt_is_a_different_prefix() -> None:
