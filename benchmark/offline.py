@@ -7,6 +7,14 @@ in/out uniform in [100, 1024]; greedy, ignore_eos, all submitted at once (N = 25
 Each phase reports requests/s, output and total tokens/s and its duration; with measured device
 rates (`benchmark.floor`) also its floor and floor / duration (1.0 would be the roofline itself).
 Writes one result JSON (`workload` "offline@<model>", label `flashserve`, see benchmark.metrics).
+
+`--shapes 128x128,2048x128,1000x1000` runs fixed shapes instead (N requests of IN tokens asking for
+OUT each): the input/output lengths of TensorRT-LLM's published Llama-3.1-8B FP8 figures on an H100
+(`trtllm-bench`, offline), printed beside ours for those shapes. `--quantization fp8` and
+`--kv-cache-dtype fp8` load the model as the server's flags do.
+
+    python -m benchmark.offline --model llama-3.1-8b --quantization fp8 --shapes 128x128,2048x128,1000x1000 \
+        --num-requests 1024 --max-num-batched-tokens 8192 --out-dir DIR
 """
 
 from __future__ import annotations
@@ -19,6 +27,28 @@ from typing import Any, Sequence
 
 from benchmark.floor import DeviceRates, ModelShape, load_rates, offline_floor_s
 from benchmark.workloads import Phase, PromptSpec, fixed_requests, offline_phases
+
+
+# Output tokens/s of Llama-3.1-8B in FP8 on one H100, published by TensorRT-LLM (trtllm-bench,
+# offline), by (input, output) length.
+TRTLLM_H100_FP8_8B = {(128, 128): 28_312, (2048, 128): 3_450, (1000, 1000): 15_220}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"128x128,2048x128" -> [(128, 128), (2048, 128)]."""
+    shapes = []
+    for item in text.split(","):
+        n_in, sep, n_out = item.strip().partition("x")
+        if not sep or not n_in.isdigit() or not n_out.isdigit() or int(n_in) < 1 or int(n_out) < 1:
+            raise argparse.ArgumentTypeError(f"a shape is INxOUT with two positive integers, e.g. 128x128: {item!r}")
+        shapes.append((int(n_in), int(n_out)))
+    return shapes
+
+
+def shape_phases(spec: PromptSpec, seed: int, num_requests: int, shapes: Sequence[tuple[int, int]]) -> list[Phase]:
+    """One phase a shape: `num_requests` distinct prompts of IN tokens, each asking for OUT."""
+    return [Phase(f"fixed{n_in}x{n_out}", fixed_requests(num_requests, n_in, n_out, spec, seed + i))
+            for i, (n_in, n_out) in enumerate(shapes)]
 
 
 def shape_name(model: str) -> str:
@@ -83,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     kwargs: dict[str, Any] = {"load_format": args.load_format, "device": args.device, "dtype": args.dtype,
                               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-    for key in ("num_pages", "gpu_memory_utilization"):
+    for key in ("num_pages", "gpu_memory_utilization", "quantization", "kv_cache_dtype"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     t0 = time.perf_counter()
@@ -96,7 +126,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         run_phase(llm, Phase("warmup", fixed_requests(args.warmup, 64, 8, spec, seed=10_000)))
     rates = load_rates(args.rates) if args.rates else None
     phases = []
-    for phase in offline_phases(spec, args.seed, args.num_requests):
+    shapes = getattr(args, "shapes", None)
+    planned = shape_phases(spec, args.seed, args.num_requests, shapes) if shapes else offline_phases(
+        spec, args.seed, args.num_requests)
+    for phase in planned:
         if args.phases and phase.name not in args.phases:
             continue
         metrics = run_phase(llm, phase)
@@ -111,7 +144,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{metrics['total_token_throughput']:.0f} tok/s" +
               (f", {entry['floor_fraction']:.2f} of floor ({entry['floor']['total_s']:.2f} s)" if rates else ""),
               flush=True)
-    return result_doc(args, "flashserve", phases, offline_headline(phases, whole=len(phases) == 2), loaded.name, rates,
+        published = TRTLLM_H100_FP8_8B.get((phase.requests[0].prompt_len, phase.requests[0].output_len))
+        if published is not None and shapes:
+            entry["trtllm_h100_fp8_8b_output_tok_per_s"] = published
+            print(f"  TensorRT-LLM's published figure for this shape (Llama-3.1-8B FP8, H100): {published:,} out tok/s; "
+                  f"here {metrics['output_token_throughput'] / published:.2f}x of it", flush=True)
+    whole = not shapes and len(phases) == 2
+    return result_doc(args, "flashserve", phases, offline_headline(phases, whole=whole), loaded.name, rates,
                       {"load_s": load_s, "num_pages": llm.stack.num_pages, "page_size": llm.stack.page_size,
                        "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device)})
 
@@ -171,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=32, help="requests of 64 in / 8 out before timing (0: none)")
     p.add_argument("--phases", type=lambda s: tuple(x for x in s.split(",") if x), default=(),
                    help="run only these phases, e.g. fixed512x128 (default: both)")
+    p.add_argument("--shapes", type=parse_shapes, help="fixed INxOUT shapes instead of the workload's phases, "
+                   "e.g. 128x128,2048x128,1000x1000 (TensorRT-LLM's published FP8 shapes)")
+    p.add_argument("--quantization", choices=("fp8",), help="as serve's --quantization")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), help="as serve's --kv-cache-dtype")
     args = p.parse_args(argv)
     args.workload = "offline"
     doc = run(args)

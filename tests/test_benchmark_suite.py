@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -108,6 +109,28 @@ def test_offline_main_writes_throughputs_and_the_fraction_of_the_floor(tiny_mode
     assert phase["floor_fraction"] == pytest.approx(phase["floor"]["total_s"] / phase["metrics"]["duration_s"])
     assert {"fixed512x128_req_per_s", "fixed512x128_output_tok_per_s", "fixed512x128_total_tok_per_s",
             "fixed512x128_duration_s"} == set(doc["headline"])  # no whole-workload figure from one phase
+
+
+def test_offline_shapes_run_one_phase_each_beside_tensorrt_llms_published_figure(tiny_model: str, tmp_path: Path):
+    from benchmark import offline
+
+    out = tmp_path / "out"
+    assert offline.main(["--model", tiny_model, "--device", "cpu", "--num-requests", "2", "--shapes", "128x128,24x3",
+                         "--warmup", "0", "--out-dir", str(out)]) == 0
+    doc = _docs(out)[("offline@tiny", "flashserve")]
+    phases = {p["name"]: p for p in doc["phases"]}
+    assert [p["metrics"]["total_output_tokens"] for p in phases.values()] == [2 * 128, 2 * 3]
+    assert phases["fixed128x128"]["trtllm_h100_fp8_8b_output_tok_per_s"] == 28_312
+    assert "trtllm_h100_fp8_8b_output_tok_per_s" not in phases["fixed24x3"]
+
+
+def test_an_offline_shape_is_in_x_out_with_positive_integers():
+    from benchmark.offline import parse_shapes
+
+    assert parse_shapes("128x128, 2048x128") == [(128, 128), (2048, 128)]
+    for bad in ("128", "0x8", "8x", "ax8"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_shapes(bad)
 
 
 def test_hf_generate_peer_reports_latency_and_static_batch_throughput(tiny_model: str, tmp_path: Path):
