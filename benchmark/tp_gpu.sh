@@ -8,7 +8,8 @@
 #
 # Checks (CHECKS, comma-separated, run in this order; default all but stress):
 #   kernels    every prebuilt FlashInfer module (`make kernels-prebuilt`) loaded and timed; those the
-#              wheel lacks are named, then compiled by FlashInfer's JIT all at once (seconds to
+#              wheel lacks, and the FP8 GEMM module that is never prebuilt (it needs cuBLAS headers), are
+#              named, then compiled by FlashInfer's JIT all at once (seconds to
 #              minutes: the fused all-reduce's module alone takes over 5) into the cache that the
 #              later checks use; a prebuilt module that fails to load fails the check
 #   start      start-up to /health on this machine: the 8B on one GPU, then the 70B at TP ranks
