@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         run_phase(llm, Phase("warmup", fixed_requests(args.warmup, 64, 8, spec, seed=10_000)))
     rates = load_rates(args.rates) if args.rates else None
     phases = []
-    shapes = getattr(args, "shapes", None)
+    shapes = args.shapes
     planned = shape_phases(spec, args.seed, args.num_requests, shapes) if shapes else offline_phases(
         spec, args.seed, args.num_requests)
     for phase in planned:

@@ -54,12 +54,12 @@ class PrefixRouter:
         if self.prefix_routing:
             self._hasher.extend(hashes, prompt_token_ids, cache_salt)
         least = min(loads)
-        # At or past its slots an engine queues the request; that counts only where every engine would.
-        full = least + BALANCE_SLACK + 1 if self.slots is None or least >= self.slots else self.slots
+        # An engine at its slots would queue the request: passed over while the least loaded has a free one.
+        free_slot = self.slots is not None and least < self.slots
         best, best_key = 0, (-1, 0)
         for k in range(self.num_engines):
             i = (self._next + k) % self.num_engines
-            if loads[i] > least + BALANCE_SLACK or loads[i] >= full:
+            if loads[i] > least + BALANCE_SLACK or (free_slot and loads[i] >= self.slots):
                 continue
             key = (self.matched_pages(i, hashes), -loads[i])
             if key > best_key:
