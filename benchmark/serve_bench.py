@@ -23,7 +23,7 @@ from benchmark import LOCAL_RESULTS
 from benchmark.client import EndpointConfig, LoadResult, first_model_id, run_load
 from benchmark.goodput import search_goodput
 from benchmark.metrics import headline, merge_summary, summarize
-from benchmark.workloads import WORKLOAD_NAMES, Phase, PromptSpec, build_phases, fixed_requests, random_requests
+from benchmark.workloads import LENGTH_RANGES, WORKLOAD_NAMES, Phase, PromptSpec, build_phases, fixed_requests, random_requests
 
 RESULTS_DIR = LOCAL_RESULTS
 BUSY_WARNING = 0.7  # client CPU / wall time above which measurements are suspect
@@ -48,6 +48,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, help="cap on streams in flight at a request rate")
     p.add_argument("--arrivals", choices=("poisson", "constant"), default="poisson")
     p.add_argument("--num-requests", type=int, help="override the workload's request count")
+    p.add_argument("--lengths", choices=LENGTH_RANGES, default="centered",
+                   help="random, goodput and max_throughput lengths: centered on the workload's (+-r), or "
+                        "drawn as SGLang's bench_serving does, from len * (1 - r) up to len")
     p.add_argument("--repeats", type=int, help="latency: batches per size; concurrency: requests per stream")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo-ms", type=float, default=200.0)
@@ -141,7 +144,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     phases: list[dict[str, Any]] = []
     goodput = None
     if args.workload == "goodput":
-        reqs = random_requests(args.num_requests or 256, 2048, 256, 0.25, spec, args.seed)
+        reqs = random_requests(args.num_requests or 256, 2048, 256, 0.25, spec, args.seed, args.lengths)
 
         async def measure(rate: float) -> dict[str, Any]:
             load = await run_load(cfg, reqs, request_rate=rate, concurrency=args.max_concurrency,
@@ -155,7 +158,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         for phase in build_phases(args.workload, spec, args.seed, num_requests=args.num_requests,
                                   request_rates=args.request_rate, concurrencies=args.concurrency,
-                                  repeats=args.repeats):
+                                  repeats=args.repeats, lengths=args.lengths):
             metrics = summarize(await run_phase(cfg, phase, args))
             phases.append({"name": phase.name, "concurrency": phase.concurrency or args.max_concurrency,
                            "request_rate": phase.request_rate, "rounds": phase.rounds,

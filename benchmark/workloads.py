@@ -14,6 +14,11 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 PromptKind = Literal["token_ids", "text"]
+# How a workload's "+-r" is drawn: "centered" is [len * (1 - r), len * (1 + r)] (PERFORMANCE.md's
+# workloads, vLLM's bench); "sglang" is [len * (1 - r), len], as SGLang's bench_serving draws lengths
+# for --random-range-ratio 1 - r (its figures, e.g. "2048/256 x0.75", use this).
+LengthRange = Literal["centered", "sglang"]
+LENGTH_RANGES: tuple[str, ...] = ("centered", "sglang")
 WORKLOAD_NAMES: tuple[str, ...] = ("latency", "random", "goodput", "concurrency", "offline", "shared_prefix",
                                    "max_throughput")
 
@@ -88,10 +93,15 @@ def fixed_requests(num: int, input_len: int, output_len: int, spec: PromptSpec, 
 
 
 def random_requests(
-    num: int, input_len: int, output_len: int, range_ratio: float, spec: PromptSpec, seed: int
+    num: int, input_len: int, output_len: int, range_ratio: float, spec: PromptSpec, seed: int,
+    lengths: LengthRange = "centered",
 ) -> list[BenchRequest]:
-    """Lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)], inclusive."""
-    lo_hi = [(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))) for n in (input_len, output_len)]
+    """Lengths uniform in [len * (1 - range_ratio), len * (1 + range_ratio)], inclusive; with
+    `lengths="sglang"` in [len * (1 - range_ratio), len] (at least 1)."""
+    if lengths not in LENGTH_RANGES:
+        raise ValueError(f"unknown length range {lengths!r}; expected one of {LENGTH_RANGES}")
+    top = 1.0 if lengths == "sglang" else 1 + range_ratio
+    lo_hi = [(max(int(n * (1 - range_ratio)), 1), int(n * top)) for n in (input_len, output_len)]
     return uniform_requests(num, lo_hi[0], lo_hi[1], spec, seed)
 
 
@@ -131,9 +141,10 @@ def random_phases(
     num_requests: int = 256,
     request_rates: Sequence[float] = (8.0,),
     concurrencies: Sequence[int] = (),
+    lengths: LengthRange = "centered",
 ) -> list[Phase]:
     """In 2048 +-25%, out 256 +-25%: one phase per request rate, or per concurrency if given."""
-    reqs = random_requests(num_requests, 2048, 256, 0.25, spec, seed)
+    reqs = random_requests(num_requests, 2048, 256, 0.25, spec, seed, lengths)
     if concurrencies:
         return [Phase(f"c{c}", reqs, concurrency=c) for c in concurrencies]
     return [Phase(f"rate{r:g}", reqs, request_rate=r) for r in request_rates]
@@ -186,18 +197,21 @@ def build_phases(
     request_rates: Sequence[float] = (),
     concurrencies: Sequence[int] = (),
     repeats: int | None = None,
+    lengths: LengthRange = "centered",
 ) -> list[Phase]:
-    """The phases of a named workload (all but `goodput`, which searches over rates instead)."""
+    """The phases of a named workload (all but `goodput`, which searches over rates instead).
+    `lengths` says how the random and max_throughput workloads draw lengths around their means."""
     if workload == "latency":
         return latency_phases(spec, seed, repeats or 5)
     if workload == "random":
-        return random_phases(spec, seed, num_requests or 256, request_rates or (8.0,), concurrencies)
+        return random_phases(spec, seed, num_requests or 256, request_rates or (8.0,), concurrencies, lengths)
     if workload == "concurrency":
         return concurrency_phases(spec, seed, concurrencies or (5, 10, 25, 50, 100), repeats or 3)
     if workload == "offline":
         return offline_phases(spec, seed, num_requests or 256)
     if workload == "max_throughput":  # in 1024 +-50%, out 256 +-50%, all at once (SGLang bench_serving's defaults)
-        return [Phase(f"all{num_requests or 512}", random_requests(num_requests or 512, 1024, 256, 0.5, spec, seed))]
+        reqs = random_requests(num_requests or 512, 1024, 256, 0.5, spec, seed, lengths)
+        return [Phase(f"all{num_requests or 512}", reqs)]
     if workload == "shared_prefix":  # --concurrency names the group counts here
         return shared_prefix_phases(spec, seed, concurrencies or (16,))
     raise ValueError(f"unknown workload {workload!r}; expected one of {WORKLOAD_NAMES}")

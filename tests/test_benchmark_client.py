@@ -193,6 +193,15 @@ def test_token_id_prompts_have_exact_lengths_and_fixed_seeds():
     assert all(1536 <= r.prompt_len <= 2560 and 192 <= r.output_len <= 320 for r in a)
 
 
+def test_sglang_lengths_are_drawn_up_to_the_named_length_as_its_bench_serving_does():
+    rnd = build_phases("random", TOKEN_IDS, request_rates=(12.0,), num_requests=400, lengths="sglang")[0]
+    ins, outs = [r.prompt_len for r in rnd.requests], [r.output_len for r in rnd.requests]
+    assert 1536 <= min(ins) and max(ins) <= 2048 and 192 <= min(outs) and max(outs) <= 256
+    assert abs(sum(ins) / len(ins) - 1792) < 30  # mean 1,792: SGLang's "2048/256 x0.75"
+    top = build_phases("max_throughput", TOKEN_IDS, num_requests=400, lengths="sglang")[0]
+    assert all(512 <= r.prompt_len <= 1024 and 128 <= r.output_len <= 256 for r in top.requests)
+
+
 def test_workloads_have_the_shapes_of_performance_md():
     lat = build_phases("latency", TOKEN_IDS, repeats=3)
     assert [(p.name, p.concurrency, p.rounds, len(p.requests)) for p in lat] == [("bs1", 1, 3, 3), ("bs8", 8, 3, 24)]
