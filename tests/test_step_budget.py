@@ -1,10 +1,13 @@
-"""The default step budget: 2048 tokens on CUDA, on a CPU what one step computes in about 0.4 s."""
+"""The default step size: 8192 tokens and 1024 requests on a GPU of 70 GiB or more (not an A100),
+2048 and 256 on other GPUs, on a CPU 256 requests and the tokens one step computes in about 0.4 s."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from flashserve.worker import step_budget
 from flashserve.worker.step_budget import (
@@ -12,7 +15,9 @@ from flashserve.worker.step_budget import (
     CPU_STEP_SECONDS,
     GPU_STEP_TOKENS,
     budget_from_rate,
+    default_max_num_seqs,
     default_step_budget,
+    large_gpu,
 )
 
 PAGE = 16
@@ -40,6 +45,31 @@ def test_cuda_budget_is_2048_without_running_a_step() -> None:
     runner = ClockRunner(1.0)
     assert default_step_budget(runner, "cuda", num_pages=100, page_size=PAGE) == GPU_STEP_TOKENS == 2048
     assert runner.steps == []
+
+
+def test_large_gpu_budget_is_8192_as_vllms() -> None:
+    runner = ClockRunner(1.0)
+    assert default_step_budget(runner, "cuda", num_pages=100, page_size=PAGE, large=True) == 8192
+    assert runner.steps == []
+
+
+def test_large_gpu_steps_hold_1024_requests_and_others_256() -> None:
+    assert (default_max_num_seqs(True), default_max_num_seqs(False)) == (1024, 256)
+
+
+@pytest.mark.parametrize(("name", "gib", "large"), [
+    ("NVIDIA H100 80GB HBM3", 79.2, True), ("NVIDIA H200", 139.8, True), ("NVIDIA A100-SXM4-80GB", 79.2, False),
+    ("NVIDIA L40S", 44.4, False), ("NVIDIA GeForce RTX 4090", 23.6, False),
+])
+def test_large_gpu_is_one_of_70_gib_or_more_other_than_an_a100(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                              gib: float, large: bool) -> None:
+    props = SimpleNamespace(name=name, total_memory=int(gib * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert large_gpu(torch.device("cuda", 0)) is large
+
+
+def test_a_cpu_is_never_a_large_gpu() -> None:
+    assert large_gpu(torch.device("cpu")) is False
 
 
 def test_cpu_budget_holds_the_tokens_one_step_computes_in_the_target_time(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,6 +130,7 @@ def test_engine_on_a_cpu_resolves_the_auto_budget_before_scheduling(tmp_path) ->
     stack = build_engine(model, CacheConfig(num_pages=32), SchedulerConfig())
     assert CPU_MIN_STEP_TOKENS <= stack.max_num_batched_tokens <= GPU_STEP_TOKENS
     assert stack.engine.scheduler.config.max_num_batched_tokens == stack.max_num_batched_tokens
+    assert stack.engine.scheduler.config.max_num_seqs == 256  # resolved as well: no None reaches the scheduler
 
 
 def test_cpu_steps_without_a_waiting_stream_may_hold_a_whole_8k_prompt() -> None:

@@ -108,10 +108,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--cpu-kv-cache-gb", float, 1.0, "KV cache size on CPU, in GB"),
     Option("--enable-prefix-caching", _bool, True, "reuse the KV pages of prompt prefixes that earlier "
            "requests computed (--no-enable-prefix-caching to turn it off)"),
-    Option("--max-num-seqs", int, 256, "most requests in one step"),
+    Option("--max-num-seqs", _positive_int, None, "most requests in one step (default: 1024 on a GPU of 70 GiB "
+           "or more other than an A100, as vLLM's; else 256)"),
     Option("--max-num-batched-tokens", _positive_int, None, "most tokens in one step (prefill chunks + decode "
-           "tokens) (default: 2048 on CUDA; on a CPU as many as one step computes in about 0.4 s, measured "
-           "at start-up)"),
+           "tokens) (default: 8192 on a GPU of 70 GiB or more other than an A100, as vLLM's; 2048 on other "
+           "GPUs; on a CPU as many as one step computes in about 0.4 s, measured at start-up)"),
     Option("--overlap-scheduling", _bool, True, "schedule and launch each step while the device computes "
            "the one before (--no-overlap-scheduling: one after the other)"),
     Option("--cuda-graph", _bool, True, "capture decode steps in CUDA graphs (--no-cuda-graph or --enforce-eager to disable)"),

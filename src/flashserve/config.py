@@ -46,9 +46,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    # None: chosen where the device is known (`worker/step_budget.py`): 2048 on CUDA, on a CPU the
-    # tokens that one step computes in about 0.4 s, measured at start-up.
+    # None: chosen where the device is known (`worker/step_budget.py`): 1024 on a GPU of 70 GiB or
+    # more (not an A100), else 256.
+    max_num_seqs: int | None = None
+    # None: chosen where the device is known (`worker/step_budget.py`): 8192 on a GPU of 70 GiB or
+    # more (not an A100), 2048 on other GPUs, on a CPU the tokens that one step computes in about
+    # 0.4 s, measured at start-up.
     max_num_batched_tokens: int | None = None
     # Tokens a step may hold when no running request has output yet (nobody's stream waits on the
     # step, so chunking a prompt only costs time). None: max_num_batched_tokens. On a CPU with the

@@ -183,6 +183,7 @@ def test_capture_batch_sizes() -> None:
     assert capture_batch_sizes(6) == [1, 2, 4, 6]
     assert capture_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
     assert capture_batch_sizes(36) == [1, 2, 4, 8, 16, 24, 32, 36]
+    assert capture_batch_sizes(1024)[-1] == 512  # larger decode steps run eagerly
 
 
 def test_a_model_that_cannot_be_captured_decodes_eagerly() -> None:

@@ -39,7 +39,7 @@ from flashserve.engine.outputs import RequestOutput
 from flashserve.structured.compiler import GrammarSpec
 
 # Bump whenever a message below changes shape.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class EngineSetup:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    max_num_seqs: int = 256  # requests one step holds, as resolved for the engine core's device
 
 
 @dataclass(frozen=True)

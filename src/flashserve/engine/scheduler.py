@@ -54,6 +54,8 @@ class Scheduler:
         self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int, vocab_size: int | None = None
     ) -> None:
         """vocab_size: the model's, for the token bitmasks of requests with a grammar."""
+        if config.max_num_seqs is None or config.max_num_batched_tokens is None:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens are chosen by device in build_engine: {config}")
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be positive: {config}")
         if max_model_len < 1:

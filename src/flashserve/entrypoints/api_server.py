@@ -65,7 +65,7 @@ def engine_client(conns: list[Connection], setups: list[EngineSetup], args: Any)
     from flashserve.client.router import PrefixRouter
 
     # Each front end balances its own requests, so it counts on its share of an engine's slots.
-    slots = max(1, args.scheduler.max_num_seqs // args.api_server_count)
+    slots = max(1, setups[0].max_num_seqs // args.api_server_count)
     router = PrefixRouter(len(clients), args.cache.page_size, args.data_parallel_routing == "prefix", slots=slots)
     return DataParallelClient(clients, router)
 

@@ -56,7 +56,7 @@ def core_parts(stack: Any) -> CoreParts:
         return compiler.submit(spec)
 
     setup = EngineSetup(PROTOCOL_VERSION, loaded.tokenizer, loaded.name, stack.max_model_len,
-                        tuple(loaded.eos_token_ids), loaded.vocab_size)
+                        tuple(loaded.eos_token_ids), loaded.vocab_size, stack.engine.scheduler.config.max_num_seqs)
     return CoreParts(stack.engine, setup, compile_grammar, stack.close)
 
 

@@ -53,8 +53,12 @@ def build_engine(
 ) -> EngineStack:
     """detokenize=False: the engine sees token ids only and leaves text and stop strings to its
     caller (the server's front ends)."""
-    from flashserve.worker.runner import build_runner  # torch is imported here, not at package import
+    from flashserve.worker.runner import build_runner, pick_device  # torch is imported here, not at package import
+    from flashserve.worker.step_budget import default_max_num_seqs, large_gpu
 
+    large = large_gpu(pick_device(model.device))
+    if scheduler.max_num_seqs is None:
+        scheduler = replace(scheduler, max_num_seqs=default_max_num_seqs(large))
     if model.tensor_parallel_size > 1:  # this process is rank 0; the workers start here
         from flashserve.executor.tensor_parallel import start_tensor_parallel
 
@@ -67,7 +71,7 @@ def build_engine(
     if budget is None:
         from flashserve.worker.step_budget import default_prefill_only_budget, default_step_budget
 
-        budget = default_step_budget(runner, loaded.device.type, num_pages, cache.page_size)
+        budget = default_step_budget(runner, loaded.device.type, num_pages, cache.page_size, large)
         prefill_only = scheduler.prefill_only_budget or default_prefill_only_budget(loaded.device.type, budget)
         scheduler = replace(scheduler, max_num_batched_tokens=budget, prefill_only_budget=prefill_only)
     # loaded.max_model_len is already capped by what the KV cache holds.

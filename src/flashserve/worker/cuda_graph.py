@@ -25,8 +25,16 @@ class NotCapturableError(RuntimeError):
     capture begins, so the process stays fit to run the forward eagerly."""
 
 
+# The largest decode batch captured (vLLM's default too): a larger decode step runs eagerly, where
+# launching kernels costs little beside the step's own time, and the start does not capture a
+# graph for every 8 requests up to 1,024.
+MAX_GRAPH_BATCH = 512
+
+
 def capture_batch_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to `max_batch_size` (itself included)."""
+    """1, 2, 4, 8, then every multiple of 8 up to `max_batch_size` (itself included), at most
+    `MAX_GRAPH_BATCH`."""
+    max_batch_size = min(max_batch_size, MAX_GRAPH_BATCH)
     sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
     sizes += range(16, max_batch_size + 1, 8)
     if max_batch_size >= 1 and sizes[-1] != max_batch_size:
