@@ -25,7 +25,7 @@ import gc
 import json
 import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ def graph_us(fn: Callable[[], Any], warmup: int, iters: int, reps: int = 20) -> 
     return time_ms(graph.replay, warmup, iters) * 1e3 / reps
 
 
-def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
+def bench_gemms(bw: float, warmup: int, iters: int, gemm_rows: Sequence[int] = GEMM_ROWS) -> list[dict[str, Any]]:
     from flashserve.layers.fp8 import (
         SMALL_M, fp8_gemm_small_m, fp8_linear, quantize_rows, quantize_weight_per_channel, scale_rows_cols,
     )  # fmt: skip
@@ -67,7 +67,7 @@ def bench_gemms(bw: float, warmup: int, iters: int) -> list[dict[str, Any]]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         wq, ws = quantize_weight_per_channel(w)
         ws = ws.view(1, -1)
-        for m in GEMM_ROWS:
+        for m in gemm_rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_rows(x)
             r: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m,
@@ -246,6 +246,8 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
+    p.add_argument("--gemm-rows", nargs="+", type=int, default=list(GEMM_ROWS),
+                   help="rows of the GEMM table (prefill sizes, e.g. 2048 8192, compare its two layer paths there)")
     p.add_argument("--kv-len", type=int, default=512)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
@@ -283,7 +285,7 @@ def main() -> None:
         bw = rates.copy_bytes_per_s
         results.update(copy_GBps=bw / 1e9, matmul_TFLOPs=rates.matmul_flop_per_s / 1e12)
         print(f"{results['gpu']}: copy {bw / 1e9:.0f} GB/s", flush=True)
-        section("gemm", lambda: bench_gemms(bw, args.warmup, args.iters))
+        section("gemm", lambda: bench_gemms(bw, args.warmup, args.iters, args.gemm_rows))
 
         for label, quant, kv in (("bf16", None, None), ("fp8", "fp8", None), ("fp8+fp8kv", "fp8", torch.float8_e4m3fn)):
             section(f"decode_{label}", lambda: bench_decode(build(quant), label, kv, args, bw))
