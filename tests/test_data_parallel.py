@@ -102,6 +102,26 @@ def test_the_record_of_an_engine_forgets_its_oldest_pages() -> None:
     assert router.matched_pages(0, hashes) == 0  # its first two pages went first
 
 
+def test_each_front_end_counts_on_its_share_of_the_slots_the_engine_cores_resolved() -> None:
+    # --max-num-seqs left to the device: an engine core on a large GPU reports 1,024 in its setup.
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    from flashserve.client.codec import PROTOCOL_VERSION, EngineSetup
+    from flashserve.entrypoints.api_server import engine_client
+
+    pipes = [Pipe() for _ in range(2)]
+    setup = EngineSetup(PROTOCOL_VERSION, None, "m", 512, (), 512, max_num_seqs=1024)
+    args = SimpleNamespace(max_waiting=None, api_server_count=2, cache=SimpleNamespace(page_size=PAGE),
+                           data_parallel_routing="prefix", scheduler=SimpleNamespace(max_num_seqs=None))
+    try:
+        assert engine_client([a for a, _ in pipes], [setup, setup], args).router.slots == 512
+    finally:
+        for a, b in pipes:
+            a.close()
+            b.close()
+
+
 # ---- GPUs per engine core ------------------------------------------------------------------------
 def test_each_engine_core_gets_its_own_tensor_parallel_group_of_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
