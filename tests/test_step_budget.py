@@ -64,12 +64,21 @@ def test_large_gpu_steps_hold_1024_requests_and_others_256() -> None:
 def test_large_gpu_is_one_of_70_gib_or_more_other_than_an_a100(monkeypatch: pytest.MonkeyPatch, name: str,
                                                               gib: float, large: bool) -> None:
     props = SimpleNamespace(name=name, total_memory=int(gib * 2**30))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     assert large_gpu(torch.device("cuda", 0)) is large
+    assert large_gpu("auto") is large  # --device's default names the GPU when there is one
 
 
 def test_a_cpu_is_never_a_large_gpu() -> None:
-    assert large_gpu(torch.device("cpu")) is False
+    assert large_gpu(torch.device("cpu")) is False and large_gpu("cpu") is False
+
+
+def test_cuda_without_a_gpu_is_not_a_large_gpu_and_leaves_the_error_to_the_device_pick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert large_gpu("cuda") is False and large_gpu("auto") is False
 
 
 def test_cpu_budget_holds_the_tokens_one_step_computes_in_the_target_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,10 +53,10 @@ def build_engine(
 ) -> EngineStack:
     """detokenize=False: the engine sees token ids only and leaves text and stop strings to its
     caller (the server's front ends)."""
-    from flashserve.worker.runner import build_runner, pick_device  # torch is imported here, not at package import
+    from flashserve.worker.runner import build_runner  # torch is imported here, not at package import
     from flashserve.worker.step_budget import default_max_num_seqs, large_gpu
 
-    large = large_gpu(pick_device(model.device))
+    large = large_gpu(model.device)
     if scheduler.max_num_seqs is None:
         scheduler = replace(scheduler, max_num_seqs=default_max_num_seqs(large))
     if model.tensor_parallel_size > 1:  # this process is rank 0; the workers start here

@@ -72,12 +72,15 @@ def measure_prefill_seconds_per_token(runner: object, num_pages: int, page_size:
 
 
 def large_gpu(device: object) -> bool:
-    """A CUDA device of `LARGE_GPU_BYTES` or more that is not an A100."""
-    if getattr(device, "type", None) != "cuda":
-        return False
+    """Whether `device` (a torch.device or a --device name: "auto", "cuda:1", "cpu") is a CUDA
+    device of `LARGE_GPU_BYTES` or more that is not an A100. A name that no available GPU answers
+    is not one; the code that picks the device reports that."""
     import torch
 
-    props = torch.cuda.get_device_properties(device)  # type: ignore[arg-type]
+    name = "cuda" if str(device) == "auto" else str(device)
+    if not name.startswith("cuda") or not torch.cuda.is_available():
+        return False
+    props = torch.cuda.get_device_properties(torch.device(name))
     return props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower()
 
 
