@@ -9,9 +9,9 @@ still safe, budget.
 
 A GPU of 70 GiB or more (H100, H200; not the A100, where a larger budget measured slower in vLLM)
 takes 8,192 tokens and 1,024 requests a step, vLLM's defaults for its server there. On one H100
-with the 8B these raised the SGLang-drawn max-throughput workload from 5,574 to 5,851 output tok/s
-and cut P99 TTFT at 12 req/s from 345 to 306 ms, at the price of longer worst gaps in running
-streams (ITL P99 63 -> 106 ms): `benchmark/results/NVIDIA_H100_80GB_HBM3/serve_8b/defaults/`.
+with the 8B these raised the SGLang-drawn max-throughput workload from 5,574 to 5,913 output tok/s
+and cut P99 TTFT at 12 req/s from 345 to 307 ms, at the price of longer worst gaps in running
+streams (ITL P99 63 -> 106 ms): `benchmark/results/NVIDIA_H100_80GB_HBM3/serve_8b/one_gpu/`.
 """
 
 from __future__ import annotations
