@@ -16,9 +16,10 @@ import torch
 
 from flashserve.attention.kv_quant import FP8_KV_DTYPE
 from flashserve.layers.fp8 import (
-    SMALL_M, dequantize_weight, fp8_gemm_small_m, fp8_linear, quantize_rows, quantize_rows_torch, quantize_static,
-    quantize_weight_per_channel,
+    SMALL_M, QuantizedRows, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_gemm_small_m, fp8_linear,
+    quantize_rows, quantize_rows_torch, quantize_static, quantize_weight_per_channel, silu_and_mul_quant,
 )  # fmt: skip
+from flashserve.layers.linear import linear, linear_unscaled
 from flashserve.models.llama import LlamaModel
 from flashserve.worker.runner import NativeCausalLM, model_shape
 from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
@@ -92,6 +93,120 @@ def test_row_quantization_does_not_depend_on_the_batch() -> None:
     for i in (0, 1, 137, 299):
         qi, si = quantize_rows(x[i : i + 1])
         assert torch.equal(si, s[i : i + 1]) and torch.equal(qi.view(torch.uint8), q[i : i + 1].view(torch.uint8))
+
+
+def assert_quantized_like(got: QuantizedRows, ref: torch.Tensor, static: torch.Tensor | None = None,
+                          ub: float | None = None) -> None:
+    """`got` is `ref` (float32 [M, K]) quantized per row (or with the static scale, or with amax bounded
+    by `ub`): the scale is amax / 448 and every value within an e4m3 rounding (half a step: 2^-4
+    relative, 2^-10 of the scale below the normal range) of ref / scale, saturated at 448."""
+    q, s = got
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (ref.shape[0], 1)
+    amax = ref.abs().amax(-1, keepdim=True)
+    want = static.reshape(1, 1).expand_as(s) if static is not None else (
+        amax.clamp(max=ub) if ub is not None else amax) / 448.0
+    torch.testing.assert_close(s, want, rtol=1e-5, atol=0)
+    target = (ref / s).clamp(-448.0, 448.0)
+    assert ((q.float() - target).abs() <= target.abs() * 2**-4 * 1.001 + 2**-10 + 1e-3).all()
+
+
+def norm_reference(x: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm in float32 of the residual after the add, stored in bfloat16; that residual)."""
+    r = residual.float() if x is None else (residual.float() + x).bfloat16().float()
+    return r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * w.float(), r
+
+
+def unscaled_rows(m: int, n: int, bias: bool, seed: int) -> tuple[UnscaledRows, torch.Tensor]:
+    """A GEMM output with its scales still to apply (as bmm_fp8 leaves it), and its float32 value."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    y = (torch.randn(m, n, device="cuda", generator=gen) * 300).bfloat16()
+    xs = torch.rand(m, 1, device="cuda", generator=gen) * 0.01 + 1e-3
+    ws = torch.rand(1, n, device="cuda", generator=gen) * 0.01 + 1e-3
+    b = torch.randn(n, device="cuda", generator=gen).bfloat16() if bias else None
+    value = y.float() * xs * ws + (b.float() if b is not None else 0.0)
+    return UnscaledRows(y, xs, ws, b), value
+
+
+NORM_INPUTS = ["first-layer", "plain", "unscaled", "unscaled-bias"]
+
+
+@pytest.mark.parametrize("m", [1, 7, 300])
+@pytest.mark.parametrize("hidden", [2048, 4096, 8192])
+@pytest.mark.parametrize("given", NORM_INPUTS)
+def test_the_fused_add_rmsnorm_writes_the_quantized_norm_of_the_updated_residual(given: str, hidden: int, m: int) -> None:
+    gen = torch.Generator("cuda").manual_seed(hidden + m)
+    residual = torch.randn(m, hidden, device="cuda", generator=gen).bfloat16()
+    w = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+    x: torch.Tensor | UnscaledRows | None = None
+    value = None
+    if given == "plain":
+        x = torch.randn(m, hidden, device="cuda", generator=gen).bfloat16()
+        value = x.float()
+    elif given.startswith("unscaled"):
+        x, value = unscaled_rows(m, hidden, given.endswith("bias"), hidden)
+    ref, r = norm_reference(value, residual, w, 1e-5)
+    before = residual.clone()
+    got, res = add_rmsnorm_quant(x, residual, w, 1e-5)
+    assert isinstance(got, QuantizedRows)
+    if x is None:
+        assert torch.equal(res, before)  # the embedding is left alone
+    else:
+        assert res.data_ptr() == residual.data_ptr()
+        torch.testing.assert_close(res.float(), r, rtol=2**-8, atol=1e-6)
+    assert_quantized_like(got, ref)
+
+
+@pytest.mark.parametrize("bound", ["static", "ub"])
+def test_the_fused_add_rmsnorm_takes_a_static_scale_or_a_bound_on_the_dynamic_one(bound: str) -> None:
+    gen = torch.Generator("cuda").manual_seed(5)
+    residual = torch.randn(9, 4096, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(9, 4096, device="cuda", generator=gen).bfloat16()
+    w = (torch.rand(4096, device="cuda", generator=gen) + 0.5).bfloat16()
+    ref, _ = norm_reference(x.float(), residual, w, 1e-5)
+    static = torch.tensor(0.004, device="cuda") if bound == "static" else None
+    ub = 1.5 if bound == "ub" else None
+    got, _ = add_rmsnorm_quant(x, residual, w, 1e-5, True, static, ub)
+    assert isinstance(got, QuantizedRows)
+    assert_quantized_like(got, ref, static, ub)
+
+
+def test_the_fused_add_rmsnorm_applies_deferred_scales_for_a_dense_reader() -> None:
+    """The final norm (before a bfloat16 LM head) reads down_proj's unscaled output too."""
+    x, value = unscaled_rows(5, 4096, False, 3)
+    gen = torch.Generator("cuda").manual_seed(4)
+    residual = torch.randn(5, 4096, device="cuda", generator=gen).bfloat16()
+    w = (torch.rand(4096, device="cuda", generator=gen) + 0.5).bfloat16()
+    ref, _ = norm_reference(value, residual, w, 1e-5)
+    got, _ = add_rmsnorm_quant(x, residual, w, 1e-5, quantize=False)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 7, 300])
+@pytest.mark.parametrize("inter", [1024, 14336, 28672])
+@pytest.mark.parametrize("given", ["plain", "unscaled", "unscaled-bias"])
+def test_the_fused_silu_and_mul_writes_its_product_quantized(given: str, inter: int, m: int) -> None:
+    if given == "plain":
+        gen = torch.Generator("cuda").manual_seed(inter + m)
+        x: torch.Tensor | UnscaledRows = (torch.randn(m, 2 * inter, device="cuda", generator=gen) * 3).bfloat16()
+        value = x.float()
+    else:
+        x, value = unscaled_rows(m, 2 * inter, given.endswith("bias"), inter + m)
+    ref = torch.nn.functional.silu(value[:, :inter]) * value[:, inter:]
+    assert_quantized_like(silu_and_mul_quant(x), ref)
+
+
+@pytest.mark.parametrize("name", list(SHAPES_8B))
+def test_an_fp8_projection_leaves_its_scales_to_the_reader_only_up_to_small_m(name: str) -> None:
+    pytest.importorskip("flashinfer")
+    for m in (1, SMALL_M, SMALL_M + 1):
+        x, wq, ws, bias = gemm_operands(name, m)
+        with torch.inference_mode():
+            out = linear_unscaled(x, wq, bias, ws.view(1, -1))
+            whole = linear(x, wq, bias, ws.view(1, -1))
+        assert isinstance(out, UnscaledRows) == (m <= SMALL_M)
+        got = out.scaled() if isinstance(out, UnscaledRows) else out
+        assert torch.equal(got, whole)
 
 
 def dequantized_copy(hf: torch.nn.Module) -> torch.nn.Module:

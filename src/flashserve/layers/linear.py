@@ -8,6 +8,11 @@ format is the dtype of the weight. The arguments are plain tensors (and one floa
   oneDNN.
 - FP8: float8_e4m3fn weight [N, K], float32 `weight_scale` [1, N], an optional static float32
   `input_scale` [] and fbgemm's bound on dynamic activation scales; see `layers/fp8.py`.
+
+The kernel before a projection may write its input in the projection's format: `add_rmsnorm_for`
+and `silu_and_mul_for` return `QuantizedRows` for an FP8 projection of a bfloat16 model on a GPU
+(one fused kernel each), and `linear_unscaled` may return `UnscaledRows`, which
+those two scale as they read them. Everywhere else they are the `Ops` kernels on plain tensors.
 """
 
 from __future__ import annotations
@@ -16,23 +21,73 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashserve.layers.fp8 import FP8_DTYPE, fp8_linear
+from flashserve.layers.fp8 import (
+    FP8_DTYPE, FUSED_MAX_COLS, QuantizedRows, UnscaledRows, add_rmsnorm_quant, fp8_linear, fused_kernels,
+    silu_and_mul_quant,
+)  # fmt: skip
+from flashserve.layers.ops import Ops
 
 Tensor = torch.Tensor
 LinearArgs = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, float | None]
 
 
 def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, weight_scale: Tensor | None = None,
+    x: Tensor | QuantizedRows, weight: Tensor, bias: Tensor | None = None, weight_scale: Tensor | None = None,
     input_scale: Tensor | None = None, input_scale_ub: float | None = None,
 ) -> Tensor:  # fmt: skip
-    """x @ weight.T + bias in the weight's format (see the module docstring)."""
+    """x @ weight.T + bias in the weight's format (see the module docstring). `QuantizedRows` go to an
+    FP8 weight only."""
+    return dense(linear_unscaled(x, weight, bias, weight_scale, input_scale, input_scale_ub, defer=False))
+
+
+def linear_unscaled(
+    x: Tensor | QuantizedRows, weight: Tensor, bias: Tensor | None = None, weight_scale: Tensor | None = None,
+    input_scale: Tensor | None = None, input_scale_ub: float | None = None, defer: bool = True,
+) -> Tensor | UnscaledRows:  # fmt: skip
+    """`linear`, except that an FP8 projection of up to `fp8.SMALL_M` rows returns `UnscaledRows`
+    (bmm_fp8's product, its scales left to the kernel that reads it: `add_rmsnorm_for`,
+    `silu_and_mul_for`)."""
     if weight.dtype == FP8_DTYPE:
         assert weight_scale is not None
-        return fp8_linear(x, weight, bias, weight_scale, input_scale, input_scale_ub)
+        return fp8_linear(x, weight, bias, weight_scale, input_scale, input_scale_ub, defer)
+    assert isinstance(x, Tensor), "quantized rows go to FP8 projections only"
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def dense(x: Tensor | UnscaledRows) -> Tensor:
+    """A projection's output as a plain tensor (scales applied, if any were deferred)."""
+    return x.scaled() if isinstance(x, UnscaledRows) else x
+
+
+def _fuses_fp8_input(proj: LinearArgs | None, x: Tensor, cols: int) -> bool:
+    """Whether the kernel making `proj`'s input (rows of `cols` values) should quantize it: an FP8
+    projection of a bfloat16 model on a GPU with the fused kernels (`fp8.fused_kernels`)."""
+    return (proj is not None and proj[0].dtype == FP8_DTYPE and x.dtype == torch.bfloat16
+            and cols <= FUSED_MAX_COLS and fused_kernels(x))  # fmt: skip
+
+
+def add_rmsnorm_for(
+    proj: LinearArgs | None, ops: Ops, x: Tensor | UnscaledRows | None, residual: Tensor, norm_w: Tensor, eps: float,
+) -> tuple[Tensor | QuantizedRows, Tensor]:  # fmt: skip
+    """(normed, residual): residual += x (None: nothing added), RMSNorm, in the format projection
+    `proj` reads (None: the model dtype). The residual is updated in place or replaced, as `Ops`."""
+    quantize = _fuses_fp8_input(proj, residual, residual.shape[-1])
+    if quantize or (isinstance(x, UnscaledRows) and residual.shape[-1] <= FUSED_MAX_COLS):
+        input_scale, ub = (proj[3], proj[4]) if quantize and proj is not None else (None, None)
+        return add_rmsnorm_quant(x, residual, norm_w, eps, quantize, input_scale, ub)
+    if x is None:
+        return ops.rmsnorm(residual, norm_w, eps), residual
+    return ops.fused_add_rmsnorm(dense(x), residual, norm_w, eps)
+
+
+def silu_and_mul_for(proj: LinearArgs, ops: Ops, x: Tensor | UnscaledRows) -> Tensor | QuantizedRows:
+    """SiLU-and-mul of a gate_up output, in the format projection `proj` (down) reads."""
+    raw = x.y if isinstance(x, UnscaledRows) else x
+    if _fuses_fp8_input(proj, raw, raw.shape[-1] // 2) and raw.dim() == 2:
+        return silu_and_mul_quant(x, proj[3], proj[4])
+    return ops.silu_and_mul(dense(x))
 
 
 def packs_for_onednn(device: torch.device, dtype: torch.dtype, compile: bool) -> bool:

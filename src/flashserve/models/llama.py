@@ -32,7 +32,10 @@ from torch import nn
 
 from flashserve.distributed.comm import FlashInferAllReduceNorm, FusedAllReduceNorm, SingleRankGroup, TPGroup
 from flashserve.distributed.sharding import ShardLayout
-from flashserve.layers.linear import Linear, LinearArgs, linear, pack_for_onednn, packs_for_onednn
+from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
+from flashserve.layers.linear import (
+    Linear, LinearArgs, add_rmsnorm_for, dense, linear, linear_unscaled, pack_for_onednn, packs_for_onednn, silu_and_mul_for,
+)  # fmt: skip
 from flashserve.layers.ops import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.layers.quantization import Fp8Scheme, projection_loading
 from flashserve.model_loader.weights import (
@@ -84,29 +87,27 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def attention_input(
-    spec: LlamaSpec, ops: Ops, hidden: Tensor | None, residual: Tensor, positions: Tensor, cos_sin: Tensor,
-    norm_w: Tensor, qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
+    spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows | None, residual: Tensor, positions: Tensor,
+    cos_sin: Tensor, norm_w: Tensor, qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """A layer up to attention: (add +) RMSNorm, fused qkv, the q/k norms, RoPE.
 
     `hidden` is the previous layer's output, added into `residual` (None for the first layer,
     whose `residual` is the embedding). Returns q, k, v as [T, heads, head_dim] and the residual.
     """
-    if hidden is None:
-        hidden = ops.rmsnorm(residual, norm_w, spec.rms_norm_eps)
-    else:
-        hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)
-    q, k, v = qkv_rope(spec, ops, hidden, positions, cos_sin, qkv, q_norm_w, k_norm_w)
+    normed, residual = add_rmsnorm_for(qkv, ops, hidden, residual, norm_w, spec.rms_norm_eps)
+    q, k, v = qkv_rope(spec, ops, normed, positions, cos_sin, qkv, q_norm_w, k_norm_w)
     return q, k, v, residual
 
 
 def qkv_rope(
-    spec: LlamaSpec, ops: Ops, normed: Tensor, positions: Tensor, cos_sin: Tensor,
+    spec: LlamaSpec, ops: Ops, normed: Tensor | QuantizedRows, positions: Tensor, cos_sin: Tensor,
     qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """`attention_input` after the layer's input norm: fused qkv, the q/k norms, RoPE."""
-    eps, d, t = spec.rms_norm_eps, spec.head_dim, normed.shape[0]
+    eps, d = spec.rms_norm_eps, spec.head_dim
     q, k, v = linear(normed, *qkv).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    t = q.shape[0]
     if q_norm_w is not None and k_norm_w is not None:
         q = ops.rmsnorm(q.view(t, spec.num_heads, d), q_norm_w, eps).view(t, spec.q_size)
         k = ops.rmsnorm(k.view(t, spec.num_kv_heads, d), k_norm_w, eps).view(t, spec.kv_size)
@@ -117,30 +118,38 @@ def qkv_rope(
 def attention_output(
     spec: LlamaSpec, ops: Ops, attn: Tensor, residual: Tensor, o: LinearArgs, norm_w: Tensor,
     gate_up: LinearArgs, down: LinearArgs,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """A layer from attention on: o_proj, add + RMSNorm, the SiLU MLP. Returns it and the residual."""
-    hidden = linear(attn.reshape(attn.shape[0], spec.q_size), *o)
+) -> tuple[Tensor | UnscaledRows, Tensor]:  # fmt: skip
+    """A layer from attention on: o_proj, add + RMSNorm, the SiLU MLP. Returns it and the residual;
+    an FP8 down_proj's output may come with its scales still to apply (`UnscaledRows`), which the
+    next layer's add + RMSNorm (or `final_norm`) applies."""
+    hidden = linear_unscaled(attn.reshape(attn.shape[0], spec.q_size), *o)
     return mlp(spec, ops, hidden, residual, norm_w, gate_up, down)
 
 
 def mlp(
-    spec: LlamaSpec, ops: Ops, hidden: Tensor, residual: Tensor, norm_w: Tensor,
+    spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows, residual: Tensor, norm_w: Tensor,
     gate_up: LinearArgs, down: LinearArgs,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor | UnscaledRows, Tensor]:  # fmt: skip
     """`attention_output` after o_proj: add + RMSNorm, the SiLU MLP."""
-    hidden, residual = ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)
-    return gated_mlp(ops, hidden, gate_up, down), residual
+    normed, residual = add_rmsnorm_for(gate_up, ops, hidden, residual, norm_w, spec.rms_norm_eps)
+    return gated_mlp(ops, normed, gate_up, down, unscaled=True), residual
 
 
-def gated_mlp(ops: Ops, normed: Tensor, gate_up: LinearArgs, down: LinearArgs) -> Tensor:
-    """The SiLU MLP of a normed hidden state: gate_up, SiLU-and-mul, down."""
-    return linear(ops.silu_and_mul(linear(normed, *gate_up)), *down)
+def gated_mlp(
+    ops: Ops, normed: Tensor | QuantizedRows, gate_up: LinearArgs, down: LinearArgs, unscaled: bool = False,
+) -> Tensor | UnscaledRows:  # fmt: skip
+    """The SiLU MLP of a normed hidden state: gate_up, SiLU-and-mul, down. `unscaled`: an FP8
+    down_proj may leave its scales to the reader (`linear_unscaled`)."""
+    activated = silu_and_mul_for(down, ops, linear_unscaled(normed, *gate_up))
+    return linear_unscaled(activated, *down, defer=unscaled)
 
 
-def final_norm(spec: LlamaSpec, ops: Ops, hidden: Tensor | None, residual: Tensor, norm_w: Tensor) -> Tensor:
-    if hidden is None:  # no layers
-        return ops.rmsnorm(residual, norm_w, spec.rms_norm_eps)
-    return ops.fused_add_rmsnorm(hidden, residual, norm_w, spec.rms_norm_eps)[0]
+def final_norm(
+    spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows | None, residual: Tensor, norm_w: Tensor
+) -> Tensor:
+    normed = add_rmsnorm_for(None, ops, hidden, residual, norm_w, spec.rms_norm_eps)[0]
+    assert not isinstance(normed, QuantizedRows)
+    return normed
 
 
 class LlamaModel(nn.Module):
@@ -330,7 +339,7 @@ class LlamaModel(nn.Module):
             return self._forward_sharded(input_ids, positions, backend, cos_sin)
         spec, ops = self.spec, self.ops
         residual = F.embedding(input_ids, self.embed_tokens["weight"])
-        hidden: torch.Tensor | None = None
+        hidden: Tensor | UnscaledRows | None = None
         for i, layer in enumerate(self.layers):
             q, k, v, residual = self._attention_input(
                 spec, ops, hidden, residual, positions, cos_sin, layer.input_layernorm["weight"], layer.qkv_proj.args,
@@ -375,30 +384,40 @@ class LlamaModel(nn.Module):
             return ops.rmsnorm(residual, self.norm["weight"], spec.rms_norm_eps)
         partial: Tensor | None = None
         for i, layer in enumerate(self.layers):
+            qkv = layer.qkv_proj.args
             if partial is None:
-                normed = ops.rmsnorm(residual, layer.input_layernorm["weight"], spec.rms_norm_eps)
+                normed, residual = add_rmsnorm_for(qkv, ops, None, residual, layer.input_layernorm["weight"],
+                                                   spec.rms_norm_eps)  # fmt: skip
             else:
-                normed, residual = self._reduce_add_norm(partial, residual, layer.input_layernorm["weight"])
+                normed, residual = self._reduce_add_norm(partial, residual, layer.input_layernorm["weight"], qkv)
             q, k, v = self._qkv_rope(
-                spec, ops, normed, positions, cos_sin, layer.qkv_proj.args,
+                spec, ops, normed, positions, cos_sin, qkv,
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
             )  # fmt: skip
             attn = backend.forward(i, q, k, v).reshape(q.shape[0], spec.q_size)
             partial = layer.o_proj(attn)
-            normed, residual = self._reduce_add_norm(partial, residual, layer.post_attention_layernorm["weight"])
-            partial = self._gated_mlp(ops, normed, layer.gate_up_proj.args, layer.down_proj.args)
+            gate_up = layer.gate_up_proj.args
+            normed, residual = self._reduce_add_norm(partial, residual, layer.post_attention_layernorm["weight"],
+                                                     gate_up)  # fmt: skip
+            partial = dense(self._gated_mlp(ops, normed, gate_up, layer.down_proj.args))
         assert partial is not None
-        return self._reduce_add_norm(partial, residual, self.norm["weight"])[0]
+        final, _ = self._reduce_add_norm(partial, residual, self.norm["weight"], None)
+        assert not isinstance(final, QuantizedRows)
+        return final
 
-    def _reduce_add_norm(self, partial: Tensor, residual: Tensor, norm_w: Tensor) -> tuple[Tensor, Tensor]:
+    def _reduce_add_norm(
+        self, partial: Tensor, residual: Tensor, norm_w: Tensor, proj: LinearArgs | None
+    ) -> tuple[Tensor | QuantizedRows, Tensor]:
         """Sums a row-parallel projection's `partial` over the ranks, adds it into `residual` and
-        RMSNorms that: (normed, residual). One fused kernel for steps the fused all-reduce takes
-        (the token count is the same on every rank, so all ranks choose alike), else NCCL's
-        all-reduce and then the model's fused add + RMSNorm."""
+        RMSNorms that, for projection `proj` (None: the final norm): (normed, residual). One fused
+        kernel for steps the fused all-reduce takes (the token count is the same on every rank, so
+        all ranks choose alike), else NCCL's all-reduce and then the add + RMSNorm (which quantizes
+        for an FP8 `proj`, `add_rmsnorm_for`). A partial's FP8 scales differ between ranks (each
+        quantized its own slice of the activation), so they are applied before the sum."""
         fused = self.fused_allreduce
         if fused is not None and partial.shape[0] <= fused.max_tokens:
             return fused(partial, residual, norm_w, self.spec.rms_norm_eps)
-        return self.ops.fused_add_rmsnorm(self.group.all_reduce(partial), residual, norm_w, self.spec.rms_norm_eps)
+        return add_rmsnorm_for(proj, self.ops, self.group.all_reduce(partial), residual, norm_w, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (the rows to sample) -> float32 logits [N, vocab_size].
