@@ -6,7 +6,8 @@
    operands, the quantization alone, and the weight-read floors; the FP8 layer eagerly as well.
 2. Decode steps of the Llama-3.1-8B shape (dummy weights) from CUDA graphs: bfloat16, FP8 weights,
    FP8 weights + FP8 KV cache, against the weight(+KV)-read floors of bfloat16 (~16 GB) and FP8
-   (~8 GB) at the measured copy bandwidth.
+   (~8 GB) at the measured copy bandwidth. `--kernels`: the smallest batch's step kernel by kernel
+   (torch.profiler over graph replays: launches and GPU time per kernel name).
 3. Accuracy on the same shape (`--accuracy-layers` of its layers): FP8 weights against the
    bfloat16 model holding the same dequantized weights, per layer (each layer's attention output)
    and final logits over a teacher-forced sequence, with greedy (argmax) agreement; and an FP8 KV
@@ -159,10 +160,36 @@ def bench_decode(model: Any, label: str, kv_dtype: torch.dtype | None, args: arg
         ms = time_ms(lambda: graphs(ids, pos, layout), args.warmup, args.iters)
         rows.append({"model": label, "batch": b, "kv_len": args.kv_len, "graph_ms": ms, "floor_ms": floor,
                      "x_floor": ms / floor, "weight_bytes": wbytes})
+        if args.kernels and b == min(args.batches):
+            rows[-1]["kernels"] = step_kernels(lambda: graphs(ids, pos, layout))
         print("  decode " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}),
               flush=True)
     del graphs, backend
     return rows
+
+
+def step_kernels(step: Callable[[], Any], replays: int = 5) -> dict[str, Any]:
+    """The kernels of one step replayed from its CUDA graph (torch.profiler): per kernel name, launches
+    and GPU us a step, largest first, and their sum against the step's time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step()
+        torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+        if us > 0 and e.count:
+            kernels.append({"name": e.key[:120], "launches": e.count / replays, "us": us / replays})
+    kernels.sort(key=lambda k: -k["us"])
+    total = sum(k["us"] for k in kernels)
+    print(f"  kernels of one step: {sum(k['launches'] for k in kernels):.0f} launches, {total / 1e3:.3f} ms of GPU time")
+    for k in kernels[:25]:
+        print(f"    {k['us']:9.1f} us  {k['launches']:6.0f}x  {k['name']}")
+    return {"launches": sum(k["launches"] for k in kernels), "gpu_ms": total / 1e3, "by_name": kernels}
 
 
 class Recorder:
@@ -256,6 +283,8 @@ def main() -> None:
     p.add_argument("--accuracy-decode", type=int, default=64)
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["gemm", "decode_bf16", "decode_fp8", "decode_fp8+fp8kv", "accuracy"])
+    p.add_argument("--kernels", action="store_true",
+                   help="profile the smallest batch's decode step: its kernels, launches and GPU time by name")
     p.add_argument("--out-dir", default=None, help="default: benchmark/results/local/<gpu name>/")
     args = p.parse_args()
     gpu = torch.cuda.get_device_name()
