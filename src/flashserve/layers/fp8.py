@@ -33,7 +33,7 @@ Tensor = torch.Tensor
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Smallest scale: an all-zero row quantizes to zeros instead of dividing by zero.
-_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # Compute capability of the first GPUs with FP8 tensor cores (Ada, then Hopper).
 MIN_FP8_CAPABILITY = (8, 9)
 
@@ -47,7 +47,7 @@ def quantize_weight_per_channel(weight: Tensor) -> tuple[Tensor, Tensor]:
     """weight [N, K] (any float dtype) -> (float8 [N, K], float32 scale [N]): each row's absmax
     maps to 448."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
     return to_fp8(w / scale[:, None]), scale
 
 
@@ -63,7 +63,7 @@ def quantize_rows_torch(x: Tensor, scale_ub: float | None = None) -> tuple[Tenso
     amax = xf.abs().amax(dim=-1, keepdim=True)
     if scale_ub is not None:
         amax = amax.clamp(max=scale_ub)
-    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     return to_fp8(xf / scale), scale
 
 
