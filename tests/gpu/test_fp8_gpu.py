@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from flashserve.attention.kv_quant import FP8_KV_DTYPE
+from flashserve.attention.kv_quant import FP8_KV_DTYPE, append_fp8_paged, to_cache
 from flashserve.layers.fp8 import (
     MIN_SCALE, SMALL_M, QuantizedRows, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_gemm_small_m, fp8_linear,
     quantize_rows, quantize_rows_torch, quantize_static, quantize_weight_per_channel, silu_and_mul_quant,
@@ -358,3 +358,32 @@ def test_a_cascade_step_over_an_fp8_cache_matches_flat_attention(new: list[int])
         q, k, v = (torch.randn(cascade.num_tokens, h, 128, generator=gen, device="cuda").bfloat16()
                    for h in (8, KV_HEADS, KV_HEADS))
         assert rel_err(fi.forward(layer, q, k, v), ref.forward(layer, q, k, v)) < TOL[torch.bfloat16]
+
+
+def test_the_fused_fp8_append_writes_the_bytes_flashinfer_writes() -> None:
+    """K and V as column slices of a fused qkv output, saturated (some beyond +-448), appended to
+    three requests whose new tokens cross page boundaries: the same cache bytes as `to_cache` and
+    FlashInfer's append_paged_kv_cache."""
+    flashinfer = pytest.importorskip("flashinfer")
+    page, heads, dim, pages = 16, 8, 128, 40
+    new, before = [1, 19, 40], [5, 14, 0]  # tokens appended per request, tokens already cached
+    gen = torch.Generator("cuda").manual_seed(0)
+    table = torch.randperm(pages, generator=gen, device="cuda").int()
+    lens = [b + n for b, n in zip(before, new)]
+    counts = [(n + page - 1) // page for n in lens]
+    indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    indices = table[: int(indptr[-1])].contiguous()
+    last = torch.tensor([n - (c - 1) * page for n, c in zip(lens, counts)], dtype=torch.int32, device="cuda")
+    batch = torch.repeat_interleave(torch.arange(3, device="cuda"), torch.tensor(new, device="cuda")).int()
+    pos = torch.cat([torch.arange(b, b + n, device="cuda") for b, n in zip(before, new)]).int()
+    qkv = (torch.randn(sum(new), (4 + 2) * heads * dim, generator=gen, device="cuda") * 200).bfloat16()
+    k = qkv[:, 4 * heads * dim : 5 * heads * dim].view(-1, heads, dim)
+    v = qkv[:, 5 * heads * dim :].view(-1, heads, dim)
+    shape = (pages, page, heads, dim)
+    fused = tuple(torch.zeros(shape, dtype=FP8_KV_DTYPE, device="cuda") for _ in range(2))
+    ref = tuple(torch.zeros(shape, dtype=FP8_KV_DTYPE, device="cuda") for _ in range(2))
+    assert append_fp8_paged(k, v, batch, pos, indices, indptr, fused)
+    flashinfer.append_paged_kv_cache(to_cache(k, FP8_KV_DTYPE), to_cache(v, FP8_KV_DTYPE), batch, pos, ref, indices,
+                                     indptr, last, kv_layout="NHD")
+    for f, r in zip(fused, ref):
+        assert torch.equal(f.view(torch.uint8), r.view(torch.uint8))

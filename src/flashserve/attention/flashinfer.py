@@ -38,7 +38,7 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import PrefixLevel
-from flashserve.attention.kv_quant import is_fp8, to_cache
+from flashserve.attention.kv_quant import append_fp8_paged, is_fp8, to_cache
 from flashserve.worker.pinned import PinnedStaging
 
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
@@ -211,13 +211,14 @@ class FlashInferAttentionBackend:
         out_dtype = q.dtype
         if q.dtype != self.dtype:
             q = q.to(self.dtype)
-        # append_paged_kv_cache reinterprets its input as the cache dtype without checking it.
-        k, v = to_cache(k, self.cache_dtype), to_cache(v, self.cache_dtype)
         cache = self.kv_cache[layer]
-        self._fi.append_paged_kv_cache(
-            k, v, step.batch_indices, step.positions, cache,
-            step.kv_indices, step.kv_indptr, step.kv_last_page_len, kv_layout="NHD",
-        )
+        if not append_fp8_paged(k, v, step.batch_indices, step.positions, step.kv_indices, step.kv_indptr, cache):
+            # append_paged_kv_cache reinterprets its input as the cache dtype without checking it.
+            k, v = to_cache(k, self.cache_dtype), to_cache(v, self.cache_dtype)
+            self._fi.append_paged_kv_cache(
+                k, v, step.batch_indices, step.positions, cache,
+                step.kv_indices, step.kv_indptr, step.kv_last_page_len, kv_layout="NHD",
+            )
         if step.prefix_wrapper is None:
             out = step.wrapper.run(q, cache)
         else:
