@@ -60,7 +60,7 @@ def _fp8_append_kernel() -> Any:
         return None
 
     @jit
-    def kernel(k_ptr, v_ptr, k_stride, v_stride, batch_ptr, pos_ptr, indices_ptr, indptr_ptr, kc_ptr, vc_ptr,
+    def fp8_append_kernel(k_ptr, v_ptr, k_stride, v_stride, batch_ptr, pos_ptr, indices_ptr, indptr_ptr, kc_ptr, vc_ptr,
                page_size, N: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t)
@@ -73,7 +73,7 @@ def _fp8_append_kernel() -> Any:
         v = tl.load(v_ptr + t * v_stride + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(vc_ptr + dst + offs, tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv), mask=mask)
 
-    return kernel
+    return fp8_append_kernel
 
 
 def _rows(x: torch.Tensor) -> bool:

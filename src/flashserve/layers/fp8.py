@@ -83,7 +83,7 @@ def _triton_quantize_rows() -> Any:
         return None
 
     @triton.jit
-    def kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, ub, HAS_UB: tl.constexpr, BLOCK: tl.constexpr):
+    def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, ub, HAS_UB: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < n_cols
@@ -103,8 +103,8 @@ def _triton_quantize_rows() -> Any:
         if m:
             block = triton.next_power_of_2(k)
             warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-            kernel[(m,)](x, q, s, k, x.stride(0), scale_ub or 0.0, HAS_UB=scale_ub is not None, BLOCK=block,
-                         num_warps=warps)
+            quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), scale_ub or 0.0, HAS_UB=scale_ub is not None,
+                                       BLOCK=block, num_warps=warps)
         return q, s
 
     return run
@@ -152,7 +152,7 @@ def _triton_scale_rows_cols() -> Any:
         return None
 
     @triton.jit
-    def kernel(y_ptr, xs_ptr, ws_ptr, b_ptr, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    def scale_rows_cols_kernel(y_ptr, xs_ptr, ws_ptr, b_ptr, n_cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -166,7 +166,7 @@ def _triton_scale_rows_cols() -> Any:
         m, n = y.shape
         if m:
             block = 1024
-            kernel[(m, triton.cdiv(n, block))](y, xs, ws, bias if bias is not None else y, n,
+            scale_rows_cols_kernel[(m, triton.cdiv(n, block))](y, xs, ws, bias if bias is not None else y, n,
                                                HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
         return y
 
@@ -234,7 +234,7 @@ def _norm_quant_kernel() -> Any:
     from triton import jit
 
     @jit
-    def kernel(x_ptr, xs_ptr, ws_ptr, b_ptr, res_ptr, w_ptr, out_ptr, s_ptr, static_ptr, n_cols, eps, ub,
+    def norm_quant_kernel(x_ptr, xs_ptr, ws_ptr, b_ptr, res_ptr, w_ptr, out_ptr, s_ptr, static_ptr, n_cols, eps, ub,
                HAS_X: tl.constexpr, X_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, QUANT: tl.constexpr,
                STATIC: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
@@ -267,7 +267,7 @@ def _norm_quant_kernel() -> Any:
         else:
             tl.store(out_ptr + row * n_cols + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return kernel
+    return norm_quant_kernel
 
 
 def add_rmsnorm_quant(
@@ -312,7 +312,7 @@ def _silu_mul_quant_kernel() -> Any:
     from triton import jit
 
     @jit
-    def kernel(x_ptr, xs_ptr, ws_ptr, b_ptr, q_ptr, s_ptr, static_ptr, inter, ub, X_SCALED: tl.constexpr,
+    def silu_mul_quant_kernel(x_ptr, xs_ptr, ws_ptr, b_ptr, q_ptr, s_ptr, static_ptr, inter, ub, X_SCALED: tl.constexpr,
                HAS_BIAS: tl.constexpr, STATIC: tl.constexpr, HAS_UB: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -338,7 +338,7 @@ def _silu_mul_quant_kernel() -> Any:
         tl.store(q_ptr + row * inter + offs, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
-    return kernel
+    return silu_mul_quant_kernel
 
 
 def silu_and_mul_quant(
