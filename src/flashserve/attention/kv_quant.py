@@ -88,9 +88,10 @@ def append_fp8_paged(
     """Writes k, v [T, Hkv, D] (saturated to e4m3, as `to_cache`) into an FP8 NHD paged cache
     [pages, page_size, Hkv, D] at token t's position `positions[t]` of request `batch_indices[t]`,
     whose pages are `kv_indices[kv_indptr[b]:]` (FlashInfer's `append_paged_kv_cache` arguments):
-    one kernel. Returns False, having done nothing, where it cannot run (no GPU or no Triton)."""
+    one kernel (the FlashInfer backend's, so on a GPU). Returns False, having done nothing, where it
+    cannot run: a cache that is not FP8, no Triton, or K / V rows that are not contiguous."""
     k_cache, v_cache = cache
-    kernel = _fp8_append_kernel() if k.is_cuda and is_fp8(k_cache.dtype) else None
+    kernel = _fp8_append_kernel() if is_fp8(k_cache.dtype) else None
     if kernel is None or not (_rows(k) and _rows(v)):
         return False
     t = k.shape[0]

@@ -1,0 +1,56 @@
+"""The FP8 Triton kernels (fused norm, SiLU-and-mul, KV append) checked on a CPU through Triton's
+interpreter, in a subprocess of their own (`triton_interpreted.py`): their indexing, saturation,
+residual update and scales, which the GPU tests check with the float8 roundings as well."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, Any]:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(HERE / "triton_interpreted.py")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_fp8_append_writes_each_token_saturated_into_its_page_and_slot(measured: dict[str, Any]) -> None:
+    assert measured["append_ran"] and measured["append_bytes_equal"]
+
+
+def test_the_fused_norm_adds_the_scaled_gemm_output_into_the_residual(measured: dict[str, Any]) -> None:
+    assert measured["norm_residual_err"] < 1e-6
+
+
+def test_the_fused_norm_normalizes_the_updated_residual(measured: dict[str, Any]) -> None:
+    assert measured["norm_out_err"] < 1e-6
+
+
+def test_the_fused_norm_leaves_the_embedding_alone_in_the_first_layer(measured: dict[str, Any]) -> None:
+    assert measured["norm_first_layer_residual_untouched"]
+
+
+def test_the_fused_norm_quantizes_each_row_with_its_absmax_scale(measured: dict[str, Any]) -> None:
+    assert measured["norm_quantized_shape"] and measured["norm_scale_err"] < 1e-6
+
+
+def test_the_fused_norm_keeps_a_static_scale_and_bounds_a_dynamic_one(measured: dict[str, Any]) -> None:
+    assert measured["norm_static_scale_kept"] and measured["norm_bounded_scale_err"] < 1e-6
+
+
+def test_the_fused_silu_and_mul_scales_its_rows_by_their_absmax(measured: dict[str, Any]) -> None:
+    assert measured["silu_scale_err"] < 1e-6 and measured["silu_plain_scale_err"] < 1e-6

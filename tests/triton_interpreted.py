@@ -1,0 +1,97 @@
+"""The FP8 Triton kernels run by Triton's interpreter on a CPU (`TRITON_INTERPRET=1`, set before
+Triton is imported: run this file as a script). Prints a JSON object of measurements that
+`test_fp8_kernels_interpreted.py` asserts on. The interpreter rounds float8 casts that carry into
+the next power of two wrongly, so what it checks avoids depending on those roundings: the indexing
+and saturation of the KV append with values e4m3 holds exactly, the residual update and the norm
+in float32, and the scales each kernel picks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from flashserve.attention.kv_quant import FP8_KV_DTYPE, append_fp8_paged, to_cache  # noqa: E402
+from flashserve.layers.fp8 import MIN_SCALE, UnscaledRows, add_rmsnorm_quant, silu_and_mul_quant  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def append() -> dict[str, bool]:
+    """Three requests whose new tokens cross page boundaries, K / V as column slices of a fused qkv."""
+    gen = torch.Generator().manual_seed(0)
+    page, heads, dim, pages = 4, 2, 8, 12
+    new, before = [1, 5, 6], [3, 2, 0]
+    table = torch.randperm(pages, generator=gen).int()
+    lens = [b + n for b, n in zip(before, new)]
+    counts = [(n + page - 1) // page for n in lens]
+    indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    indices = table[: int(indptr[-1])].contiguous()
+    batch = torch.repeat_interleave(torch.arange(3), torch.tensor(new)).int()
+    pos = torch.cat([torch.arange(b, b + n) for b, n in zip(before, new)]).int()
+    exact = torch.tensor([0.5, -1.5, 3.0, -6.0, 0.75, 448.0, -448.0, 1000.0, -2000.0, 13.0])  # the last two saturate
+    qkv = exact[torch.randint(0, len(exact), (sum(new), 6 * heads * dim), generator=gen)]
+    k = qkv[:, 4 * heads * dim : 5 * heads * dim].view(-1, heads, dim)
+    v = qkv[:, 5 * heads * dim :].view(-1, heads, dim)
+    cache = tuple(torch.zeros(pages, page, heads, dim, dtype=FP8_KV_DTYPE) for _ in range(2))
+    ran = append_fp8_paged(k, v, batch, pos, indices, indptr, cache)
+    ref = tuple(torch.zeros(pages, page, heads, dim, dtype=FP8_KV_DTYPE) for _ in range(2))
+    for t in range(k.shape[0]):
+        b, p = int(batch[t]), int(pos[t])
+        slot = (int(indices[int(indptr[b]) + p // page]), p % page)
+        ref[0][slot] = to_cache(k[t], FP8_KV_DTYPE)
+        ref[1][slot] = to_cache(v[t], FP8_KV_DTYPE)
+    same = all(torch.equal(c.view(torch.uint8), r.view(torch.uint8)) for c, r in zip(cache, ref))
+    return {"append_ran": ran, "append_bytes_equal": same}
+
+
+def norm() -> dict[str, float | bool]:
+    gen = torch.Generator().manual_seed(1)
+    m, h = 3, 96  # not a power of two: the kernel masks its block's tail
+    y = torch.randn(m, h, generator=gen) * 100
+    xs, ws = torch.rand(m, 1, generator=gen) * 0.05 + 0.05, torch.rand(1, h, generator=gen) * 0.05 + 0.05
+    bias = torch.randn(h, generator=gen)
+    residual, w = torch.randn(m, h, generator=gen), torch.rand(h, generator=gen) + 0.5
+    r_ref = residual + (y * xs * ws + bias)
+    n_ref = r_ref * torch.rsqrt(r_ref.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    res = residual.clone()
+    out, res = add_rmsnorm_quant(UnscaledRows(y, xs, ws, bias), res, w, 1e-5, quantize=False)
+    assert isinstance(out, torch.Tensor)
+    first = residual.clone()
+    _, first_after = add_rmsnorm_quant(None, first, w, 1e-5, quantize=False)
+    (q, s), _ = add_rmsnorm_quant(UnscaledRows(y, xs, ws, bias), residual.clone(), w, 1e-5)
+    (_, s_static), _ = add_rmsnorm_quant(None, residual.clone(), w, 1e-5, True, torch.tensor(0.02))
+    (_, s_ub), _ = add_rmsnorm_quant(UnscaledRows(y, xs, ws, bias), residual.clone(), w, 1e-5, True, None, 0.5)
+    amax = n_ref.abs().amax(-1, keepdim=True)
+    return {
+        "norm_residual_err": rel(res, r_ref),
+        "norm_out_err": rel(out, n_ref),
+        "norm_first_layer_residual_untouched": torch.equal(first_after, residual),
+        "norm_scale_err": rel(s, (amax / 448).clamp(min=MIN_SCALE)),
+        "norm_static_scale_kept": bool((s_static == torch.tensor(0.02)).all()),
+        "norm_bounded_scale_err": rel(s_ub, (amax.clamp(max=0.5) / 448).clamp(min=MIN_SCALE)),
+        "norm_quantized_shape": list(q.shape) == [m, h] and q.dtype == torch.float8_e4m3fn,
+    }
+
+
+def silu() -> dict[str, float]:
+    gen = torch.Generator().manual_seed(2)
+    m, inter = 4, 80
+    y = torch.randn(m, 2 * inter, generator=gen) * 100
+    xs, ws = torch.rand(m, 1, generator=gen) * 0.05 + 0.05, torch.rand(1, 2 * inter, generator=gen) * 0.05 + 0.05
+    bias = torch.randn(2 * inter, generator=gen)
+    value = y * xs * ws + bias
+    h = torch.nn.functional.silu(value[:, :inter]) * value[:, inter:]
+    _, s = silu_and_mul_quant(UnscaledRows(y, xs, ws, bias))
+    _, s_plain = silu_and_mul_quant(value)
+    want = (h.abs().amax(-1, keepdim=True) / 448).clamp(min=MIN_SCALE)
+    return {"silu_scale_err": rel(s, want), "silu_plain_scale_err": rel(s_plain, want)}
+
+
+if __name__ == "__main__":
+    print(json.dumps({**append(), **norm(), **silu()}))
