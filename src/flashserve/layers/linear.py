@@ -11,8 +11,8 @@ format is the dtype of the weight. The arguments are plain tensors (and one floa
 
 The kernel before a projection may write its input in the projection's format: `add_rmsnorm_for`
 and `silu_and_mul_for` return `QuantizedRows` for an FP8 projection of a bfloat16 model on a GPU
-(one fused kernel each), and `linear_unscaled` may return `UnscaledRows`, which
-those two scale as they read them. Everywhere else they are the `Ops` kernels on plain tensors.
+(one fused kernel each), and `linear_unscaled` may return `UnscaledRows`, which those two scale as
+they read them. Everywhere else they are the `Ops` kernels on plain tensors.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 A step's tokens arrive packed as one sequence (`input_ids`, `positions` [T]); attention goes
 through the step's planned `AttentionBackend`. Per layer: add + RMSNorm, one fused qkv matmul,
 RoPE in place on the qkv slices, paged attention, o_proj, add + RMSNorm, one fused gate_up
-matmul, SiLU-and-mul, down_proj. The residual stream stays in the model dtype, as in HF.
+matmul, SiLU-and-mul, down_proj. The residual stream stays in the model dtype, as in HF. With FP8
+projections on a GPU, each norm and the SiLU-and-mul write their rows quantized for the projection
+after them, and small projections leave their scales to the kernel after them (`layers/linear.py`).
 
 Weights come from the HF model the loader built (safetensors, GGUF or dummy alike), mapped by
 name in `weights.py`. The runner's seam:
@@ -34,7 +36,8 @@ from flashserve.distributed.comm import FlashInferAllReduceNorm, FusedAllReduceN
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
 from flashserve.layers.linear import (
-    Linear, LinearArgs, add_rmsnorm_for, dense, linear, linear_unscaled, pack_for_onednn, packs_for_onednn, silu_and_mul_for,
+    Linear, LinearArgs, add_rmsnorm_for, dense, linear, linear_unscaled, pack_for_onednn, packs_for_onednn,
+    silu_and_mul_for,
 )  # fmt: skip
 from flashserve.layers.ops import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.layers.quantization import Fp8Scheme, projection_loading
