@@ -114,7 +114,8 @@ class RecordingFusedAllReduce:
         self.group, self.tokens = group, []
 
     def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 eps: float, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        assert not quantize  # FP8 projections are dequantized on a CPU: nothing reads FP8 rows here
         self.tokens.append(partial.shape[0])
         summed = residual + self.group.all_reduce(partial.clone())
         return torch_ops().rmsnorm(summed, weight, eps), summed

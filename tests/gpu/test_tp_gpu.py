@@ -149,16 +149,18 @@ def one_gpu_fp8_logits(model: str) -> list[torch.Tensor]:
         return step_logits(llm)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["nccl", "fused-allreduce"])
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
 def test_two_gpus_with_fp8_weights_and_kv_compute_the_logits_of_one(
-    model: str, one_gpu_fp8_logits: list[torch.Tensor], cuda_graph: bool
+    model: str, one_gpu_fp8_logits: list[torch.Tensor], cuda_graph: bool, fused: bool
 ) -> None:
     # Each rank quantizes its own slice at load: o_proj's and down_proj's per-channel scales then
     # cover a rank's columns, not the whole row, so the FP8 roundings (not the formats) differ a
-    # little from one GPU's.
+    # little from one GPU's. With the fused all-reduce, its kernel also quantizes the norms that
+    # feed qkv and gate_up (per token, in FlashInfer's kernel instead of the Triton one).
     with LLM(model, tensor_parallel_size=2, cuda_graph=cuda_graph, quantization="fp8", kv_cache_dtype="fp8",
-             enable_flashinfer_allreduce_fusion=False, **{**ENGINE, "dtype": "bfloat16"}) as llm:  # fmt: skip
+             enable_flashinfer_allreduce_fusion=fused, **{**ENGINE, "dtype": "bfloat16"}) as llm:  # fmt: skip
         logits = step_logits(llm)
     errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_fp8_logits)]
-    print(f"FP8 TP=2 vs one GPU ({'graphs' if cuda_graph else 'eager'}): {errs}")
+    print(f"FP8 TP=2 vs one GPU ({'graphs' if cuda_graph else 'eager'}, {'fused' if fused else 'NCCL'}): {errs}")
     assert max(errs) < 0.1, errs

@@ -20,6 +20,8 @@ from typing import MutableMapping, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from flashserve.layers.fp8 import FP8_DTYPE, QuantizedRows
+
 Tensor = torch.Tensor
 
 # NVLink multicast (NVLS, symmetric-memory multicast) is off in every rank process: on the GPU
@@ -124,7 +126,11 @@ class FusedAllReduceNorm(Protocol):
 
     max_tokens: int
 
-    def __call__(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]: ...
+    def __call__(
+        self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float, quantize: bool = False
+    ) -> tuple[Tensor | QuantizedRows, Tensor]:
+        """`quantize`: the normed rows quantized to FP8 per token (for an FP8 projection)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -172,7 +178,8 @@ def nvlink_gap(devices: Sequence[int]) -> str | None:
 
 class FlashInferAllReduceNorm:
     """FlashInfer's TensorRT-LLM all-reduce with the residual add and RMSNorm fused into its
-    kernel (pattern kARResidualRMSNorm): the ranks' GPUs write into each other's buffers over
+    kernel (pattern kARResidualRMSNorm; kARResidualRMSNormDynamicFP8Quant where an FP8 projection
+    reads the norm, which the same kernel then quantizes per token): the ranks' GPUs write into each other's buffers over
     NVLink (one-shot for small steps), with no NCCL launch, no separate norm kernel and no NVLink
     multicast (`backend="trtllm"`; "auto" may pick a multicast backend). The buffers are shared by
     CUDA IPC, so every rank must be on this node. CUDA graphs capture it.
@@ -192,13 +199,26 @@ class FlashInferAllReduceNorm:
         self.max_tokens = max_tokens
         self._fusion = allreduce_fusion
         self._pattern = AllReduceFusionPattern.kARResidualRMSNorm
+        self._fp8_pattern = AllReduceFusionPattern.kARResidualRMSNormDynamicFP8Quant
         self._workspace = create_allreduce_fusion_workspace(
             backend="trtllm", world_size=group.world_size, rank=group.rank, max_token_num=max_tokens,
             hidden_dim=hidden_size, dtype=dtype, gpus_per_node=group.world_size,
         )  # fmt: skip
 
-    def __call__(self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        normed, summed = torch.empty_like(partial), torch.empty_like(residual)
+    def __call__(
+        self, partial: Tensor, residual: Tensor, weight: Tensor, eps: float, quantize: bool = False
+    ) -> tuple[Tensor | QuantizedRows, Tensor]:
+        summed = torch.empty_like(residual)
+        if quantize:
+            # One scale a token: amax / 448, at least 1 / (448 * 512), as `fp8.quantize_rows`.
+            q = torch.empty(partial.shape, dtype=FP8_DTYPE, device=partial.device)
+            s = torch.empty((partial.shape[0], 1), dtype=torch.float32, device=partial.device)
+            self._fusion(
+                input=partial.contiguous(), workspace=self._workspace, pattern=self._fp8_pattern,
+                residual_in=residual, residual_out=summed, quant_out=q, scale_out=s, rms_gamma=weight, rms_eps=eps,
+            )  # fmt: skip
+            return QuantizedRows(q, s), summed
+        normed = torch.empty_like(partial)
         self._fusion(
             input=partial.contiguous(), workspace=self._workspace, pattern=self._pattern, residual_in=residual,
             residual_out=summed, norm_out=normed, rms_gamma=weight, rms_eps=eps,

@@ -68,6 +68,13 @@ def _fuses_fp8_input(proj: LinearArgs | None, x: Tensor, cols: int) -> bool:
             and cols <= FUSED_MAX_COLS and fused_kernels(x))  # fmt: skip
 
 
+def takes_dynamic_fp8(proj: LinearArgs | None, x: Tensor) -> bool:
+    """Whether `proj` reads `x` quantized per token with no bound on the scale: an FP8 projection
+    with dynamic activations of a bfloat16 model on a GPU (what FlashInfer's fused all-reduce can
+    write)."""
+    return _fuses_fp8_input(proj, x, x.shape[-1]) and proj is not None and proj[3] is None and proj[4] is None
+
+
 def add_rmsnorm_for(
     proj: LinearArgs | None, ops: Ops, x: Tensor | UnscaledRows | None, residual: Tensor, norm_w: Tensor, eps: float,
 ) -> tuple[Tensor | QuantizedRows, Tensor]:  # fmt: skip

@@ -37,7 +37,7 @@ from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
 from flashserve.layers.linear import (
     Linear, LinearArgs, add_rmsnorm_for, dense, linear, linear_unscaled, pack_for_onednn, packs_for_onednn,
-    silu_and_mul_for,
+    silu_and_mul_for, takes_dynamic_fp8,
 )  # fmt: skip
 from flashserve.layers.ops import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.layers.quantization import Fp8Scheme, projection_loading
@@ -412,14 +412,15 @@ class LlamaModel(nn.Module):
         self, partial: Tensor, residual: Tensor, norm_w: Tensor, proj: LinearArgs | None
     ) -> tuple[Tensor | QuantizedRows, Tensor]:
         """Sums a row-parallel projection's `partial` over the ranks, adds it into `residual` and
-        RMSNorms that, for projection `proj` (None: the final norm): (normed, residual). One fused
-        kernel for steps the fused all-reduce takes (the token count is the same on every rank, so
-        all ranks choose alike), else NCCL's all-reduce and then the add + RMSNorm (which quantizes
-        for an FP8 `proj`, `add_rmsnorm_for`). A partial's FP8 scales differ between ranks (each
+        RMSNorms that, for projection `proj` (None: the final norm): (normed, residual), normed
+        quantized for an FP8 `proj`. One fused kernel for steps the fused all-reduce takes (the
+        token count is the same on every rank, so all ranks choose alike), which quantizes for an
+        FP8 `proj` with dynamic activations too, else NCCL's all-reduce and then the add + RMSNorm
+        (`add_rmsnorm_for`). A partial's FP8 scales differ between ranks (each
         quantized its own slice of the activation), so they are applied before the sum."""
         fused = self.fused_allreduce
         if fused is not None and partial.shape[0] <= fused.max_tokens:
-            return fused(partial, residual, norm_w, self.spec.rms_norm_eps)
+            return fused(partial, residual, norm_w, self.spec.rms_norm_eps, takes_dynamic_fp8(proj, residual))
         return add_rmsnorm_for(proj, self.ops, self.group.all_reduce(partial), residual, norm_w, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
