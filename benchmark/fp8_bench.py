@@ -4,6 +4,10 @@
    GPU time per call replayed from CUDA graphs: bfloat16 `F.linear`, the FP8 layer (per-token
    activation quantization + row-wise `torch._scaled_mm`), `_scaled_mm` alone on quantized
    operands, the quantization alone, and the weight-read floors; the FP8 layer eagerly as well.
+   The one-row GEMV (`--skip` it as `gemv`): each 8B and 70B (TP 2, TP 4) per-rank projection at
+   one row, FP8 weights times the unquantized bfloat16 row (gate_up also with SiLU-and-mul
+   fused), against the quantize + bmm_fp8 + scale path it replaces, bfloat16 and the floor;
+   `--sweep` times its configurations.
 2. Decode steps of the Llama-3.1-8B shape (dummy weights) from CUDA graphs: bfloat16, FP8 weights,
    FP8 weights + FP8 KV cache, against the weight(+KV)-read floors of bfloat16 (~16 GB) and FP8
    (~8 GB) at the measured copy bandwidth. `--kernels`: the smallest batch's step kernel by kernel
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import re
@@ -101,6 +106,109 @@ def bench_gemms(bw: float, warmup: int, iters: int, gemm_rows: Sequence[int] = G
             rows.append(r)
             print("  gemm " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
         del w, wq
+    return rows
+
+
+# Per-rank projection shapes (N, K) the one-row FP8-weight GEMV serves at decode: the 8B on one GPU,
+# the 70B's at TP 2 and TP 4.
+GEMV_SHAPES = {
+    "8b": GEMM_SHAPES,
+    "70b-tp2": {"qkv": (5120, 8192), "o": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336)},
+    "70b-tp4": {"qkv": (2560, 8192), "o": (8192, 2048), "gate_up": (14336, 8192), "down": (8192, 7168)},
+}
+
+
+def gemv_configs() -> list[tuple[int, int, int]]:
+    """The (BLOCK_N, BLOCK_K, warps) `--sweep` times (the float32 partial products [BLOCK_N,
+    BLOCK_K], two of them gated, must fit the registers)."""
+    return [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for w in (2, 4, 8)
+            if 32 * w <= bn * bk <= 64 * 32 * w]
+
+
+def gemv_fits(cfg: tuple[int, int, int], gated: bool) -> bool:
+    return not gated or cfg[0] * cfg[1] <= 32 * 32 * cfg[2]
+
+
+def gemv_table(rows: list[dict[str, Any]]) -> tuple[dict[tuple[int, int, bool], tuple], tuple]:
+    """From a sweep: the fastest configuration per (N, K, gated), and the default for other shapes,
+    the configuration (valid gated too) whose worst slowdown against a shape's fastest is least."""
+    table, slowdowns = {}, {}
+    for r in rows:
+        timed = [(t["us"], tuple(t["config"])) for t in r.get("timed", [])]
+        if not timed:
+            continue
+        best = timed[0][0]
+        table[(r["n"], r["k"], r["shape"].endswith("+silu"))] = timed[0][1]
+        for us, cfg in timed:
+            slowdowns.setdefault(cfg, []).append(us / best)
+    full = [c for c, v in slowdowns.items() if len(v) == len(table) and gemv_fits(c, True)]
+    default = min(full, key=lambda c: max(slowdowns[c])) if full else ()
+    return table, default
+
+
+def write_gemv_table(rows: list[dict[str, Any]], gpu: str) -> str:
+    """Writes the sweep's table into `layers/fp8.py` (`_GEMV_TUNED`, `_GEMV_DEFAULT`); returns it."""
+    table, default = gemv_table(rows)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "flashserve", "layers",
+                        "fp8.py")
+    lines = "".join(f"    {key}: {cfg},\n" for key, cfg in sorted(table.items()))
+    src = open(path).read()
+    src = re.sub(r"(_GEMV_TUNED: dict\[tuple\[int, int, bool\], WeightGemvConfig\] = )\{.*?\}\n",
+                 lambda m: m.group(1) + "{\n" + lines + "}\n", src, count=1, flags=re.S)
+    src = re.sub(r"_GEMV_DEFAULT: WeightGemvConfig = .*\n", f"_GEMV_DEFAULT: WeightGemvConfig = {default}\n", src,
+                 count=1)
+    src = re.sub(r"(# --sweep` on )an? [^\n]*?( for each per-rank)", rf"\1{gpu}\2", src, count=1)
+    with open(path, "w") as f:
+        f.write(src)
+    return lines + f"default {default}"
+
+
+def bench_weight_gemv(bw: float, warmup: int, iters: int, sweep: bool) -> list[dict[str, Any]]:
+    """One row through each decode projection shape: the FP8-weight GEMV (`weight_gemv_config`; for
+    gate_up also gated, writing silu(gate) * up) against the weight-read floor, bfloat16 `F.linear`
+    and the quantizing layer path (quantize, bmm_fp8, scale); `sweep`: every configuration of
+    `gemv_configs`, all kept, fastest first. Each call of a captured run reads the next of enough
+    weight copies to exceed twice the L2 cache, so that weights come from HBM, as in a decode step
+    (one copy replayed would stay in L2 for shapes under its size and beat the HBM floor)."""
+    from flashserve.layers.fp8 import (
+        fp8_gemm_small_m, fp8_weight_gemv, quantize_rows, quantize_weight_per_channel, weight_gemv_config,
+    )  # fmt: skip
+
+    rows: list[dict[str, Any]] = []
+    bmm_fp8 = flashinfer_bmm_fp8()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for model, shapes in GEMV_SHAPES.items():
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            wq, ws = quantize_weight_per_channel(w)
+            ws = ws.view(1, -1)
+            copies = 2 * l2 // (n * k) + 2
+            wqs, bf16s = [wq] + [wq.clone() for _ in range(copies - 1)], [w] + [w.clone() for _ in range(copies - 1)]
+            turn = itertools.count()
+
+            def rotating(fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor]) -> Callable[[], Any]:
+                return lambda: fn(weights[next(turn) % len(weights)])
+
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            for gated in (False, True) if name == "gate_up" else (False,):
+                r: dict[str, Any] = {"model": model, "shape": name + ("+silu" if gated else ""), "n": n, "k": k,
+                                     "floor_fp8_us": n * k / bw * 1e6, "config": weight_gemv_config(n, k, gated),
+                                     "weight_copies": copies}
+                r["gemv_us"] = graph_us(rotating(lambda q: fp8_weight_gemv(x, q, ws, None, gated), wqs), warmup, iters)
+                r["x_floor"] = r["gemv_us"] / r["floor_fp8_us"]
+                if not gated:
+                    r["bf16_us"] = graph_us(rotating(lambda b: F.linear(x, b), bf16s), warmup, iters)
+                    if bmm_fp8 is not None:
+                        r["layer_bmm_fp8_us"] = graph_us(
+                            rotating(lambda q: fp8_gemm_small_m(*quantize_rows(x), q, ws, None), wqs), warmup, iters)
+                if sweep:
+                    timed = [(graph_us(rotating(lambda q: fp8_weight_gemv(x, q, ws, None, gated, cfg), wqs), 2, 5), cfg)
+                             for cfg in gemv_configs() if gemv_fits(cfg, gated)]
+                    r["timed"] = [{"us": t, "config": c} for t, c in sorted(timed)]
+                rows.append(r)
+                print("  gemv " + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
+                                              if k != "timed"}), flush=True)
+            del w, wq, wqs, bf16s
     return rows
 
 
@@ -282,7 +390,11 @@ def main() -> None:
     p.add_argument("--accuracy-len", type=int, default=384)
     p.add_argument("--accuracy-decode", type=int, default=64)
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["gemm", "decode_bf16", "decode_fp8", "decode_fp8+fp8kv", "accuracy"])
+                   choices=["gemm", "gemv", "decode_bf16", "decode_fp8", "decode_fp8+fp8kv", "accuracy"])
+    p.add_argument("--sweep", action="store_true",
+                   help="gemv: time every configuration of the one-row FP8-weight GEMV")
+    p.add_argument("--write-gemv-table", action="store_true",
+                   help="with --sweep: write its fastest configurations into src/flashserve/layers/fp8.py")
     p.add_argument("--kernels", action="store_true",
                    help="profile the smallest batch's decode step: its kernels, launches and GPU time by name")
     p.add_argument("--out-dir", default=None, help="default: benchmark/results/local/<gpu name>/")
@@ -315,6 +427,9 @@ def main() -> None:
         results.update(copy_GBps=bw / 1e9, matmul_TFLOPs=rates.matmul_flop_per_s / 1e12)
         print(f"{results['gpu']}: copy {bw / 1e9:.0f} GB/s", flush=True)
         section("gemm", lambda: bench_gemms(bw, args.warmup, args.iters, args.gemm_rows))
+        section("gemv", lambda: bench_weight_gemv(bw, args.warmup, args.iters, args.sweep))
+        if args.sweep and args.write_gemv_table and results.get("gemv"):
+            print("gemv table written:\n" + write_gemv_table(results["gemv"], gpu), flush=True)
 
         for label, quant, kv in (("bf16", None, None), ("fp8", "fp8", None), ("fp8+fp8kv", "fp8", torch.float8_e4m3fn)):
             section(f"decode_{label}", lambda: bench_decode(build(quant), label, kv, args, bw))
@@ -331,6 +446,11 @@ def summary(results: dict[str, Any]) -> None:
               f"bmm_fp8 {r.get('layer_bmm_fp8_us') or 0:6.1f} / scaled_mm {r['layer_scaled_mm_us']:6.1f}, runs "
               f"{r['layer_path']})  x{r['speedup']:.2f}  "
               f"floors bf16 {r['floor_bf16_us']:.1f} / fp8 {r['floor_fp8_us']:.1f} us")
+    for r in results.get("gemv", []):
+        print(f"gemv {r['model']:8} {r['shape']:13}: {r['gemv_us']:6.1f} us ({r['x_floor']:.2f}x floor "
+              f"{r['floor_fp8_us']:5.1f}), bf16 {r.get('bf16_us') or 0:6.1f}, quantize + bmm_fp8 + scale "
+              f"{r.get('layer_bmm_fp8_us') or 0:5.1f}, config {r['config']}"
+              + (f", fastest {r['timed'][0]['us']:.1f} {tuple(r['timed'][0]['config'])}" if r.get("timed") else ""))
     for r in [r for key in ("decode_bf16", "decode_fp8", "decode_fp8+fp8kv") for r in results.get(key) or []]:
         print(f"decode {r['model']:10} b={r['batch']:4d}: {r['graph_ms']:7.3f} ms, floor {r['floor_ms']:6.3f} ms "
               f"({r['x_floor']:.2f}x), weights {r['weight_bytes'] / 1e9:.2f} GB")

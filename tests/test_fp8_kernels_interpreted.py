@@ -1,4 +1,4 @@
-"""The FP8 Triton kernels (fused norm, SiLU-and-mul, KV append) checked on a CPU through Triton's
+"""The FP8 Triton kernels (fused norm, SiLU-and-mul, KV append, the FP8-weight GEMV) checked on a CPU through Triton's
 interpreter, in a subprocess of their own (`triton_interpreted.py`): their indexing, saturation,
 residual update and scales, which the GPU tests check with the float8 roundings as well."""
 
@@ -54,3 +54,18 @@ def test_the_fused_norm_keeps_a_static_scale_and_bounds_a_dynamic_one(measured: 
 
 def test_the_fused_silu_and_mul_scales_its_rows_by_their_absmax(measured: dict[str, Any]) -> None:
     assert measured["silu_scale_err"] < 1e-6 and measured["silu_plain_scale_err"] < 1e-6
+
+
+def gemv_errs(measured: dict[str, Any], kind: str) -> dict[str, float]:
+    return {k: v for k, v in measured.items() if k.startswith(kind) and ("gated" in kind) == ("gated" in k)}
+
+
+def test_the_weight_gemv_multiplies_a_row_by_the_dequantized_weights_and_adds_the_bias(measured: dict[str, Any]) -> None:
+    errs = gemv_errs(measured, "gemv_")
+    # float32 exactly; bfloat16 within its output rounding.
+    assert len(errs) == 6 and max(errs.values()) < 8e-3 and min(errs.values()) < 1e-5, errs
+
+
+def test_the_gated_weight_gemv_writes_silu_of_the_gate_times_the_up_half(measured: dict[str, Any]) -> None:
+    errs = gemv_errs(measured, "gemv_gated_")
+    assert len(errs) == 3 and max(errs.values()) < 8e-3 and min(errs.values()) < 1e-5, errs

@@ -3,7 +3,7 @@ Triton is imported: run this file as a script). Prints a JSON object of measurem
 `test_fp8_kernels_interpreted.py` asserts on. The interpreter rounds float8 casts that carry into
 the next power of two wrongly, so what it checks avoids depending on those roundings: the indexing
 and saturation of the KV append with values e4m3 holds exactly, the residual update and the norm
-in float32, and the scales each kernel picks."""
+in float32, the scales each kernel picks, and the FP8-weight GEMV."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from flashserve.attention.kv_quant import FP8_KV_DTYPE, append_fp8_paged, to_cache  # noqa: E402
-from flashserve.layers.fp8 import MIN_SCALE, UnscaledRows, add_rmsnorm_quant, silu_and_mul_quant  # noqa: E402
+from flashserve.layers.fp8 import (  # noqa: E402
+    MIN_SCALE, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_weight_gemv, quantize_weight_per_channel,
+    silu_and_mul_quant,
+)  # fmt: skip
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -93,5 +96,23 @@ def silu() -> dict[str, float]:
     return {"silu_scale_err": rel(s, want), "silu_plain_scale_err": rel(s_plain, want)}
 
 
+def weight_gemv() -> dict[str, float]:
+    """One row, N and K no multiples of the blocks; float32 (exact) and bfloat16 activations."""
+    gen = torch.Generator().manual_seed(3)
+    out: dict[str, float] = {}
+    for n, k, dtype in [(96, 80, torch.float32), (70, 1100, torch.float32), (40, 600, torch.bfloat16)]:
+        wq, ws = quantize_weight_per_channel(torch.randn(n, k, generator=gen))
+        w = dequantize_weight(wq, ws, torch.float32)
+        x, bias = torch.randn(1, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+        plain = fp8_weight_gemv(x, wq, ws.view(1, -1), bias)
+        gated = fp8_weight_gemv(x, wq, ws.view(1, -1), bias, gated=True)
+        full = x.float() @ w.T + bias.float()
+        name = f"{n}x{k}_{str(dtype).removeprefix('torch.')}"
+        out[f"gemv_{name}_err"] = rel(plain, full)
+        out[f"gemv_gated_{name}_err"] = rel(gated, torch.nn.functional.silu(full[:, : n // 2]) * full[:, n // 2 :])
+        out[f"gemv_{name}_small_blocks_err"] = rel(fp8_weight_gemv(x, wq, ws.view(1, -1), bias, False, (4, 128, 1)), full)
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({**append(), **norm(), **silu()}))
+    print(json.dumps({**append(), **norm(), **silu(), **weight_gemv()}))

@@ -16,10 +16,10 @@ import torch
 
 from flashserve.attention.kv_quant import FP8_KV_DTYPE, append_fp8_paged, to_cache
 from flashserve.layers.fp8 import (
-    MIN_SCALE, SMALL_M, QuantizedRows, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_gemm_small_m, fp8_linear,
-    quantize_rows, quantize_rows_torch, quantize_static, quantize_weight_per_channel, silu_and_mul_quant,
+    MIN_SCALE, SMALL_M, QuantizedRows, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_gemm_small_m,
+    fp8_linear, quantize_rows, quantize_rows_torch, quantize_static, quantize_weight_per_channel, silu_and_mul_quant,
 )  # fmt: skip
-from flashserve.layers.linear import linear, linear_unscaled
+from flashserve.layers.linear import gate_up_silu_for, linear, linear_unscaled
 from flashserve.models.llama import LlamaModel
 from flashserve.worker.runner import NativeCausalLM, model_shape
 from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
@@ -31,7 +31,8 @@ from test_native_gpu import DECODE_STEPS, PROMPTS, hf_model, paged_logits, rel_e
 
 # (N, K) of the 8B's fused qkv, o, fused gate_up and down projections.
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-ROWS = (1, 7, 64, 300)
+# Rows of the quantized-activation GEMMs (one row a projection reads unquantized).
+ROWS = (7, 64, 300)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -58,6 +59,30 @@ def test_fp8_gemm_matches_the_dequantized_product(name: str, m: int, static: boo
     assert out.dtype == torch.bfloat16 and out.shape == (m, wq.shape[0])
     # The same quantized operands: only fp32 accumulation order and the bfloat16 output differ.
     assert rel_err(out.float(), ref) < 8e-3
+
+
+@pytest.mark.parametrize("name", list(SHAPES_8B))
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_a_one_row_fp8_projection_multiplies_it_unquantized_by_the_dequantized_weights(name: str, static: bool) -> None:
+    x, wq, ws, bias = gemm_operands(name, 1)
+    input_scale = x.float().abs().max() / 448.0 if static else None  # not applied: no activation is quantized
+    ref = x.float() @ dequantize_weight(wq, ws, torch.float32).T + bias.float()
+    with torch.inference_mode():
+        out = fp8_linear(x, wq, bias, ws.view(1, -1), input_scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, wq.shape[0])
+    # Only fp32 accumulation order and the bfloat16 output differ.
+    assert rel_err(out.float(), ref) < 4e-3
+
+
+def test_a_one_row_fp8_gate_up_writes_silu_of_the_gate_times_the_up_half() -> None:
+    x, wq, ws, bias = gemm_operands("gate_up", 1)
+    full = x.float() @ dequantize_weight(wq, ws, torch.float32).T + bias.float()
+    inter = wq.shape[0] // 2
+    ref = torch.nn.functional.silu(full[:, :inter]) * full[:, inter:]
+    with torch.inference_mode():
+        out = gate_up_silu_for((wq, None, ws.view(1, -1), None, None), None, x, (wq, bias, ws.view(1, -1), None, None))
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == (1, inter)
+    assert rel_err(out.float(), ref) < 4e-3
 
 
 @pytest.mark.parametrize("m", (1, 7, 64, SMALL_M))
@@ -199,14 +224,14 @@ def test_the_fused_silu_and_mul_writes_its_product_quantized(given: str, inter: 
 
 
 @pytest.mark.parametrize("name", list(SHAPES_8B))
-def test_an_fp8_projection_leaves_its_scales_to_the_reader_only_up_to_small_m(name: str) -> None:
+def test_an_fp8_projection_leaves_its_scales_to_the_reader_from_two_rows_up_to_small_m(name: str) -> None:
     pytest.importorskip("flashinfer")
-    for m in (1, SMALL_M, SMALL_M + 1):
+    for m in (1, 2, SMALL_M, SMALL_M + 1):
         x, wq, ws, bias = gemm_operands(name, m)
         with torch.inference_mode():
             out = linear_unscaled(x, wq, bias, ws.view(1, -1))
             whole = linear(x, wq, bias, ws.view(1, -1))
-        assert isinstance(out, UnscaledRows) == (m <= SMALL_M)
+        assert isinstance(out, UnscaledRows) == (2 <= m <= SMALL_M)
         got = out.scaled() if isinstance(out, UnscaledRows) else out
         assert torch.equal(got, whole)
 
@@ -224,33 +249,36 @@ def dequantized_copy(hf: torch.nn.Module) -> torch.nn.Module:
 def teacher_forced(shape: tuple[int, int, int, int], native: LlamaModel, seqs: list[list[int]],
                    kv_dtype: torch.dtype | None) -> list[torch.Tensor]:
     """Every position's logits from one prefill of the whole sequences."""
-    full = tuple(p + DECODE_STEPS for p in PROMPTS)
+    full = tuple(len(s) for s in seqs)
     return paged_logits(shape, NativeCausalLM(native).decode_logits, seqs, False, kv_dtype, full, 0)
 
 
 CASES = [("fp8-weights", "fp8", None), ("fp8-kv", None, FP8_KV_DTYPE), ("fp8-both", "fp8", FP8_KV_DTYPE)]
 
 
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["two-sequences", "one-sequence"])
 @pytest.mark.parametrize("mode", ["eager", "cuda_graph"])
 @pytest.mark.parametrize(("case", "quantization", "kv_dtype"), CASES, ids=[c[0] for c in CASES])
 def test_fp8_decode_matches_its_teacher_forced_pass_and_stays_near_bf16(
-    case: str, quantization: str | None, kv_dtype: torch.dtype | None, mode: str
+    case: str, quantization: str | None, kv_dtype: torch.dtype | None, mode: str, prompts: tuple[int, ...]
 ) -> None:
+    """Two sequences decode through the FP8 GEMMs of quantized rows, one through the one-row GEMV."""
     pytest.importorskip("flashinfer")
     hf, config = hf_model("llama-3.2-1b", None)
     shape = model_shape(config)
     gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in PROMPTS]
+    seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in prompts]
     with torch.inference_mode():
         native = LlamaModel.from_hf(hf, config, torch.bfloat16, "cuda", consume=False, max_positions=4096,
                                     quantization=quantization)
-        got = paged_logits(shape, NativeCausalLM(native).decode_logits, seqs, mode == "cuda_graph", kv_dtype)
+        got = paged_logits(shape, NativeCausalLM(native).decode_logits, seqs, mode == "cuda_graph", kv_dtype,
+                           prompts)
         forced = teacher_forced(shape, native, seqs, kv_dtype)
         del native
         ref_hf = dequantized_copy(hf) if quantization else hf
         bf16 = LlamaModel.from_hf(ref_hf, config, torch.bfloat16, "cuda", consume=False, max_positions=4096)
         base = teacher_forced(shape, bf16, seqs, None)
-        base_decoded = paged_logits(shape, NativeCausalLM(bf16).decode_logits, seqs, False, None)
+        base_decoded = paged_logits(shape, NativeCausalLM(bf16).decode_logits, seqs, False, None, prompts)
     e_forced = rel_err(torch.cat(got), torch.cat(forced))
     e_bf16 = rel_err(torch.cat(got), torch.cat(base))
     worst = max(row_errs(a, r).max().item() for a, r in zip(got, base))
@@ -258,18 +286,18 @@ def test_fp8_decode_matches_its_teacher_forced_pass_and_stays_near_bf16(
     # The bound, from two measurements on the same weights: e_path, the bfloat16 model's decode against
     # its own teacher-forced pass (decode and prefill kernels accumulate in different orders, so each
     # layer's input moves by bfloat16 roundings), and e_quant, the FP8 model's teacher-forced logits
-    # against the bfloat16 model's (all of FP8's rounding noise). Decode and prefill quantize identical
-    # rows identically (test_row_quantization_does_not_depend_on_the_batch), but an e4m3 rounding is a
-    # step of 1/8 to 1/16 relative: an input moved by a bfloat16 rounding crosses a rounding boundary
-    # now and then and jumps a whole step, so the FP8 model's path difference is many times e_path
-    # (7.9e-2 on an H100 before this bound, against 1.3e-2 for the FP8-KV model). If a fraction f of
-    # its roundings came out independently in decode, decode would be sqrt(2 f) e_quant from its
-    # teacher-forced pass: the bound lets at most half of them (f = 1/2) differ, plus e_path. The
-    # measured 7.9e-2 with e_quant ~ 0.21 is f ~ 0.07; a wrong scale or operand is O(1).
+    # against the bfloat16 model's (all of FP8's rounding noise: weights and activations). Decode and
+    # prefill quantize identical rows identically (test_row_quantization_does_not_depend_on_the_batch);
+    # a decode step of one sequence reads its rows unquantized, which moves it from its teacher-forced
+    # pass by the activations' share of that noise, less than all of it. An e4m3 rounding is a step of
+    # 1/8 to 1/16 relative: an input moved by a bfloat16 rounding crosses a rounding boundary now and
+    # then and jumps a whole step, so the FP8 model's path difference is many times e_path (7.9e-2 on
+    # an H100 against 1.3e-2 for the FP8-KV model, e_quant ~ 0.21). The bound lets it reach all of
+    # e_quant plus e_path; a wrong scale or operand is O(1).
     e_path = rel_err(torch.cat(base_decoded), torch.cat(base))
     e_quant = rel_err(torch.cat(forced), torch.cat(base))
     bound = e_path + e_quant
-    print(f"FP8 {case} {mode}: vs own teacher-forced {e_forced:.2e} (bound {bound:.2e}: bf16 decode vs its "
+    print(f"FP8 {case} {mode} {len(prompts)} seq: vs own teacher-forced {e_forced:.2e} (bound {bound:.2e}: bf16 decode vs its "
           f"teacher-forced {e_path:.2e}, FP8 noise {e_quant:.2e}); vs bf16 (same weights) {e_bf16:.2e} "
           f"(worst row {worst:.2e}), greedy agreement {agree:.3f}")
     assert e_forced < bound

@@ -69,17 +69,17 @@ def one_gpu_tokens(model: str) -> list[list[int]]:
         return [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
 
 
-def step_logits(llm: LLM) -> list[torch.Tensor]:
-    """The logits of a prefill step of PROMPTS, then of 4 decode steps of all three (teacher-forced
+def step_logits(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[torch.Tensor]:
+    """The logits of a prefill step of `prompts`, then of 4 decode steps of all of them (teacher-forced
     tokens; a decode step of 3 replays the graph of 4 where graphs were captured), straight
     through the engine's runner on pages no request holds."""
     runner: Any = llm.engine.executor
-    pages = [list(range(1 + 16 * i, 17 + 16 * i)) for i in range(len(PROMPTS))]
-    step = [ScheduledRequest(f"r{i}", p, 0, pages[i], True, GREEDY, p, []) for i, p in enumerate(PROMPTS)]
+    pages = [list(range(1 + 16 * i, 17 + 16 * i)) for i in range(len(prompts))]
+    step = [ScheduledRequest(f"r{i}", p, 0, pages[i], True, GREEDY, p, []) for i, p in enumerate(prompts)]
     logits = [runner.forward(SchedulerOutput(step)).clone()]
     for k in range(4):
         step = [ScheduledRequest(f"r{i}", [11 + k], len(p) + k, pages[i], True, GREEDY, p, [11] * (k + 1))
-                for i, p in enumerate(PROMPTS)]
+                for i, p in enumerate(prompts)]
         logits.append(runner.forward(SchedulerOutput(step)).clone())
     return logits
 
@@ -163,4 +163,26 @@ def test_two_gpus_with_fp8_weights_and_kv_compute_the_logits_of_one(
         logits = step_logits(llm)
     errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_fp8_logits)]
     print(f"FP8 TP=2 vs one GPU ({'graphs' if cuda_graph else 'eager'}, {'fused' if fused else 'NCCL'}): {errs}")
+    assert max(errs) < 0.1, errs
+
+
+ONE_SEQUENCE = PROMPTS[2:]
+
+
+@pytest.fixture(scope="module")
+def one_gpu_fp8_one_sequence_logits(model: str) -> list[torch.Tensor]:
+    with LLM(model, cuda_graph=False, quantization="fp8", kv_cache_dtype="fp8", **{**ENGINE, "dtype": "bfloat16"}) as llm:
+        return step_logits(llm, ONE_SEQUENCE)
+
+
+def test_two_gpus_with_fp8_weights_decode_one_sequence_as_one_gpu_does(
+    model: str, one_gpu_fp8_one_sequence_logits: list[torch.Tensor]
+) -> None:
+    # A decode step of one sequence runs the one-row FP8 GEMV (unquantized activations, fused gate_up
+    # and SiLU-and-mul) on each rank; from graphs, with the fused all-reduce, as served by default.
+    with LLM(model, tensor_parallel_size=2, cuda_graph=True, quantization="fp8", kv_cache_dtype="fp8",
+             enable_flashinfer_allreduce_fusion=True, **{**ENGINE, "dtype": "bfloat16"}) as llm:  # fmt: skip
+        logits = step_logits(llm, ONE_SEQUENCE)
+    errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_fp8_one_sequence_logits)]
+    print(f"FP8 TP=2 vs one GPU, one sequence (graphs, fused): {errs}")
     assert max(errs) < 0.1, errs

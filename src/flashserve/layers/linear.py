@@ -12,7 +12,9 @@ format is the dtype of the weight. The arguments are plain tensors (and one floa
 The kernel before a projection may write its input in the projection's format: `add_rmsnorm_for`
 and `silu_and_mul_for` return `QuantizedRows` for an FP8 projection of a bfloat16 model on a GPU
 (one fused kernel each), and `linear_unscaled` may return `UnscaledRows`, which those two scale as
-they read them. Everywhere else they are the `Ops` kernels on plain tensors.
+they read them. Everywhere else they are the `Ops` kernels on plain tensors. One row goes to an FP8
+projection unquantized (`fp8.fp8_weight_gemv`), and `gate_up_silu_for` makes an FP8 gate_up and
+SiLU-and-mul one kernel there.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashserve.layers.fp8 import (
-    FP8_DTYPE, FUSED_MAX_COLS, QuantizedRows, UnscaledRows, add_rmsnorm_quant, fp8_linear, fused_kernels,
-    silu_and_mul_quant,
+    FP8_DTYPE, FUSED_MAX_COLS, QuantizedRows, UnscaledRows, add_rmsnorm_quant, fp8_linear, fp8_weight_gemv,
+    fused_kernels, silu_and_mul_quant, takes_weight_gemv,
 )  # fmt: skip
 from flashserve.layers.ops import Ops
 
@@ -44,7 +46,7 @@ def linear_unscaled(
     x: Tensor | QuantizedRows, weight: Tensor, bias: Tensor | None = None, weight_scale: Tensor | None = None,
     input_scale: Tensor | None = None, input_scale_ub: float | None = None, defer: bool = True,
 ) -> Tensor | UnscaledRows:  # fmt: skip
-    """`linear`, except that an FP8 projection of up to `fp8.SMALL_M` rows returns `UnscaledRows`
+    """`linear`, except that an FP8 projection of 2 to `fp8.SMALL_M` rows returns `UnscaledRows`
     (bmm_fp8's product, its scales left to the kernel that reads it: `add_rmsnorm_for`,
     `silu_and_mul_for`)."""
     if weight.dtype == FP8_DTYPE:
@@ -61,11 +63,16 @@ def dense(x: Tensor | UnscaledRows) -> Tensor:
     return x.scaled() if isinstance(x, UnscaledRows) else x
 
 
+def _is_fp8(proj: LinearArgs | None) -> bool:
+    return proj is not None and proj[0].dtype == FP8_DTYPE
+
+
 def _fuses_fp8_input(proj: LinearArgs | None, x: Tensor, cols: int) -> bool:
-    """Whether the kernel making `proj`'s input (rows of `cols` values) should quantize it: an FP8
-    projection of a bfloat16 model on a GPU with the fused kernels (`fp8.fused_kernels`)."""
-    return (proj is not None and proj[0].dtype == FP8_DTYPE and x.dtype == torch.bfloat16
-            and cols <= FUSED_MAX_COLS and fused_kernels(x))  # fmt: skip
+    """Whether the kernel making `proj`'s input (rows of `cols` values; x has as many rows) should
+    quantize it: an FP8 projection of a bfloat16 model on a GPU with the fused kernels
+    (`fp8.fused_kernels`), unless it reads them unquantized (one row: `fp8.takes_weight_gemv`)."""
+    return (_is_fp8(proj) and x.dtype == torch.bfloat16 and cols <= FUSED_MAX_COLS and fused_kernels(x)
+            and not takes_weight_gemv(x))  # fmt: skip
 
 
 def takes_dynamic_fp8(proj: LinearArgs | None, x: Tensor) -> bool:
@@ -87,6 +94,19 @@ def add_rmsnorm_for(
     if x is None:
         return ops.rmsnorm(residual, norm_w, eps), residual
     return ops.fused_add_rmsnorm(dense(x), residual, norm_w, eps)
+
+
+def gate_up_silu_for(
+    down: LinearArgs, ops: Ops, normed: Tensor | QuantizedRows, gate_up: LinearArgs
+) -> Tensor | QuantizedRows:  # fmt: skip
+    """The gated MLP up to down_proj: gate_up, then SiLU-and-mul, in the format `down` reads. An FP8
+    gate_up over one unquantized row (`fp8.takes_weight_gemv`) is one kernel that writes
+    silu(gate) * up."""
+    if _is_fp8(gate_up) and isinstance(normed, Tensor) and takes_weight_gemv(normed):
+        weight, bias, weight_scale = gate_up[:3]
+        assert weight_scale is not None
+        return fp8_weight_gemv(normed, weight, weight_scale, bias, gated=True)
+    return silu_and_mul_for(down, ops, linear_unscaled(normed, *gate_up))
 
 
 def silu_and_mul_for(proj: LinearArgs, ops: Ops, x: Tensor | UnscaledRows) -> Tensor | QuantizedRows:

@@ -36,8 +36,8 @@ from flashserve.distributed.comm import FlashInferAllReduceNorm, FusedAllReduceN
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
 from flashserve.layers.linear import (
-    Linear, LinearArgs, add_rmsnorm_for, dense, linear, linear_unscaled, pack_for_onednn, packs_for_onednn,
-    silu_and_mul_for, takes_dynamic_fp8,
+    Linear, LinearArgs, add_rmsnorm_for, dense, gate_up_silu_for, linear, linear_unscaled, pack_for_onednn,
+    packs_for_onednn, takes_dynamic_fp8,
 )  # fmt: skip
 from flashserve.layers.ops import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.layers.quantization import Fp8Scheme, projection_loading
@@ -143,8 +143,7 @@ def gated_mlp(
 ) -> Tensor | UnscaledRows:  # fmt: skip
     """The SiLU MLP of a normed hidden state: gate_up, SiLU-and-mul, down. `unscaled`: an FP8
     down_proj may leave its scales to the reader (`linear_unscaled`)."""
-    activated = silu_and_mul_for(down, ops, linear_unscaled(normed, *gate_up))
-    return linear_unscaled(activated, *down, defer=unscaled)
+    return linear_unscaled(gate_up_silu_for(down, ops, normed, gate_up), *down, defer=unscaled)
 
 
 def final_norm(
