@@ -11,7 +11,7 @@ projection at 1 row: 15 us against 10.5), so there FlashInfer's `bmm_fp8` (per-t
 us) runs with unit scales and one Triton kernel applies both scales (and the bias) to its bfloat16
 output in place.
 
-One row (a decode step of one sequence) takes neither: `fp8_weight_gemv` multiplies the bfloat16
+One bfloat16 row (a decode step of one sequence) takes neither: `fp8_weight_gemv` multiplies the
 row as it is by the FP8 weights widened in registers, the channel scales after its loop, so no
 kernel quantizes before it or scales after it; for gate_up it writes silu(gate) * up. At one row a
 GEMM is a weight read, and the GEMV takes 1.06-1.58x the weight read at the copy rate (H100, the
@@ -446,8 +446,9 @@ def weight_gemv_config(n: int, k: int, gated: bool) -> WeightGemvConfig:
 
 def takes_weight_gemv(x: Tensor) -> bool:
     """Whether an FP8 projection reads `x` [..., K] unquantized through `fp8_weight_gemv`: one row
-    of bfloat16 or float16 on a GPU with Triton (a decode step of one sequence)."""
-    return x.dtype in (torch.bfloat16, torch.float16) and x.numel() == x.shape[-1] > 0 and fused_kernels(x)
+    of bfloat16 on a GPU with Triton (a decode step of one sequence; the dtype the other fused
+    kernels take and the GPU tests cover)."""
+    return x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] > 0 and fused_kernels(x)
 
 
 def fp8_weight_gemv(
@@ -492,7 +493,7 @@ def fp8_linear(
 ) -> Tensor | UnscaledRows:  # fmt: skip
     """x [..., K] @ dequant(weight [N, K] float8, weight_scale [1, N] float32).T + bias.
 
-    One row of a 16-bit model on a GPU (`takes_weight_gemv`) goes through `fp8_weight_gemv`, which
+    One row of a bfloat16 model on a GPU (`takes_weight_gemv`) goes through `fp8_weight_gemv`, which
     multiplies the activation as it is (neither `input_scale` nor `input_scale_ub` applies: no
     activation is quantized). Otherwise activations are quantized
     per token, or with `input_scale` (static, per tensor) when given;
