@@ -448,18 +448,18 @@ def takes_weight_gemv(x: Tensor) -> bool:
     """Whether an FP8 projection reads `x` [..., K] unquantized through `fp8_weight_gemv`: one row
     of bfloat16 on a GPU with Triton (a decode step of one sequence; the dtype the other fused
     kernels take and the GPU tests cover)."""
-    return x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] > 0 and fused_kernels(x)
+    return x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] > 0 and x.stride(-1) == 1 and fused_kernels(x)
 
 
 def fp8_weight_gemv(
     x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, gated: bool = False,
     config: WeightGemvConfig | None = None,
 ) -> Tensor:  # fmt: skip
-    """One row x [..., K] (bfloat16 or float16; float32 too) @ (weight [N, K] float8 * weight_scale
-    [1, N]).T (+ bias [N]), in x's dtype: one Triton kernel. The activation is not quantized: the
-    product is the dequantized weights' up to float32 accumulation order. `gated`: weight holds a
-    gate_up projection's gate | up rows, and the result is silu(gate) * up [..., N / 2], computed
-    in float32. `config`: see `weight_gemv_config`."""
+    """One row x [..., K] @ (weight [N, K] float8 * weight_scale [1, N]).T (+ bias [N]), in x's dtype
+    (bfloat16 where a model calls it; float32 runs too, as the interpreter tests do): one Triton
+    kernel. The activation is not quantized: the product is the dequantized weights' up to float32
+    accumulation order. `gated`: weight holds a gate_up projection's gate | up rows, and the result
+    is silu(gate) * up [..., N / 2], computed in float32. `config`: see `weight_gemv_config`."""
     k, n = x.shape[-1], weight.shape[0]
     n_out = n // 2 if gated else n
     if x.numel() != k or weight.shape[1] != k or x.stride(-1) != 1 or (gated and n % 2):
