@@ -68,6 +68,11 @@ class CoreThread:
         self.thread.start()
         for b in self.front_conns:
             assert isinstance(recv(b), EngineSetup)
+        # The core sends the setup, then registers the pipe: tests that look at its pipes wait for that.
+        deadline = time.monotonic() + 5
+        while len(self.core._conns) < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(self.core._conns) == n
 
     def clients(self, **kw: Any) -> list[EngineCoreClient]:
         made = [EngineCoreClient(conn, self.setup, **kw) for conn in self.front_conns]
