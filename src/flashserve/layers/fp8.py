@@ -495,10 +495,9 @@ def fp8_linear(
 
     One row of a bfloat16 model on a GPU (`takes_weight_gemv`) goes through `fp8_weight_gemv`, which
     multiplies the activation as it is (neither `input_scale` nor `input_scale_ub` applies: no
-    activation is quantized). Otherwise activations are quantized
-    per token, or with `input_scale` (static, per tensor) when given;
-    `QuantizedRows` [M, K] arrive quantized already (from a bfloat16 model's kernels: the output is
-    bfloat16). Up to SMALL_M rows FlashInfer's bmm_fp8 and
+    activation is quantized). Otherwise activations are quantized per token, or with `input_scale`
+    (static, per tensor) when given; `QuantizedRows` [M, K] arrive quantized already (from a
+    bfloat16 model's kernels: the output is bfloat16). Up to SMALL_M rows FlashInfer's bmm_fp8 and
     the scaling kernel, above it row-wise `_scaled_mm`; both write bfloat16, and another activation
     dtype is cast back. `defer_scales`: up to SMALL_M rows, return bmm_fp8's product as
     `UnscaledRows` for a fused kernel to scale as it reads it (a bfloat16 activation only).
