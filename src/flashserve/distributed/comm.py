@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flashserve.layers.fp8 import FP8_DTYPE, QuantizedRows
+from flashserve.layers.pdl import launches_early
 
 Tensor = torch.Tensor
 
@@ -182,7 +183,8 @@ class FlashInferAllReduceNorm:
     reads the norm, which the same kernel then quantizes per token): the ranks' GPUs write into each other's buffers over
     NVLink (one-shot for small steps), with no NCCL launch, no separate norm kernel and no NVLink
     multicast (`backend="trtllm"`; "auto" may pick a multicast backend). The buffers are shared by
-    CUDA IPC, so every rank must be on this node. CUDA graphs capture it.
+    CUDA IPC, so every rank must be on this node. CUDA graphs capture it. On Hopper it launches
+    with PDL (`layers/pdl.py`), so its launch overlaps the end of the projection before it.
 
     Collective to build: every rank of `group` (NCCL) constructs it at the same point.
     """
@@ -197,6 +199,7 @@ class FlashInferAllReduceNorm:
 
         use_prebuilt_modules(torch.device("cuda", torch.cuda.current_device()))
         self.max_tokens = max_tokens
+        self._pdl = launches_early(torch.device("cuda", torch.cuda.current_device()))
         self._fusion = allreduce_fusion
         self._pattern = AllReduceFusionPattern.kARResidualRMSNorm
         self._fp8_pattern = AllReduceFusionPattern.kARResidualRMSNormDynamicFP8Quant
@@ -215,12 +218,13 @@ class FlashInferAllReduceNorm:
             s = torch.empty((partial.shape[0], 1), dtype=torch.float32, device=partial.device)
             self._fusion(
                 input=partial.contiguous(), workspace=self._workspace, pattern=self._fp8_pattern,
-                residual_in=residual, residual_out=summed, quant_out=q, scale_out=s, rms_gamma=weight, rms_eps=eps,
+                launch_with_pdl=self._pdl, residual_in=residual, residual_out=summed, quant_out=q, scale_out=s, rms_gamma=weight, rms_eps=eps,
             )  # fmt: skip
             return QuantizedRows(q, s), summed
         normed = torch.empty_like(partial)
         self._fusion(
-            input=partial.contiguous(), workspace=self._workspace, pattern=self._pattern, residual_in=residual,
+            input=partial.contiguous(), workspace=self._workspace, pattern=self._pattern,
+            launch_with_pdl=self._pdl, residual_in=residual,
             residual_out=summed, norm_out=normed, rms_gamma=weight, rms_eps=eps,
         )  # fmt: skip
         return normed, summed

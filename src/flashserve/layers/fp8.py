@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from flashserve.layers.pdl import triton_launches_early
+
 Tensor = torch.Tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -378,22 +380,37 @@ def _weight_gemv_kernel() -> Any:
     """y = x @ (w * w_scale).T (+ bias) for one row x: the fp8 weights widened to float32 tile by
     tile and multiplied on the CUDA cores (at one row a tensor-core tile would be 15/16 padding).
     GATED: w holds gate | up rows (2 N of them); the program takes the same N-block of both and
-    writes silu(gate) * up."""
+    writes silu(gate) * up.
+
+    PDL (programmatic dependent launch, `layers/pdl.py`): the kernel may start while the one
+    before it still runs. Its first weight tile does not depend on that kernel, so it is loaded
+    first; `gdc_wait` then waits for the kernel before (and its writes) before x is read, and
+    `gdc_launch_dependents` lets the next kernel start the same way."""
     import triton.language as tl
     from triton import jit
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @jit
     def fp8_weight_gemv_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, n_out, k_cols, GATED: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_in = rn < n_out
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * k_cols + rk[None, :]
         up_ptrs = w_ptrs + n_out.to(tl.int64) * k_cols
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        k_in = rk < k_cols
+        w_in = n_in[:, None] & k_in[None, :]
+        w = tl.load(w_ptrs, mask=w_in, other=0.0)
         if GATED:
-            acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, k_cols, BLOCK_K):
+            up = tl.load(up_ptrs, mask=w_in, other=0.0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        x = tl.load(x_ptr + rk, mask=k_in, other=0.0).to(tl.float32)[None, :]
+        acc = w.to(tl.float32) * x
+        if GATED:
+            acc_up = up.to(tl.float32) * x
+        for k0 in range(BLOCK_K, k_cols, BLOCK_K):
             k_in = k0 + rk < k_cols
             w_in = n_in[:, None] & k_in[None, :]
             x = tl.load(x_ptr + k0 + rk, mask=k_in, other=0.0).to(tl.float32)[None, :]
@@ -467,9 +484,10 @@ def fp8_weight_gemv(
                          f"{tuple(weight.shape)} (gated: {gated})")
     y = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or weight_gemv_config(n, k, gated)
+    pdl = {"launch_pdl": True} if triton_launches_early(x.device) else {}
     _weight_gemv_kernel()[(_triton().cdiv(n_out, block_n),)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, y, n_out, k, GATED=gated,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=bool(pdl), num_warps=warps, **pdl,
     )  # fmt: skip
     return y
 
