@@ -1,4 +1,4 @@
-"""The FP8 Triton kernels (fused norm, SiLU-and-mul, KV append, the FP8-weight GEMV) checked on a CPU through Triton's
+"""The Triton kernels (fused norm, SiLU-and-mul, KV append with and without RoPE, the FP8-weight GEMV) checked on a CPU through Triton's
 interpreter, in a subprocess of their own (`triton_interpreted.py`): their indexing, saturation,
 residual update and scales, which the GPU tests check with the float8 roundings as well."""
 
@@ -30,6 +30,18 @@ def measured() -> dict[str, Any]:
 
 def test_the_fp8_append_writes_each_token_saturated_into_its_page_and_slot(measured: dict[str, Any]) -> None:
     assert measured["append_ran"] and measured["append_bytes_equal"]
+
+
+def test_the_rope_append_rotates_q_in_place_as_the_torch_rope_does(measured: dict[str, Any]) -> None:
+    assert measured["rope_append_ran"] and measured["rope_q_ulps"] <= 1.0  # the interpreter truncates to bfloat16
+
+
+def test_the_rope_append_writes_rotated_k_and_plain_v_into_their_pages(measured: dict[str, Any]) -> None:
+    assert measured["rope_k_cache_ulps"] <= 1.0 and measured["rope_v_cache_equal"]
+
+
+def test_the_rope_append_leaves_the_k_input_unrotated(measured: dict[str, Any]) -> None:
+    assert measured["rope_k_left_alone"]
 
 
 def test_the_fused_norm_adds_the_scaled_gemm_output_into_the_residual(measured: dict[str, Any]) -> None:

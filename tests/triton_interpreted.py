@@ -2,8 +2,9 @@
 Triton is imported: run this file as a script). Prints a JSON object of measurements that
 `test_fp8_kernels_interpreted.py` asserts on. The interpreter rounds float8 casts that carry into
 the next power of two wrongly, so what it checks avoids depending on those roundings: the indexing
-and saturation of the KV append with values e4m3 holds exactly, the residual update and the norm
-in float32, the scales each kernel picks, and the FP8-weight GEMV."""
+and saturation of the KV append with values e4m3 holds exactly, the same append rotating q and k
+(RoPE) into a bfloat16 cache, the residual update and the norm in float32, the scales each kernel
+picks, and the FP8-weight GEMV."""
 
 from __future__ import annotations
 
@@ -14,43 +15,89 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from flashserve.attention.kv_quant import FP8_KV_DTYPE, append_fp8_paged, to_cache  # noqa: E402
+from flashserve.attention.kv_quant import FP8_KV_DTYPE, to_cache  # noqa: E402
+from flashserve.attention.paged_append import Rope, append_paged  # noqa: E402
 from flashserve.layers.fp8 import (  # noqa: E402
     MIN_SCALE, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_weight_gemv, quantize_weight_per_channel,
     silu_and_mul_quant,
 )  # fmt: skip
+from flashserve.layers.ops import apply_rope_torch, rope_cos_sin_cache, rope_inv_freq  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
-def append() -> dict[str, bool]:
-    """Three requests whose new tokens cross page boundaries, K / V as column slices of a fused qkv."""
-    gen = torch.Generator().manual_seed(0)
-    page, heads, dim, pages = 4, 2, 8, 12
-    new, before = [1, 5, 6], [3, 2, 0]
-    table = torch.randperm(pages, generator=gen).int()
-    lens = [b + n for b, n in zip(before, new)]
-    counts = [(n + page - 1) // page for n in lens]
+PAGE, PAGES = 4, 12
+NEW, BEFORE = [1, 5, 6], [3, 2, 0]  # three requests whose new tokens cross page boundaries
+
+
+def step_pages(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch_indices, positions, kv_indices, kv_indptr) of the three requests, pages shuffled."""
+    table = torch.randperm(PAGES, generator=gen).int()
+    counts = [(b + n + PAGE - 1) // PAGE for b, n in zip(BEFORE, NEW)]
     indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    indices = table[: int(indptr[-1])].contiguous()
-    batch = torch.repeat_interleave(torch.arange(3), torch.tensor(new)).int()
-    pos = torch.cat([torch.arange(b, b + n) for b, n in zip(before, new)]).int()
-    exact = torch.tensor([0.5, -1.5, 3.0, -6.0, 0.75, 448.0, -448.0, 1000.0, -2000.0, 13.0])  # the last two saturate
-    qkv = exact[torch.randint(0, len(exact), (sum(new), 6 * heads * dim), generator=gen)]
-    k = qkv[:, 4 * heads * dim : 5 * heads * dim].view(-1, heads, dim)
-    v = qkv[:, 5 * heads * dim :].view(-1, heads, dim)
-    cache = tuple(torch.zeros(pages, page, heads, dim, dtype=FP8_KV_DTYPE) for _ in range(2))
-    ran = append_fp8_paged(k, v, batch, pos, indices, indptr, cache)
-    ref = tuple(torch.zeros(pages, page, heads, dim, dtype=FP8_KV_DTYPE) for _ in range(2))
+    batch = torch.repeat_interleave(torch.arange(3), torch.tensor(NEW)).int()
+    pos = torch.cat([torch.arange(b, b + n) for b, n in zip(BEFORE, NEW)]).int()
+    return batch, pos, table[: int(indptr[-1])].contiguous(), indptr
+
+
+def reference_append(k: torch.Tensor, v: torch.Tensor, pages: tuple, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    batch, pos, indices, indptr = pages
+    ref = tuple(torch.zeros_like(like) for _ in range(2))
     for t in range(k.shape[0]):
         b, p = int(batch[t]), int(pos[t])
-        slot = (int(indices[int(indptr[b]) + p // page]), p % page)
-        ref[0][slot] = to_cache(k[t], FP8_KV_DTYPE)
-        ref[1][slot] = to_cache(v[t], FP8_KV_DTYPE)
+        slot = (int(indices[int(indptr[b]) + p // PAGE]), p % PAGE)
+        ref[0][slot] = to_cache(k[t], like.dtype)
+        ref[1][slot] = to_cache(v[t], like.dtype)
+    return ref
+
+
+def append() -> dict[str, bool]:
+    """K / V as column slices of a fused qkv, values e4m3 holds exactly and two that saturate."""
+    gen = torch.Generator().manual_seed(0)
+    heads, dim = 2, 8
+    pages = step_pages(gen)
+    exact = torch.tensor([0.5, -1.5, 3.0, -6.0, 0.75, 448.0, -448.0, 1000.0, -2000.0, 13.0])  # the last two saturate
+    qkv = exact[torch.randint(0, len(exact), (sum(NEW), 6 * heads * dim), generator=gen)]
+    q = qkv[:, : 4 * heads * dim].view(-1, 4 * heads, dim)
+    k = qkv[:, 4 * heads * dim : 5 * heads * dim].view(-1, heads, dim)
+    v = qkv[:, 5 * heads * dim :].view(-1, heads, dim)
+    cache = tuple(torch.zeros(PAGES, PAGE, heads, dim, dtype=FP8_KV_DTYPE) for _ in range(2))
+    ran = append_paged(q, k, v, *pages, cache)
+    ref = reference_append(k, v, pages, cache[0])
     same = all(torch.equal(c.view(torch.uint8), r.view(torch.uint8)) for c, r in zip(cache, ref))
     return {"append_ran": ran, "append_bytes_equal": same}
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| in units of bfloat16's spacing at b (8 significant bits)."""
+    spacing = torch.ldexp(torch.ones_like(b, dtype=torch.float32), torch.frexp(b.float()).exponent - 8)
+    return float(((a.float() - b.float()).abs() / spacing).max())
+
+
+def rope_append() -> dict[str, float | bool]:
+    """bfloat16 q / k / v of a fused qkv (6 q heads, 2 KV heads, head size 12: no power of two),
+    rotated at absolute positions other than the append's (as a cascade step's), into a bfloat16
+    cache; against `apply_rope_torch` and the reference append. The interpreter truncates float32
+    to bfloat16 where a GPU rounds to nearest, so the two may differ by one bfloat16 step."""
+    gen = torch.Generator().manual_seed(4)
+    hq, hkv, dim = 6, 2, 12
+    pages = step_pages(gen)
+    qkv = torch.randn(sum(NEW), (hq + 2 * hkv) * dim, generator=gen).to(torch.bfloat16)
+    q = qkv[:, : hq * dim].view(-1, hq, dim)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(-1, hkv, dim)
+    v = qkv[:, (hq + hkv) * dim :].view(-1, hkv, dim)
+    rope_pos = pages[1].long() + 100
+    cos_sin = rope_cos_sin_cache(rope_inv_freq({"rope_type": "default", "rope_theta": 10000.0}, dim), 128, "cpu")
+    want_q, want_k = apply_rope_torch(rope_pos, q.reshape(-1, hq * dim).clone(), k.reshape(-1, hkv * dim).clone(), dim, cos_sin)
+    k_before = k.clone()
+    cache = tuple(torch.zeros(PAGES, PAGE, hkv, dim, dtype=torch.bfloat16) for _ in range(2))
+    ran = append_paged(q, k, v, *pages, cache, Rope(rope_pos, cos_sin))
+    ref = reference_append(want_k.view(-1, hkv, dim), v, pages, cache[0])
+    return {"rope_append_ran": ran, "rope_q_ulps": bf16_ulps(q.reshape(-1, hq * dim), want_q),
+            "rope_k_cache_ulps": bf16_ulps(cache[0], ref[0]), "rope_v_cache_equal": torch.equal(cache[1], ref[1]),
+            "rope_k_left_alone": torch.equal(k, k_before)}
 
 
 def norm() -> dict[str, float | bool]:
@@ -115,4 +162,4 @@ def weight_gemv() -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({**append(), **norm(), **silu(), **weight_gemv()}))
+    print(json.dumps({**append(), **rope_append(), **norm(), **silu(), **weight_gemv()}))

@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from flashserve.attention.kv_quant import FP8_KV_DTYPE, append_fp8_paged, to_cache
+from flashserve.attention.kv_quant import FP8_KV_DTYPE, to_cache
+from flashserve.attention.paged_append import Rope, append_paged
 from flashserve.layers.fp8 import (
     MIN_SCALE, SMALL_M, QuantizedRows, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_gemm_small_m,
     fp8_linear, quantize_rows, quantize_rows_torch, quantize_static, quantize_weight_per_channel, silu_and_mul_quant,
 )  # fmt: skip
 from flashserve.layers.linear import gate_up_silu_for, linear, linear_unscaled
+from flashserve.layers.ops import rope_cos_sin_cache, rope_inv_freq
 from flashserve.models.llama import LlamaModel
 from flashserve.worker.runner import NativeCausalLM, model_shape
 from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
@@ -388,15 +390,18 @@ def test_a_cascade_step_over_an_fp8_cache_matches_flat_attention(new: list[int])
         assert rel_err(fi.forward(layer, q, k, v), ref.forward(layer, q, k, v)) < TOL[torch.bfloat16]
 
 
-def test_the_fused_fp8_append_writes_the_bytes_flashinfer_writes() -> None:
-    """K and V as column slices of a fused qkv output, saturated (some beyond +-448), appended to
-    three requests whose new tokens cross page boundaries: the same cache bytes as `to_cache` and
-    FlashInfer's append_paged_kv_cache."""
-    flashinfer = pytest.importorskip("flashinfer")
-    page, heads, dim, pages = 16, 8, 128, 40
+APPEND_PAGE, APPEND_HEADS, APPEND_DIM, APPEND_PAGES = 16, 8, 128, 40
+
+
+def append_step(scale: float) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Three requests whose new tokens cross page boundaries, on shuffled pages: FlashInfer's
+    append arguments (batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len), and q,
+    k, v as column slices of a fused bfloat16 qkv output (4 q heads a KV head) of random values
+    times `scale`."""
+    page, heads, dim = APPEND_PAGE, APPEND_HEADS, APPEND_DIM
     new, before = [1, 19, 40], [5, 14, 0]  # tokens appended per request, tokens already cached
     gen = torch.Generator("cuda").manual_seed(0)
-    table = torch.randperm(pages, generator=gen, device="cuda").int()
+    table = torch.randperm(APPEND_PAGES, generator=gen, device="cuda").int()
     lens = [b + n for b, n in zip(before, new)]
     counts = [(n + page - 1) // page for n in lens]
     indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -404,14 +409,85 @@ def test_the_fused_fp8_append_writes_the_bytes_flashinfer_writes() -> None:
     last = torch.tensor([n - (c - 1) * page for n, c in zip(lens, counts)], dtype=torch.int32, device="cuda")
     batch = torch.repeat_interleave(torch.arange(3, device="cuda"), torch.tensor(new, device="cuda")).int()
     pos = torch.cat([torch.arange(b, b + n, device="cuda") for b, n in zip(before, new)]).int()
-    qkv = (torch.randn(sum(new), (4 + 2) * heads * dim, generator=gen, device="cuda") * 200).bfloat16()
+    qkv = (torch.randn(sum(new), (4 + 2) * heads * dim, generator=gen, device="cuda") * scale).bfloat16()
+    q = qkv[:, : 4 * heads * dim].view(-1, 4 * heads, dim)
     k = qkv[:, 4 * heads * dim : 5 * heads * dim].view(-1, heads, dim)
     v = qkv[:, 5 * heads * dim :].view(-1, heads, dim)
-    shape = (pages, page, heads, dim)
-    fused = tuple(torch.zeros(shape, dtype=FP8_KV_DTYPE, device="cuda") for _ in range(2))
-    ref = tuple(torch.zeros(shape, dtype=FP8_KV_DTYPE, device="cuda") for _ in range(2))
-    assert append_fp8_paged(k, v, batch, pos, indices, indptr, fused)
+    return (batch, pos, indices, indptr, last), qkv, (q, k, v)
+
+
+def empty_cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (APPEND_PAGES, APPEND_PAGE, APPEND_HEADS, APPEND_DIM)
+    return tuple(torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(2))  # type: ignore[return-value]
+
+
+def steps_apart(a: torch.Tensor, b: torch.Tensor, mantissa_bits: int, min_spacing: float = 0.0) -> float:
+    """The largest |a - b| in units of the format's spacing at b (`mantissa_bits` stored bits; at
+    least `min_spacing`, the subnormals' spacing)."""
+    a, b = a.float(), b.float()
+    spacing = torch.ldexp(torch.ones_like(b), torch.frexp(b).exponent - 1 - mantissa_bits).clamp_min(min_spacing)
+    return float(((a - b).abs() / spacing).max())
+
+
+def test_the_fused_fp8_append_writes_the_bytes_flashinfer_writes() -> None:
+    """K and V saturated (some beyond +-448), appended to three requests: the same cache bytes as
+    `to_cache` and FlashInfer's append_paged_kv_cache."""
+    flashinfer = pytest.importorskip("flashinfer")
+    (batch, pos, indices, indptr, last), _, (q, k, v) = append_step(200.0)
+    fused, ref = empty_cache(FP8_KV_DTYPE), empty_cache(FP8_KV_DTYPE)
+    assert append_paged(q, k, v, batch, pos, indices, indptr, fused)
     flashinfer.append_paged_kv_cache(to_cache(k, FP8_KV_DTYPE), to_cache(v, FP8_KV_DTYPE), batch, pos, ref, indices,
                                      indptr, last, kv_layout="NHD")
     for f, r in zip(fused, ref):
         assert torch.equal(f.view(torch.uint8), r.view(torch.uint8))
+
+
+def rope_then_append(cache_dtype: torch.dtype, rope_pos: torch.Tensor, cos_sin: torch.Tensor) -> tuple:
+    """FlashInfer's two kernels on `append_step`: RoPE in place, then the append. (q, cache)."""
+    import flashinfer
+
+    (batch, pos, indices, indptr, last), qkv, (q, k, v) = append_step(3.0)
+    t, d = q.shape[0], q.shape[-1]
+    flashinfer.apply_rope_with_cos_sin_cache_inplace(rope_pos, q.reshape(t, -1), k.reshape(t, -1), d, cos_sin,
+                                                     is_neox=True)  # fmt: skip
+    cache = empty_cache(cache_dtype)
+    flashinfer.append_paged_kv_cache(to_cache(k, cache_dtype), to_cache(v, cache_dtype), batch, pos, cache, indices,
+                                     indptr, last, kv_layout="NHD")  # fmt: skip
+    return q, cache
+
+
+def fused_rope_append(cache_dtype: torch.dtype, rope_pos: torch.Tensor, cos_sin: torch.Tensor) -> tuple:
+    """`append_paged` with the same RoPE on `append_step`. (q, cache)."""
+    (batch, pos, indices, indptr, _), _, (q, k, v) = append_step(3.0)
+    cache = empty_cache(cache_dtype)
+    assert append_paged(q, k, v, batch, pos, indices, indptr, cache, Rope(rope_pos, cos_sin))
+    return q, cache
+
+
+def rope_table() -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute positions 1000 past the append's (as a cascade step's) and Llama-3.1's table."""
+    (_, pos, *_), _, _ = append_step(3.0)
+    inv_freq = rope_inv_freq({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, APPEND_DIM)  # fmt: skip
+    return pos.long() + 1000, rope_cos_sin_cache(inv_freq, 2048, "cuda")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_KV_DTYPE], ids=["bf16-cache", "fp8-cache"])
+def test_the_rope_append_rotates_q_as_flashinfer_rope_does(cache_dtype: torch.dtype) -> None:
+    pytest.importorskip("flashinfer")
+    rope = rope_table()
+    want, _ = rope_then_append(cache_dtype, *rope)
+    got, _ = fused_rope_append(cache_dtype, *rope)
+    assert steps_apart(got, want, 7) <= 1.0  # the float32 rotation may contract into FMAs differently
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_KV_DTYPE], ids=["bf16-cache", "fp8-cache"])
+def test_the_rope_append_writes_the_cache_flashinfer_rope_and_append_write(cache_dtype: torch.dtype) -> None:
+    pytest.importorskip("flashinfer")
+    rope = rope_table()
+    _, want = rope_then_append(cache_dtype, *rope)
+    _, got = fused_rope_append(cache_dtype, *rope)
+    bits, subnormal = (3, 2.0**-9) if cache_dtype == FP8_KV_DTYPE else (7, 0.0)
+    for g, w in zip(got, want):
+        assert steps_apart(g.float(), w.float(), bits, subnormal) <= 1.0
+        assert (g.view(torch.uint8) == w.view(torch.uint8)).float().mean().item() > 0.99

@@ -112,6 +112,10 @@ class AttentionBackend(Protocol):
     `plan` runs once per step on the CPU index arrays; `forward` runs once per layer and must not
     synchronise with the device. A backend with cascade attention reads `layout.prefix`; any other
     reads only the flat fields and attends flat, with the same result.
+
+    A backend may also have `takes_rope(cos_sin, head_dim) -> bool`: where it says so, a model may
+    pass q and k unrotated with `forward(..., rope=paged_append.Rope(positions, cos_sin))`, and the
+    backend rotates them on the way into the cache (FlashInfer's, in its append kernel).
     """
 
     def plan(self, layout: BatchLayout) -> None: ...

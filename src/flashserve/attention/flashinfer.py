@@ -38,7 +38,9 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import PrefixLevel
-from flashserve.attention.kv_quant import append_fp8_paged, is_fp8, to_cache
+from flashserve.attention.kv_quant import is_fp8, to_cache
+from flashserve.attention.paged_append import Rope, append_paged, fuses_rope
+from flashserve.layers.ops import apply_rope_torch
 from flashserve.worker.pinned import PinnedStaging
 
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
@@ -203,22 +205,34 @@ class FlashInferAttentionBackend:
         wrapper.plan(*args, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, **kwargs)
         self._staging.end()
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D] in q's dtype. See `AttentionBackend`."""
+    def takes_rope(self, cos_sin: torch.Tensor, head_dim: int) -> bool:
+        """Whether `forward` can be given q and k before RoPE, with the step's `Rope`: it rotates
+        them in the kernel that appends K and V (`paged_append`), one launch instead of two."""
+        return self.device.type == "cuda" and fuses_rope(cos_sin, head_dim)
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D] in q's dtype. See `AttentionBackend`.
+        `rope` (where `takes_rope`): q and k are not rotated yet; this rotates them (q in place)."""
         step = self._step
         if step is None:
             raise RuntimeError("plan() must run before forward()")
         out_dtype = q.dtype
-        if q.dtype != self.dtype:
-            q = q.to(self.dtype)
         cache = self.kv_cache[layer]
-        if not append_fp8_paged(k, v, step.batch_indices, step.positions, step.kv_indices, step.kv_indptr, cache):
+        if not append_paged(q, k, v, step.batch_indices, step.positions, step.kv_indices, step.kv_indptr, cache, rope):
+            if rope is not None:  # rows the kernel does not take (a model's qkv views always are)
+                t, d = q.shape[0], q.shape[-1]
+                q, k = apply_rope_torch(rope.positions, q.reshape(t, -1), k.reshape(t, -1), d, rope.cos_sin)
+                q, k = q.view(t, -1, d), k.view(t, -1, d)
             # append_paged_kv_cache reinterprets its input as the cache dtype without checking it.
             k, v = to_cache(k, self.cache_dtype), to_cache(v, self.cache_dtype)
             self._fi.append_paged_kv_cache(
                 k, v, step.batch_indices, step.positions, cache,
                 step.kv_indices, step.kv_indptr, step.kv_last_page_len, kv_layout="NHD",
             )
+        if q.dtype != self.dtype:
+            q = q.to(self.dtype)
         if step.prefix_wrapper is None:
             out = step.wrapper.run(q, cache)
         else:

@@ -16,12 +16,13 @@ that take `enable_pdl` / `launch_with_pdl` do.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-# Off: every kernel here launches as a plain launch does, after the kernel before it has ended
-# (benchmarks compare the two).
-ENABLED = True
+# Off (FLASHSERVE_PDL=0 in the environment, or set here): every kernel launches as a plain launch
+# does, after the kernel before it has ended; benchmarks compare the two.
+ENABLED = os.environ.get("FLASHSERVE_PDL", "1") != "0"
 
 
 def launches_early(device: torch.device) -> bool:

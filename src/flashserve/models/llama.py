@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashserve.attention.paged_append import Rope
 from flashserve.distributed.comm import FlashInferAllReduceNorm, FusedAllReduceNorm, SingleRankGroup, TPGroup
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
@@ -92,30 +93,44 @@ class LlamaDecoderLayer(nn.Module):
 def attention_input(
     spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows | None, residual: Tensor, positions: Tensor,
     cos_sin: Tensor, norm_w: Tensor, qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
+    rotate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """A layer up to attention: (add +) RMSNorm, fused qkv, the q/k norms, RoPE.
+    """A layer up to attention: (add +) RMSNorm, fused qkv, the q/k norms, RoPE (unless not
+    `rotate`: the attention backend rotates, see `backend_rope`).
 
     `hidden` is the previous layer's output, added into `residual` (None for the first layer,
     whose `residual` is the embedding). Returns q, k, v as [T, heads, head_dim] and the residual.
     """
     normed, residual = add_rmsnorm_for(qkv, ops, hidden, residual, norm_w, spec.rms_norm_eps)
-    q, k, v = qkv_rope(spec, ops, normed, positions, cos_sin, qkv, q_norm_w, k_norm_w)
+    q, k, v = qkv_rope(spec, ops, normed, positions, cos_sin, qkv, q_norm_w, k_norm_w, rotate)
     return q, k, v, residual
 
 
 def qkv_rope(
     spec: LlamaSpec, ops: Ops, normed: Tensor | QuantizedRows, positions: Tensor, cos_sin: Tensor,
-    qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
+    qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None, rotate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """`attention_input` after the layer's input norm: fused qkv, the q/k norms, RoPE."""
+    """`attention_input` after the layer's input norm: fused qkv, the q/k norms, RoPE (if `rotate`)."""
     eps, d = spec.rms_norm_eps, spec.head_dim
     q, k, v = linear(normed, *qkv).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     t = q.shape[0]
     if q_norm_w is not None and k_norm_w is not None:
         q = ops.rmsnorm(q.view(t, spec.num_heads, d), q_norm_w, eps).view(t, spec.q_size)
         k = ops.rmsnorm(k.view(t, spec.num_kv_heads, d), k_norm_w, eps).view(t, spec.kv_size)
-    q, k = ops.apply_rope(positions, q, k, d, cos_sin)
+    if rotate:
+        q, k = ops.apply_rope(positions, q, k, d, cos_sin)
     return q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d)
+
+
+def backend_rope(backend: Any, positions: Tensor, cos_sin: Tensor, head_dim: int) -> Rope | None:
+    """The step's RoPE for `backend` to apply where it takes it (`AttentionBackend`: FlashInfer's
+    rotates in the kernel that appends K and V), else None: the model rotates q and k itself."""
+    takes = getattr(backend, "takes_rope", None)
+    return Rope(positions, cos_sin) if takes is not None and takes(cos_sin, head_dim) else None
+
+
+def attend(backend: Any, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope | None) -> Tensor:
+    return backend.forward(layer, q, k, v) if rope is None else backend.forward(layer, q, k, v, rope=rope)
 
 
 def attention_output(
@@ -340,15 +355,17 @@ class LlamaModel(nn.Module):
         if self.sharded:
             return self._forward_sharded(input_ids, positions, backend, cos_sin)
         spec, ops = self.spec, self.ops
+        rope = backend_rope(backend, positions, cos_sin, spec.head_dim)
         residual = F.embedding(input_ids, self.embed_tokens["weight"])
         hidden: Tensor | UnscaledRows | None = None
         for i, layer in enumerate(self.layers):
             q, k, v, residual = self._attention_input(
                 spec, ops, hidden, residual, positions, cos_sin, layer.input_layernorm["weight"], layer.qkv_proj.args,
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
+                rope is None,
             )  # fmt: skip
             hidden, residual = self._attention_output(
-                spec, ops, backend.forward(i, q, k, v), residual, layer.o_proj.args,
+                spec, ops, attend(backend, i, q, k, v, rope), residual, layer.o_proj.args,
                 layer.post_attention_layernorm["weight"], layer.gate_up_proj.args, layer.down_proj.args,
             )  # fmt: skip
         return self._final_norm(spec, ops, hidden, residual, self.norm["weight"])
@@ -381,6 +398,7 @@ class LlamaModel(nn.Module):
         projection (o_proj, down_proj) leaves partial sums, which `_reduce_add_norm` all-reduces
         into the residual before the norm that follows, so that every rank holds the full state."""
         spec, ops = self.rank_spec, self.ops
+        rope = backend_rope(backend, positions, cos_sin, spec.head_dim)
         residual = self._embed_sharded(input_ids)
         if not self.layers:
             return ops.rmsnorm(residual, self.norm["weight"], spec.rms_norm_eps)
@@ -395,8 +413,9 @@ class LlamaModel(nn.Module):
             q, k, v = self._qkv_rope(
                 spec, ops, normed, positions, cos_sin, qkv,
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
+                rope is None,
             )  # fmt: skip
-            attn = backend.forward(i, q, k, v).reshape(q.shape[0], spec.q_size)
+            attn = attend(backend, i, q, k, v, rope).reshape(q.shape[0], spec.q_size)
             partial = layer.o_proj(attn)
             gate_up = layer.gate_up_proj.args
             normed, residual = self._reduce_add_norm(partial, residual, layer.post_attention_layernorm["weight"],
