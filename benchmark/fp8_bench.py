@@ -241,12 +241,12 @@ def weight_bytes(model: Any) -> int:
         model.lm_head_weight.numel() * model.lm_head_weight.element_size() if model.spec.tie_word_embeddings else 0)
 
 
-def backend_for(model: Any, num_pages: int, kv_dtype: torch.dtype | None) -> Any:
+def backend_for(model: Any, num_pages: int, kv_dtype: torch.dtype | None, fused_decode: bool = False) -> Any:
     from flashserve.attention.flashinfer import FlashInferAttentionBackend
 
     s = model.spec
     return FlashInferAttentionBackend(s.num_layers, num_pages, PAGE, s.num_kv_heads, s.head_dim, torch.bfloat16, "cuda",
-                                      None, num_qo_heads=s.num_heads, kv_cache_dtype=kv_dtype)
+                                      None, num_qo_heads=s.num_heads, kv_cache_dtype=kv_dtype, fused_decode=fused_decode)
 
 
 def bench_decode(model: Any, label: str, kv_dtype: torch.dtype | None, args: argparse.Namespace, bw: float) -> list[dict]:
@@ -254,7 +254,7 @@ def bench_decode(model: Any, label: str, kv_dtype: torch.dtype | None, args: arg
 
     spec = model.spec
     num_pages = 1 + max(args.batches) * ((args.kv_len + PAGE - 1) // PAGE)
-    backend = backend_for(model, num_pages, kv_dtype)
+    backend = backend_for(model, num_pages, kv_dtype, args.fused_decode)
     graphs = CudaGraphRunner(lambda ids, pos: model.compute_logits(model(ids, pos, backend)), backend, args.batches)
     graphs.capture()
     kv_token_bytes = 2 * spec.num_layers * spec.kv_size * (1 if kv_dtype is not None else 2)
@@ -266,7 +266,8 @@ def bench_decode(model: Any, label: str, kv_dtype: torch.dtype | None, args: arg
         pos = torch.tensor(layout.positions, device="cuda")
         floor = (wbytes + b * args.kv_len * kv_token_bytes) / bw * 1e3
         ms = time_ms(lambda: graphs(ids, pos, layout), args.warmup, args.iters)
-        rows.append({"model": label, "batch": b, "kv_len": args.kv_len, "graph_ms": ms, "floor_ms": floor,
+        rows.append({"model": label, "fused_decode": args.fused_decode, "batch": b, "kv_len": args.kv_len,
+                     "graph_ms": ms, "floor_ms": floor,
                      "x_floor": ms / floor, "weight_bytes": wbytes})
         if args.kernels and b == min(args.batches):
             rows[-1]["kernels"] = step_kernels(lambda: graphs(ids, pos, layout))
@@ -384,6 +385,8 @@ def main() -> None:
     p.add_argument("--gemm-rows", nargs="+", type=int, default=list(GEMM_ROWS),
                    help="rows of the GEMM table (prefill sizes, e.g. 2048 8192, compare its two layer paths there)")
     p.add_argument("--kv-len", type=int, default=512)
+    p.add_argument("--fused-decode", action="store_true",
+                   help="the decode steps with the backend's fused_decode (RoPE in the KV append, Triton decode)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--accuracy-layers", type=int, default=8, help="layers of the 8B shape in the accuracy report (0: all)")

@@ -1,4 +1,4 @@
-"""The Triton kernels (fused norm, SiLU-and-mul, KV append with and without RoPE, the FP8-weight GEMV) checked on a CPU through Triton's
+"""The Triton kernels (fused norm, SiLU-and-mul, KV append with and without RoPE, split-KV decode attention, the FP8-weight GEMV) checked on a CPU through Triton's
 interpreter, in a subprocess of their own (`triton_interpreted.py`): their indexing, saturation,
 residual update and scales, which the GPU tests check with the float8 roundings as well."""
 
@@ -42,6 +42,12 @@ def test_the_rope_append_writes_rotated_k_and_plain_v_into_their_pages(measured:
 
 def test_the_rope_append_leaves_the_k_input_unrotated(measured: dict[str, Any]) -> None:
     assert measured["rope_k_left_alone"]
+
+
+@pytest.mark.parametrize("cache", ["f32", "fp8"])
+@pytest.mark.parametrize("splits", [2, 8])
+def test_the_split_decode_attention_matches_float32_attention(measured: dict[str, Any], cache: str, splits: int) -> None:
+    assert measured[f"decode_{cache}_{splits}_splits_err"] < 1e-5
 
 
 def test_the_fused_norm_adds_the_scaled_gemm_output_into_the_residual(measured: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@ Triton is imported: run this file as a script). Prints a JSON object of measurem
 `test_fp8_kernels_interpreted.py` asserts on. The interpreter rounds float8 casts that carry into
 the next power of two wrongly, so what it checks avoids depending on those roundings: the indexing
 and saturation of the KV append with values e4m3 holds exactly, the same append rotating q and k
-(RoPE) into a bfloat16 cache, the residual update and the norm in float32, the scales each kernel
+(RoPE) into a bfloat16 cache, the split-KV decode attention and its merge, the residual update and the norm in float32, the scales each kernel
 picks, and the FP8-weight GEMV."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 from flashserve.attention.kv_quant import FP8_KV_DTYPE, to_cache  # noqa: E402
 from flashserve.attention.paged_append import Rope, append_paged  # noqa: E402
+from flashserve.attention.triton_decode import decode_attention  # noqa: E402
 from flashserve.layers.fp8 import (  # noqa: E402
     MIN_SCALE, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_weight_gemv, quantize_weight_per_channel,
     silu_and_mul_quant,
@@ -100,6 +101,45 @@ def rope_append() -> dict[str, float | bool]:
             "rope_k_left_alone": torch.equal(k, k_before)}
 
 
+def reference_decode(q: torch.Tensor, cache: tuple, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor,
+                     sm_scale: float) -> torch.Tensor:  # fmt: skip
+    """Each request's query heads over its pages in float32: softmax(q k^T * scale) v."""
+    k_cache, v_cache = cache
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    outs = []
+    for i in range(q.shape[0]):
+        pages = indices[int(indptr[i]) : int(indptr[i + 1])].long()
+        n = (len(pages) - 1) * page + int(last[i])
+        k = k_cache[pages].float().reshape(-1, hkv, k_cache.shape[-1])[:n]
+        v = v_cache[pages].float().reshape(-1, hkv, v_cache.shape[-1])[:n]
+        scores = torch.einsum("hgd,nhd->hgn", q[i].float().view(hkv, q.shape[1] // hkv, -1), k) * sm_scale
+        outs.append(torch.einsum("hgn,nhd->hgd", scores.softmax(-1), v).reshape(q.shape[1], -1))
+    return torch.stack(outs)
+
+
+def decode() -> dict[str, float]:
+    """Four requests of 1, 17, 300 and 64 cached tokens on shuffled pages of 16, 3 query heads a KV
+    head, q a column slice of a fused qkv; float32 q (the interpreter's bfloat16 products are not
+    a GPU's), a float32 cache and an FP8 one, 2 and 8 splits."""
+    gen = torch.Generator().manual_seed(5)
+    page, hkv, group, dim, pages = 16, 2, 3, 16, 60
+    lens = [1, 17, 300, 64]
+    counts = [(n + page - 1) // page for n in lens]
+    indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.randperm(pages, generator=gen)[: int(indptr[-1])].int()
+    last = torch.tensor([n - (c - 1) * page for n, c in zip(lens, counts)], dtype=torch.int32)
+    qkv = torch.randn(len(lens), (group + 2) * hkv * dim, generator=gen)
+    q = qkv[:, : group * hkv * dim].view(len(lens), group * hkv, dim)
+    out: dict[str, float] = {}
+    for name, dtype in (("f32", torch.float32), ("fp8", FP8_KV_DTYPE)):
+        cache = tuple((torch.randn(pages, page, hkv, dim, generator=gen) * 2).to(dtype) for _ in range(2))
+        want = reference_decode(q, cache, indptr, indices, last, 0.3)
+        for splits in (2, 8):
+            got = decode_attention(q, cache, indptr, indices, last, 0.3, splits)
+            out[f"decode_{name}_{splits}_splits_err"] = rel(got, want)
+    return out
+
+
 def norm() -> dict[str, float | bool]:
     gen = torch.Generator().manual_seed(1)
     m, h = 3, 96  # not a power of two: the kernel masks its block's tail
@@ -162,4 +202,4 @@ def weight_gemv() -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({**append(), **rope_append(), **norm(), **silu(), **weight_gemv()}))
+    print(json.dumps({**append(), **rope_append(), **decode(), **norm(), **silu(), **weight_gemv()}))

@@ -86,6 +86,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "(any transformers CausalLM), auto (native where supported)", ["auto", "native", "hf"]),
     Option("--torch-compile", _bool, False, "compile the native model's non-attention parts with "
            "torch.compile (Inductor); start-up compiles for a while first"),
+    Option("--fused-decode", _bool, False, "with FlashInfer attention: RoPE inside the KV append kernel, and "
+           "decode steps of up to 4 requests through a Triton split-KV attention (faster single-stream decode; "
+           "they round otherwise than FlashInfer's kernels)"),
     Option("--tensor-parallel-size", _positive_int, 1, "ranks that share the model's weights on this node "
            "(this process and N-1 worker processes; native model path only) (alias --tp)"),
     Option("--enable-flashinfer-allreduce-fusion", _bool, None, "with --tensor-parallel-size > 1 on GPUs: "
@@ -251,6 +254,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         max_model_len=ns.max_model_len, device=ns.device, attention_backend=ns.attention_backend,
         model_impl=ns.model_impl,
         torch_compile=ns.torch_compile,
+        fused_decode=ns.fused_decode,
         cascade_attention=ns.cascade_attention,
         seed=ns.seed,
         tensor_parallel_size=ns.tensor_parallel_size,

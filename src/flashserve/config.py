@@ -18,6 +18,9 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     model_impl: str = "auto"  # auto (native for Llama-family models) | native | hf
     torch_compile: bool = False  # torch.compile the native model's non-attention pieces
+    # FlashInfer backend: RoPE inside the KV append kernel and a Triton split-KV decode attention
+    # for decode steps of a few requests (`attention/flashinfer.py`, fused_decode).
+    fused_decode: bool = False
     seed: int = 0
     trust_remote_code: bool = False
     # Cascade attention for groups of requests sharing cached prefix pages: auto | on | off

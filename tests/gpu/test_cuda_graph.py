@@ -60,9 +60,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def fi_backend(q_heads: int, head_dim: int, dtype: torch.dtype) -> FlashInferAttentionBackend:
+def fi_backend(q_heads: int, head_dim: int, dtype: torch.dtype, fused_decode: bool = False) -> FlashInferAttentionBackend:
     return FlashInferAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None,
-                                      num_qo_heads=q_heads)
+                                      num_qo_heads=q_heads, fused_decode=fused_decode)
 
 
 def assert_request_pages_agree(a: FlashInferAttentionBackend, b: FlashInferAttentionBackend, tol: float) -> None:
@@ -72,11 +72,14 @@ def assert_request_pages_agree(a: FlashInferAttentionBackend, b: FlashInferAtten
         torch.testing.assert_close(av[1:], bv[1:], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("fused_decode", [False, True], ids=["flashinfer-decode", "fused-decode"])
 @pytest.mark.parametrize(
     "q_heads,head_dim,dtype", [(6, 64, torch.bfloat16), (8, 128, torch.float16)], ids=["g3-d64-bf16", "g4-d128-fp16"]
 )
-def test_graph_decode_equals_eager_decode(q_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-    graph_backend, eager_backend = fi_backend(q_heads, head_dim, dtype), fi_backend(q_heads, head_dim, dtype)
+def test_graph_decode_equals_eager_decode(q_heads: int, head_dim: int, dtype: torch.dtype, fused_decode: bool) -> None:
+    """`fused_decode`: the steps of up to 4 requests through the Triton decode, eager and from graphs."""
+    graph_backend = fi_backend(q_heads, head_dim, dtype, fused_decode)
+    eager_backend = fi_backend(q_heads, head_dim, dtype, fused_decode)
     ref_backend = TorchAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None)
     graphed = CudaGraphRunner(TinyModel(graph_backend, q_heads, head_dim, dtype), graph_backend, GRAPH_SIZES)
     eager = CudaGraphRunner(TinyModel(eager_backend, q_heads, head_dim, dtype), eager_backend, GRAPH_SIZES)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flashserve.attention.base import BatchLayout
+from flashserve.attention import flashinfer as flashinfer_backend
 from flashserve.attention.flashinfer import FlashInferAttentionBackend
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
@@ -37,14 +38,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_backends(
-    q_heads: int, head_dim: int, dtype: torch.dtype, model_dtype: torch.dtype | None = None, **fi_kwargs
-) -> tuple[FlashInferAttentionBackend, TorchAttentionBackend]:
+    q_heads: int, head_dim: int, dtype: torch.dtype, model_dtype: torch.dtype | None = None,
+    num_pages: int = NUM_PAGES, **fi_kwargs,
+) -> tuple[FlashInferAttentionBackend, TorchAttentionBackend]:  # fmt: skip
     """A FlashInfer backend in `dtype` and a reference in the model dtype, with equal caches."""
     model_dtype = model_dtype or dtype
     fi = FlashInferAttentionBackend(
-        NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, dtype, "cuda", None, **{"num_qo_heads": q_heads, **fi_kwargs}
+        NUM_LAYERS, num_pages, PAGE, KV_HEADS, head_dim, dtype, "cuda", None, **{"num_qo_heads": q_heads, **fi_kwargs}
     )
-    ref = TorchAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, model_dtype, "cuda", None)
+    ref = TorchAttentionBackend(NUM_LAYERS, num_pages, PAGE, KV_HEADS, head_dim, model_dtype, "cuda", None)
     gen = torch.Generator("cuda").manual_seed(0)
     for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
         for f, r in ((fk, rk), (fv, rv)):
@@ -53,10 +55,10 @@ def make_backends(
     return fi, ref
 
 
-def make_requests(prefixes: list[int], seed: int, room: int = 70) -> list[Req]:
+def make_requests(prefixes: list[int], seed: int, room: int = 70, num_pages: int = NUM_PAGES) -> list[Req]:
     """Requests on shuffled pages, with pages for `room` more tokens each (page 0 is the scratch
     page, never handed out)."""
-    pool = (torch.randperm(NUM_PAGES - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
+    pool = (torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(seed)) + 1).tolist()
     reqs = [Req(p) for p in prefixes]
     for r in reqs:
         r.pages = [pool.pop() for _ in range(-(-(r.cached + room) // PAGE))]
@@ -116,11 +118,22 @@ STEPS = [
 ]
 
 
+@pytest.fixture(params=["triton-decode", "flashinfer-decode"])
+def decode_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """The backend's keywords: `fused_decode` with every decode-only step through `triton_decode`
+    (by default those of up to `TRITON_DECODE_MAX_BATCH` requests), or the default, every decode
+    step through FlashInfer's."""
+    if request.param == "flashinfer-decode":
+        return {}
+    monkeypatch.setattr(flashinfer_backend, "TRITON_DECODE_MAX_BATCH", 64)
+    return {"fused_decode": True}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_steps_match_the_reference(group: int, head_dim: int, dtype: torch.dtype) -> None:
-    fi, ref = make_backends(KV_HEADS * group, head_dim, dtype)
+def test_steps_match_the_reference(group: int, head_dim: int, dtype: torch.dtype, decode_kernel: dict) -> None:
+    fi, ref = make_backends(KV_HEADS * group, head_dim, dtype, **decode_kernel)
     reqs = make_requests(PREFIXES, seed=group * head_dim)
     errs = [run_step(fi, ref, reqs, new, TOL[dtype], dtype, seed=s) for s, new in enumerate(STEPS)]
     print(f"ERR group={group} D={head_dim} {dtype}: " + " ".join(f"{e:.2e}" for e in errs))
@@ -140,6 +153,26 @@ def test_llama_8b_heads_long_decode() -> None:
     errs = [run_step(fi, ref, reqs, new, TOL[torch.bfloat16], torch.bfloat16, seed=s) for s, new in
             enumerate([[1, 40, 1, 1], [1, 1, 1, 1]])]
     print("ERR 32/8 heads D=128 bf16 long: " + " ".join(f"{e:.2e}" for e in errs))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16-cache", "fp8-cache"])
+def test_one_long_sequence_decodes_as_the_reference_does(cache_dtype: torch.dtype) -> None:
+    """One request of 3,000 cached tokens (the Triton decode's most splits), GQA of 4; an FP8
+    cache against the reference over an FP8 cache of the same contents."""
+    pages, q_heads = 200, KV_HEADS * 4
+    fi = FlashInferAttentionBackend(NUM_LAYERS, pages, PAGE, KV_HEADS, 128, torch.bfloat16, "cuda", None,
+                                    num_qo_heads=q_heads, kv_cache_dtype=cache_dtype, fused_decode=True)
+    ref = TorchAttentionBackend(NUM_LAYERS, pages, PAGE, KV_HEADS, 128, torch.bfloat16, "cuda", None,
+                                kv_cache_dtype=cache_dtype)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
+        for f, r in ((fk, rk), (fv, rv)):
+            f.copy_(torch.randn(f.shape, generator=gen, device="cuda"))
+            r.copy_(f)
+    assert fi.triton_decodes(1)
+    reqs = make_requests([3000], seed=11, room=40, num_pages=pages)
+    errs = [run_step(fi, ref, reqs, [1], TOL[torch.bfloat16], torch.bfloat16, seed=s) for s in range(3)]
+    print(f"ERR one sequence of 3000, {cache_dtype} cache: " + " ".join(f"{e:.2e}" for e in errs))
 
 
 def test_graph_batch_size_padding_and_eligibility() -> None:

@@ -58,6 +58,7 @@ def hf_model(shape: str, layers: int | None) -> tuple[torch.nn.Module, object]:
 def paged_logits(
     shape: tuple[int, int, int, int], forward_for: Any, seqs: list[list[int]], use_graphs: bool,
     kv_cache_dtype: torch.dtype | None = None, prompts: tuple[int, ...] = PROMPTS, decode_steps: int = DECODE_STEPS,
+    fused_decode: bool = False,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Teacher-forced float32 logits [len(seq), V] per request: its prefill rows (`prompts`), then
     one row per decode step. `shape` is (layers, heads, kv heads, head_dim); `forward_for(backend)`
@@ -69,7 +70,7 @@ def paged_logits(
     num_pages = 1 + sum(pages_per_seq)
     backend = FlashInferAttentionBackend(
         num_layers, num_pages, PAGE, num_kv_heads, head_dim, torch.bfloat16, "cuda", None, num_qo_heads=num_heads,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, fused_decode=fused_decode,
     )  # fmt: skip
     pages, nxt = [], 1  # page 0 is the scratch page
     for n in pages_per_seq:
@@ -102,6 +103,8 @@ def paged_logits(
 
 MODES = [(shape, mode) for shape in SHAPES for mode in ("eager", "cuda_graph")]
 MODES += [("llama-3.2-1b", mode) for mode in ("compiled", "hf_path", "hf_path_cuda_graph", "safetensors")]
+# `--fused-decode`: RoPE in the KV append, and the two-request decode steps through the Triton decode.
+MODES += [(shape, "fused_decode_cuda_graph") for shape in SHAPES] + [("llama-3.2-1b", "fused_decode")]
 
 
 @pytest.mark.parametrize(("shape", "mode"), MODES, ids=[f"{s}-{m}" for s, m in MODES])
@@ -110,7 +113,7 @@ def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: s
     hf, config = hf_model(shape, SHAPES[shape])
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in PROMPTS]
-    use_graphs = mode not in ("eager", "hf_path")
+    use_graphs = mode not in ("eager", "hf_path", "fused_decode")
     with torch.inference_mode():
         if mode.startswith("hf_path"):
             # The generic path: the transformers model itself, its attention on our paged backend.
@@ -128,7 +131,8 @@ def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: s
             native = LlamaModel.from_hf(hf, config, torch.bfloat16, "cuda", consume=False, max_positions=4096, compile=compiled)
             # Compiled: Inductor fuses the PyTorch ops (decode steps replay graphs of the compiled model).
             assert native.ops.name == ("torch" if compiled else "flashinfer")
-            got = paged_logits(model_shape(config), NativeCausalLM(native).decode_logits, seqs, use_graphs)
+            got = paged_logits(model_shape(config), NativeCausalLM(native).decode_logits, seqs, use_graphs,
+                               fused_decode=mode.startswith("fused_decode"))  # fmt: skip
             del native
         hf16 = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
         hf.float()

@@ -16,6 +16,9 @@ builds no float32 output), so the two roundings before the merge cost less than 
 the cache dtype after it. Attention outputs are convex combinations of V rows, so they stay within
 float16's range wherever V does.
 
+`fused_decode` (off by default): RoPE in the append kernel (`paged_append`) and decode steps of a
+few requests through `triton_decode`; see the class.
+
 CUDA graphs (decode only): `init_cuda_graph` builds one graph-mode decode wrapper per batch size
 over static index buffers, and with `cascade` a second set for cascade decode steps: a decode
 wrapper over each request's own pages and a graph-mode prefill wrapper over a fixed number of
@@ -36,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flashserve.attention import triton_decode
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import PrefixLevel
 from flashserve.attention.kv_quant import is_fp8, to_cache
@@ -46,6 +50,29 @@ from flashserve.worker.pinned import PinnedStaging
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 # FA2 prefill reads out of bounds (or computes garbage) for other head sizes (FLASHINFER.md §8).
 _HEAD_DIMS = (64, 128, 256)
+
+
+# With `fused_decode`, decode-only steps of up to this many requests attend through
+# `triton_decode` on a GPU with Triton (no cascade level); larger ones through FlashInfer's decode.
+# On an H100 (8B, FP8) the Triton decode was faster at 1-4 requests of 512 and 4,096 tokens and
+# even at 8.
+TRITON_DECODE_MAX_BATCH = 4
+
+
+@dataclass(frozen=True)
+class _TritonDecode:
+    """`triton_decode.decode_attention` over one step's index tensors, called as a planned
+    FlashInfer wrapper is (`run(q, cache)`); nothing to plan."""
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    sm_scale: float
+    splits: int
+
+    def run(self, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return triton_decode.decode_attention(q, cache, self.kv_indptr, self.kv_indices, self.kv_last_page_len,
+                                              self.sm_scale, self.splits)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,16 @@ class FlashInferAttentionBackend:
     rows write their K/V there. `kv_cache_dtype`: the pages' dtype (default `dtype`); an FP8
     (e4m3) cache stores K/V quantized on append (`attention/kv_quant.py`) and FlashInfer's kernels
     read it with q in `dtype` (prefill, decode and cascade alike).
+
+    `fused_decode` (`--fused-decode`): fewer, shorter kernels for decode at a few requests. RoPE
+    moves into the kernel that appends K and V (`takes_rope`, `paged_append`: one launch a layer
+    instead of FlashInfer's RoPE and append), and decode-only steps of up to
+    `TRITON_DECODE_MAX_BATCH` requests attend through `triton_decode`. The 8B FP8 decode step at
+    batch 1 (H100): 3.61 ms with it, 3.90 ms without (docs/gpu.md). Off by default: against a
+    float32 attention both are as accurate as FlashInfer's kernels (the bfloat16 decode attention
+    twice as accurate), but they round otherwise, and the engine's decode logits then drift from
+    its own FlashInfer prefill by a little more than with FlashInfer's decode (max 3.2e-2 against
+    2.8e-2 in `test_input_batch_gpu`, whose bound is 3e-2).
     """
 
     def __init__(
@@ -101,6 +138,7 @@ class FlashInferAttentionBackend:
         workspace_bytes: int = 256 << 20,
         scratch_page: int = 0,
         kv_cache_dtype: torch.dtype | None = None,
+        fused_decode: bool = False,
     ) -> None:
         if dtype not in _ATTENTION_DTYPES:
             raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {dtype}")
@@ -131,6 +169,7 @@ class FlashInferAttentionBackend:
         self.device = torch.device(device)
         self.sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
         self.scratch_page = scratch_page
+        self.fused_decode = fused_decode
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
@@ -173,6 +212,11 @@ class FlashInferAttentionBackend:
         # The main pass: over each request's pages, or under a cascade its pages after its prefix.
         attend_indptr_h, attend_indices_d = (kv_indptr_h, indices_d) if not levels else (host[6], dev[7])
         out_dtype = self.dtype if not levels else torch.float16  # a cascade's levels: see the module doc
+        if layout.is_decode_only and not levels and self.triton_decodes(layout.batch_size):
+            wrapper = self._triton_decode(kv_indptr_d, indices_d, last_d, layout.batch_size)
+            self._step = _StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d)
+            self._staging.end()
+            return
         if layout.is_decode_only:
             wrapper, args = self._decode, (attend_indptr_h, attend_indices_d, last_h)
             kwargs = self._plan_kwargs(out_dtype)
@@ -188,6 +232,18 @@ class FlashInferAttentionBackend:
                                {**self._plan_kwargs(out_dtype), "causal": False})
         self._step = _StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d, prefix_wrapper, merge)
         self._plan_wrapper(wrapper, args, kwargs)
+
+    def triton_decodes(self, batch_size: int) -> bool:
+        """Whether a decode-only step of `batch_size` requests (no cascade level) attends through
+        `triton_decode` rather than FlashInfer's decode: with `fused_decode`, up to
+        `TRITON_DECODE_MAX_BATCH`, on a GPU with Triton."""
+        return (self.fused_decode and batch_size <= TRITON_DECODE_MAX_BATCH and self.device.type == "cuda"
+                and triton_decode.available())
+
+    def _triton_decode(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last: torch.Tensor,
+                       batch_size: int) -> _TritonDecode:  # fmt: skip
+        splits = triton_decode.max_splits(batch_size, self.num_kv_heads, self.device)
+        return _TritonDecode(kv_indptr, kv_indices, last, self.sm_scale, splits)
 
     def _cascade_prefix_wrapper(self) -> Any:
         """The prefill wrapper of cascade prefix passes, built on the first cascade step."""
@@ -206,9 +262,10 @@ class FlashInferAttentionBackend:
         self._staging.end()
 
     def takes_rope(self, cos_sin: torch.Tensor, head_dim: int) -> bool:
-        """Whether `forward` can be given q and k before RoPE, with the step's `Rope`: it rotates
-        them in the kernel that appends K and V (`paged_append`), one launch instead of two."""
-        return self.device.type == "cuda" and fuses_rope(cos_sin, head_dim)
+        """Whether `forward` can be given q and k before RoPE, with the step's `Rope`: with
+        `fused_decode` it rotates them in the kernel that appends K and V (`paged_append`), one
+        launch instead of two."""
+        return self.fused_decode and self.device.type == "cuda" and fuses_rope(cos_sin, head_dim)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
@@ -326,8 +383,15 @@ class FlashInferAttentionBackend:
         indptr_h, last_h = host[:2]
         pos_d, indices_d = dev[2:4]
         g.positions[:batch_size].copy_(pos_d, non_blocking=True)
-        # The wrappers copy indptr, indices and last_page_len into the static buffers they were built on.
+        # The wrappers copy indptr, indices and last_page_len into the static buffers they were built
+        # on; the Triton decode reads them there, so they are copied here.
         self._step = step = g.steps[batch_size, cascade]
+        if isinstance(step.wrapper, _TritonDecode):
+            g.kv_indptr[: batch_size + 1].copy_(dev[0], non_blocking=True)
+            g.last_page_len[:batch_size].copy_(dev[1], non_blocking=True)
+            g.kv_indices[: len(arrays[3])].copy_(indices_d, non_blocking=True)
+            self._staging.end()
+            return
         if segments is not None:
             g.prefix_merge[:batch_size].copy_(dev[8], non_blocking=True)
             self._plan_wrapper(step.prefix_wrapper, (host[4], host[5], dev[7], host[6]),
@@ -387,7 +451,9 @@ class _GraphBuffers:
             ))
 
         for bs in sizes:
-            self.wrappers[bs] = w = decode(bs)
+            small = backend.triton_decodes(bs)
+            self.wrappers[bs] = w = backend._triton_decode(
+                self.kv_indptr[: bs + 1], self.kv_indices, self.last_page_len[:bs], bs) if small else decode(bs)
             indices = (self.batch_indices[:bs], self.positions[:bs], self.kv_indices,
                        self.kv_indptr[: bs + 1], self.last_page_len[:bs])
             self.steps[bs, False] = _StepIndices(w, *indices)

@@ -47,8 +47,8 @@ from flashserve.models.hf import attention_scale
 from flashserve.models.llama import LlamaModel, UnsupportedModelError
 from flashserve.worker.input_batch import BatchRow
 from flashserve.worker.runner import (
-    LaunchedStep, ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, capture_decode_graphs, kv_page_bytes,
-    num_kv_pages, pick_backend, pick_device, pick_sampler,
+    LaunchedStep, ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, backend_options, capture_decode_graphs,
+    kv_page_bytes, num_kv_pages, pick_backend, pick_device, pick_sampler,
 )  # fmt: skip
 from flashserve.worker.step_inputs import StepInputs
 
@@ -177,7 +177,7 @@ def build_rank_runner(
     num_pages = min(rank_pages)
     backend = get_backend_cls(backend_name)(
         spec.num_layers, num_pages, page_size, shard.num_kv_heads, spec.head_dim, attn_dtype, device,
-        sm_scale, num_qo_heads=shard.num_heads, kv_cache_dtype=kv_dtype,
+        sm_scale, num_qo_heads=shard.num_heads, kv_cache_dtype=kv_dtype, **backend_options(model_config, backend_name),
     )  # fmt: skip
     capacity = (num_pages - 1) * page_size  # page 0 is the KV cache manager's scratch page
     if capacity < loaded.max_model_len:

@@ -250,6 +250,11 @@ def pick_backend(name: str, device: torch.device) -> str:
     return "torch"
 
 
+def backend_options(config: ModelConfig, backend: str) -> dict[str, Any]:
+    """Keywords of `backend`'s constructor beyond the shared ones: FlashInfer's `fused_decode`."""
+    return {"fused_decode": True} if backend == "flashinfer" and config.fused_decode else {}
+
+
 def attention_dtype(config: ModelConfig, model_dtype: torch.dtype, device: torch.device, backend: str) -> torch.dtype:
     """KV cache / attention dtype: explicit, else the model's, except float32 under FlashInfer (no fp32 kernels)."""
     if config.attention_dtype != "auto":
@@ -366,7 +371,7 @@ def build_runner(
     num_pages = num_kv_pages(cache_config, page_bytes, device)
     backend = get_backend_cls(backend_name)(
         num_layers, num_pages, page_size, num_kv_heads, head_dim, attn_dtype, device, sm_scale,
-        num_qo_heads=num_heads, kv_cache_dtype=kv_dtype,
+        num_qo_heads=num_heads, kv_cache_dtype=kv_dtype, **backend_options(model_config, backend_name),
     )  # fmt: skip
     t_kv = time.perf_counter()
     capacity = (num_pages - 1) * page_size  # page 0 is the KV cache manager's scratch page
