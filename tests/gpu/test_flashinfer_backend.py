@@ -39,14 +39,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def make_backends(
     q_heads: int, head_dim: int, dtype: torch.dtype, model_dtype: torch.dtype | None = None,
-    num_pages: int = NUM_PAGES, **fi_kwargs,
+    num_pages: int = NUM_PAGES, kv_cache_dtype: torch.dtype | None = None, **fi_kwargs,
 ) -> tuple[FlashInferAttentionBackend, TorchAttentionBackend]:  # fmt: skip
-    """A FlashInfer backend in `dtype` and a reference in the model dtype, with equal caches."""
+    """A FlashInfer backend in `dtype` and a reference in the model dtype, with equal caches (of
+    `kv_cache_dtype`, default `dtype`, in both)."""
     model_dtype = model_dtype or dtype
     fi = FlashInferAttentionBackend(
-        NUM_LAYERS, num_pages, PAGE, KV_HEADS, head_dim, dtype, "cuda", None, **{"num_qo_heads": q_heads, **fi_kwargs}
-    )
-    ref = TorchAttentionBackend(NUM_LAYERS, num_pages, PAGE, KV_HEADS, head_dim, model_dtype, "cuda", None)
+        NUM_LAYERS, num_pages, PAGE, KV_HEADS, head_dim, dtype, "cuda", None,
+        **{"num_qo_heads": q_heads, "kv_cache_dtype": kv_cache_dtype, **fi_kwargs},
+    )  # fmt: skip
+    ref = TorchAttentionBackend(NUM_LAYERS, num_pages, PAGE, KV_HEADS, head_dim, model_dtype, "cuda", None,
+                                kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     gen = torch.Generator("cuda").manual_seed(0)
     for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
         for f, r in ((fk, rk), (fv, rv)):
@@ -159,16 +162,9 @@ def test_llama_8b_heads_long_decode() -> None:
 def test_one_long_sequence_decodes_as_the_reference_does(cache_dtype: torch.dtype) -> None:
     """One request of 3,000 cached tokens (the Triton decode's most splits), GQA of 4; an FP8
     cache against the reference over an FP8 cache of the same contents."""
-    pages, q_heads = 200, KV_HEADS * 4
-    fi = FlashInferAttentionBackend(NUM_LAYERS, pages, PAGE, KV_HEADS, 128, torch.bfloat16, "cuda", None,
-                                    num_qo_heads=q_heads, kv_cache_dtype=cache_dtype, fused_decode=True)
-    ref = TorchAttentionBackend(NUM_LAYERS, pages, PAGE, KV_HEADS, 128, torch.bfloat16, "cuda", None,
-                                kv_cache_dtype=cache_dtype)
-    gen = torch.Generator("cuda").manual_seed(0)
-    for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
-        for f, r in ((fk, rk), (fv, rv)):
-            f.copy_(torch.randn(f.shape, generator=gen, device="cuda"))
-            r.copy_(f)
+    pages = 200
+    fi, ref = make_backends(KV_HEADS * 4, 128, torch.bfloat16, num_pages=pages, kv_cache_dtype=cache_dtype,
+                            fused_decode=True)  # fmt: skip
     assert fi.triton_decodes(1)
     reqs = make_requests([3000], seed=11, room=40, num_pages=pages)
     errs = [run_step(fi, ref, reqs, [1], TOL[torch.bfloat16], torch.bfloat16, seed=s) for s in range(3)]

@@ -27,7 +27,7 @@ from flashserve.worker.runner import NativeCausalLM, model_shape
 from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
 from test_cascade_gpu import scheduled
 from test_flashinfer_backend import (
-    KV_HEADS, NUM_LAYERS, NUM_PAGES, PAGE, PREFIXES, STEPS, TOL, make_requests, run_step,
+    KV_HEADS, NUM_LAYERS, PAGE, PREFIXES, STEPS, TOL, make_backends, make_requests, run_step,
 )  # fmt: skip
 from test_native_gpu import DECODE_STEPS, PROMPTS, hf_model, paged_logits, rel_err, row_errs
 
@@ -345,19 +345,7 @@ def test_an_fp8_checkpoint_runs_fp8_gemms_near_its_dequantized_model(fmt: str, t
 def fp8_cache_backends(q_heads: int, head_dim: int) -> tuple[Any, Any]:
     """A FlashInfer backend and the reference, both bfloat16 attention over an FP8 cache holding
     the same random pages."""
-    from flashserve.attention.flashinfer import FlashInferAttentionBackend
-    from flashserve.attention.torch_ref import TorchAttentionBackend
-
-    fi = FlashInferAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, torch.bfloat16, "cuda", None,
-                                    num_qo_heads=q_heads, kv_cache_dtype=FP8_KV_DTYPE)
-    ref = TorchAttentionBackend(NUM_LAYERS, NUM_PAGES, PAGE, KV_HEADS, head_dim, torch.bfloat16, "cuda", None,
-                                kv_cache_dtype=FP8_KV_DTYPE)
-    gen = torch.Generator("cuda").manual_seed(0)
-    for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
-        for f, r in ((fk, rk), (fv, rv)):
-            f.copy_(torch.randn(f.shape, generator=gen, device="cuda"))
-            r.copy_(f)
-    return fi, ref
+    return make_backends(q_heads, head_dim, torch.bfloat16, kv_cache_dtype=FP8_KV_DTYPE)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
