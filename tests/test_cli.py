@@ -53,6 +53,16 @@ def test_torch_compile_flag_reaches_the_model_config():
     assert to_configs(build_parser({}).parse_args(["serve"])).model.torch_compile is False
 
 
+def test_fused_decode_is_off_by_default_and_reaches_only_the_flashinfer_backend():
+    from flashserve.worker.runner import backend_options
+
+    assert to_configs(build_parser({}).parse_args(["serve"])).model.fused_decode is False
+    on = to_configs(build_parser({"FLASHSERVE_FUSED_DECODE": "1"}).parse_args(["serve"])).model
+    assert on.fused_decode is True
+    assert backend_options(on, "flashinfer") == {"fused_decode": True}
+    assert backend_options(on, "torch") == {}
+
+
 def test_step_budget_defaults_to_auto_and_takes_an_explicit_value():
     assert to_configs(build_parser({}).parse_args(["serve"])).scheduler.max_num_batched_tokens is None
     args = to_configs(build_parser({}).parse_args(["serve", "--max-num-batched-tokens", "512"]))

@@ -20,6 +20,7 @@ from flashserve.attention.base import BatchLayout
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
 from flashserve.engine.sampling_params import SamplingParams
+from flashserve.layers.ops import apply_rope_torch
 from flashserve.model_loader.loader import embedded_gguf_path
 from flashserve.models.llama import LlamaModel, UnsupportedModelError, WeightMismatchError
 
@@ -240,3 +241,38 @@ def test_the_flashinfer_ops_refuse_a_float32_model() -> None:
 
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         select_ops("cuda", "flashinfer", torch.float32)
+
+
+class RotatingBackend(TorchAttentionBackend):
+    """The reference backend taking RoPE as FlashInfer's does with `fused_decode`: q and k come
+    unrotated with the step's `Rope`, and it rotates them before appending and attending."""
+
+    calls_with_rope = 0
+
+    def takes_rope(self, cos_sin: torch.Tensor, head_dim: int) -> bool:
+        return True
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any = None) -> torch.Tensor:
+        assert rope is not None
+        RotatingBackend.calls_with_rope += 1
+        t, d = q.shape[0], q.shape[-1]
+        q, k = apply_rope_torch(rope.positions, q.reshape(t, -1), k.reshape(t, -1), d, rope.cos_sin)
+        return super().forward(layer, q.view(t, -1, d), k.view(t, -1, d), v)
+
+
+@pytest.mark.parametrize("name", ["llama3_rope_scaling", "qwen3_qk_norm"])
+@torch.inference_mode()
+def test_a_backend_that_takes_rope_gets_q_and_k_unrotated_and_gives_the_same_logits(name: str) -> None:
+    config = CONFIGS[name]
+    native = LlamaModel.from_hf(hf_model(config), config, torch.float32, "cpu")
+    spec = native.spec
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (21, 9)]
+    schedule = [[(0, 17), (0, 5)]] + [[(17 + k, 18 + k), (5 + k, 6 + k)] for k in range(4)]
+    plain = native_teacher_forced(native, seqs, schedule)
+    RotatingBackend.calls_with_rope = 0
+    backend = RotatingBackend(spec.num_layers, NUM_PAGES, PAGE, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
+    rotated = native_teacher_forced(native, seqs, schedule, backend)
+    assert RotatingBackend.calls_with_rope == len(schedule) * spec.num_layers
+    for a, b in zip(rotated, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
