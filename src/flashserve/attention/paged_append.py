@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from flashserve.attention.kv_quant import is_fp8
-from flashserve.layers.pdl import triton_launches_early
+from flashserve.layers.pdl import triton_pdl
 
 Tensor = torch.Tensor
 
@@ -118,8 +118,8 @@ def append_paged(
     first rotates q [T, Hq, D] in place and k (k itself is left as it was). One kernel.
 
     Returns False, having done nothing, where it does not run: no Triton, K / V rows that are not
-    contiguous, with `rope` q rows that are not or a table that `fuses_rope` refuses, or neither RoPE nor an FP8 cache (a plain
-    append is FlashInfer's)."""
+    contiguous, with `rope` q rows that are not or a table that `fuses_rope` refuses, or neither
+    RoPE nor an FP8 cache (a plain append is FlashInfer's)."""
     k_cache, v_cache = cache
     kernel = _kernel()
     wanted = rope is not None or is_fp8(k_cache.dtype)
@@ -130,13 +130,12 @@ def append_paged(
         return False
     t = k.shape[0]
     if t:
-        pdl = {"launch_pdl": True} if triton_launches_early(k.device) else {}
         hq, hkv = q.shape[-2], k.shape[-2]
-        cos_sin = rope.cos_sin if rope is not None else k_cache
+        cos_sin = rope.cos_sin if rope is not None else k_cache  # without RoPE: any pointer, never read
         kernel[(t,)](
             q, k, v, q.stride(0), k.stride(0), v.stride(0), rope.positions if rope is not None else positions, cos_sin,
             cos_sin.stride(0), batch_indices, positions, kv_indices, kv_indptr, k_cache, v_cache, k_cache.shape[1],
             HQ=hq, HKV=hkv, D=d, BLOCK_HQ=_pow2(hq), BLOCK_HKV=_pow2(hkv), BLOCK_HALF=_pow2(d // 2),
-            ROPE=rope is not None, FP8=is_fp8(k_cache.dtype), PDL=bool(pdl), num_warps=4, **pdl,
+            ROPE=rope is not None, FP8=is_fp8(k_cache.dtype), num_warps=4, **triton_pdl(k.device),
         )  # fmt: skip
     return True

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from flashserve.layers.pdl import triton_launches_early
+from flashserve.layers.pdl import triton_pdl
 
 Tensor = torch.Tensor
 
@@ -41,9 +41,10 @@ def available() -> bool:
     return _kernels() is not None
 
 
+@functools.cache
 def max_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits a request's KV may take: enough (request, head, split) programs for about two on
-    every SM of `device`, a power of two from 2 to 64."""
+    every SM of `device`, a power of two from 2 to 64 (each eager decode step asks: cached)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     want = max(2, (2 * sms) // max(1, batch * num_kv_heads))
     return min(64, 1 << (want.bit_length() - 1))
@@ -151,11 +152,11 @@ def decode_attention(
     o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
-    pdl = {"launch_pdl": True} if triton_launches_early(q.device) else {}
-    common = {"PAGE": page, "D": d, "BLOCK_T": BLOCK_T, "MAX_SPLITS": splits, "MIN_CHUNK": MIN_CHUNK, "PDL": bool(pdl)}
+    common = {"PAGE": page, "D": d, "BLOCK_T": BLOCK_T, "MAX_SPLITS": splits, "MIN_CHUNK": MIN_CHUNK,
+              **triton_pdl(q.device)}
     split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, o, lse, q.stride(0), sm_scale * _LOG2E,
-        HKV=hkv, G=g, BLOCK_G=max(16, 1 << max(g - 1, 0).bit_length()), num_warps=4, **common, **pdl,
+        HKV=hkv, G=g, BLOCK_G=max(16, 1 << max(g - 1, 0).bit_length()), num_warps=4, **common,
     )  # fmt: skip
-    merge_kernel[(b * hq,)](o, lse, out, kv_indptr, kv_last_page_len, out.stride(0), HQ=hq, num_warps=4, **common, **pdl)
+    merge_kernel[(b * hq,)](o, lse, out, kv_indptr, kv_last_page_len, out.stride(0), HQ=hq, num_warps=4, **common)
     return out

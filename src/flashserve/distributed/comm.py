@@ -218,7 +218,8 @@ class FlashInferAllReduceNorm:
             s = torch.empty((partial.shape[0], 1), dtype=torch.float32, device=partial.device)
             self._fusion(
                 input=partial.contiguous(), workspace=self._workspace, pattern=self._fp8_pattern,
-                launch_with_pdl=self._pdl, residual_in=residual, residual_out=summed, quant_out=q, scale_out=s, rms_gamma=weight, rms_eps=eps,
+                launch_with_pdl=self._pdl, residual_in=residual, residual_out=summed, quant_out=q, scale_out=s,
+                rms_gamma=weight, rms_eps=eps,
             )  # fmt: skip
             return QuantizedRows(q, s), summed
         normed = torch.empty_like(partial)

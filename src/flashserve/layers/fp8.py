@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashserve.layers.pdl import triton_launches_early
+from flashserve.layers.pdl import triton_pdl
 
 Tensor = torch.Tensor
 
@@ -484,10 +484,9 @@ def fp8_weight_gemv(
                          f"{tuple(weight.shape)} (gated: {gated})")
     y = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or weight_gemv_config(n, k, gated)
-    pdl = {"launch_pdl": True} if triton_launches_early(x.device) else {}
     _weight_gemv_kernel()[(_triton().cdiv(n_out, block_n),)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, y, n_out, k, GATED=gated,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=bool(pdl), num_warps=warps, **pdl,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **triton_pdl(x.device),
     )  # fmt: skip
     return y
 

@@ -36,6 +36,12 @@ def triton_launches_early(device: torch.device) -> bool:
     return launches_early(device) and _triton_has_pdl()
 
 
+def triton_pdl(device: torch.device) -> dict[str, bool]:
+    """The keywords of a Triton kernel launch on `device` that has a `PDL` constexpr (whether it
+    calls `gdc_wait` / `gdc_launch_dependents`): with `launch_pdl` where `triton_launches_early`."""
+    return {"PDL": True, "launch_pdl": True} if triton_launches_early(device) else {"PDL": False}
+
+
 def _index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
