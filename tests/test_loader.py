@@ -214,6 +214,57 @@ def test_an_entry_another_process_wrote_first_is_kept_as_it_is(tmp_path: Path, m
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no half-written copy left
 
 
+class _Config:
+    def save_pretrained(self, directory: str) -> None:
+        (Path(directory) / "config.json").write_text("{}")
+
+
+def _keep(gguf: Path, dtype: tuple[str, str] = ("auto", "cpu")) -> Path:
+    """Stores a converted copy of `gguf` (a tiny module stands in for the model) and returns it."""
+    model = torch.nn.Linear(2, 2)
+    model.generation_config = _Config()  # type: ignore[assignment]
+    entry = gguf_cache.store(str(gguf), dtype, model, _Config(), None)
+    assert entry is not None and gguf_cache.lookup(str(gguf), dtype) == entry
+    return Path(entry)
+
+
+def test_a_newer_conversion_of_a_changed_gguf_file_replaces_its_old_entry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"one")
+    _keep(gguf)
+    gguf.write_bytes(b"other")
+    os.utime(gguf, ns=(1, 1))
+    newer = _keep(gguf)
+    assert [p.name for p in newer.parent.iterdir()] == [newer.name]
+
+
+def test_entries_of_a_deleted_gguf_file_go_when_another_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "old").mkdir()
+    old, new = tmp_path / "old" / "m.gguf", tmp_path / "m.gguf"
+    old.write_bytes(b"x")
+    new.write_bytes(b"x")
+    _keep(old)
+    old.unlink()
+    kept = _keep(new)
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name]
+
+
+def test_the_same_gguf_file_in_another_dtype_and_entries_without_a_source_record_stay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    unrecorded = tmp_path / "cache" / "gguf" / "from-an-older-version"
+    unrecorded.mkdir(parents=True)
+    (unrecorded / "model.safetensors").write_bytes(b"x")
+    on_cpu = _keep(gguf, ("auto", "cpu"))
+    on_cuda = _keep(gguf, ("auto", "cuda"))
+    assert sorted(p.name for p in on_cpu.parent.iterdir()) == sorted([on_cpu.name, on_cuda.name, unrecorded.name])
+
+
 def test_local_checkpoint_dir_loads_its_weights_without_a_tokenizer(tmp_path: Path) -> None:
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(TINY))

@@ -9,7 +9,10 @@ in about a second.
 
 An entry is named by the GGUF file's absolute path, size and modification time, the transformers
 version that converted it, and this format's version; a changed file or library gets a new entry.
-It is written into a temporary directory and renamed into place, so that a reader never sees half
+Each entry records its source (`source.json`), and keeping a new one removes the entries it
+supersedes: those of the same file and dtype under another name (the file or the library changed)
+and those whose file is gone (a deleted checkout or virtual environment), so that the directory
+holds about one converted copy per installed GGUF rather than one per install ever made. It is written into a temporary directory and renamed into place, so that a reader never sees half
 of one and two processes converting at once both succeed (one rename wins). The directory is
 `$FLASHSERVE_CACHE_DIR/gguf` (default `~/.cache/flashserve/gguf`, or under `$XDG_CACHE_HOME`);
 `FLASHSERVE_CACHE_DIR=off` turns the cache off. Where it cannot be written, the model loads as
@@ -19,6 +22,7 @@ before and a warning says why.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -29,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 OFF = "off"
+SOURCE = "source.json"
 
 
 def cache_root() -> str | None:
@@ -49,11 +54,19 @@ def entry_path(gguf_path: str, dtype: Any) -> str | None:
         return None
     import transformers
 
+    source = _source(gguf_path, dtype, transformers.__version__)
+    key = "|".join((source["path"], str(source["size"]), str(source["mtime_ns"]), source["dtype"],
+                    f"transformers {source['transformers']}", f"v{source['format']}"))
+    name = os.path.splitext(os.path.basename(source["path"]))[0]
+    return os.path.join(root, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+
+
+def _source(gguf_path: str, dtype: Any, transformers_version: str) -> dict[str, Any]:
+    """What an entry is converted from: the fields of its name, kept beside it as `source.json`."""
     path = os.path.abspath(gguf_path)
     stat = os.stat(path)
-    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|transformers {transformers.__version__}|v{FORMAT_VERSION}"
-    name = os.path.splitext(os.path.basename(path))[0]
-    return os.path.join(root, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(dtype),
+            "transformers": transformers_version, "format": FORMAT_VERSION}
 
 
 def lookup(gguf_path: str, dtype: Any) -> str | None:
@@ -83,9 +96,15 @@ def store(gguf_path: str, dtype: Any, model: Any, hf_config: Any, tokenizer: Any
         model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        import transformers
+
+        source = _source(gguf_path, dtype, transformers.__version__)
+        with open(os.path.join(tmp, SOURCE), "w") as f:
+            json.dump(source, f)
         os.rename(tmp, entry)
         tmp = None
         logger.info("kept the converted %s in %s: later loads read it", os.path.basename(gguf_path), entry)
+        _remove_superseded(parent, entry, source)
     except Exception as exc:  # a cache must never fail a load
         if not os.path.isdir(entry):  # else another process put it there first
             logger.warning("could not keep the converted %s in %s (%s); each load converts it again "
@@ -95,3 +114,24 @@ def store(gguf_path: str, dtype: Any, model: Any, hf_config: Any, tokenizer: Any
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return entry
+
+
+def _remove_superseded(root: str, kept: str, source: dict[str, Any]) -> None:
+    """Removes the entries under `root` that `kept` (converted from `source`) supersedes: another
+    entry of the same file and dtype, and any entry whose GGUF file no longer exists. Entries
+    without a `source.json` and half-written ones (a leading dot) are left alone."""
+    for name in os.listdir(root):
+        entry = os.path.join(root, name)
+        if name.startswith(".") or entry == kept:
+            continue
+        try:
+            with open(os.path.join(entry, SOURCE)) as f:
+                other = json.load(f)
+            gone = not os.path.exists(other["path"])
+            same = other["path"] == source["path"] and other["dtype"] == source["dtype"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if gone or same:
+            shutil.rmtree(entry, ignore_errors=True)
+            logger.info("removed the converted copy %s: %s", entry,
+                        "its GGUF file is gone" if gone else "a newer conversion of its file replaces it")
