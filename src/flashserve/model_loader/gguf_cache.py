@@ -12,8 +12,9 @@ version that converted it, and this format's version; a changed file or library 
 Each entry records its source (`source.json`), and keeping a new one removes the entries it
 supersedes: those of the same file and dtype under another name (the file or the library changed)
 and those whose file is gone (a deleted checkout or virtual environment), so that the directory
-holds about one converted copy per installed GGUF rather than one per install ever made. It is written into a temporary directory and renamed into place, so that a reader never sees half
-of one and two processes converting at once both succeed (one rename wins). The directory is
+holds about one converted copy per installed GGUF rather than one per install ever made. It is
+written into a temporary directory and renamed into place, so that a reader never sees half of one
+and two processes converting at once both succeed (one rename wins). The directory is
 `$FLASHSERVE_CACHE_DIR/gguf` (default `~/.cache/flashserve/gguf`, or under `$XDG_CACHE_HOME`);
 `FLASHSERVE_CACHE_DIR=off` turns the cache off. Where it cannot be written, the model loads as
 before and a warning says why.
@@ -49,24 +50,25 @@ def cache_root() -> str | None:
 
 def entry_path(gguf_path: str, dtype: Any) -> str | None:
     """Where the converted `gguf_path` (loaded as `dtype`) is kept, or None when the cache is off."""
+    located = _locate(gguf_path, dtype)
+    return None if located is None else located[0]
+
+
+def _locate(gguf_path: str, dtype: Any) -> tuple[str, dict[str, Any]] | None:
+    """The entry of `gguf_path` as `dtype` and what it is converted from (the fields of its name,
+    kept beside it as `source.json`), or None when the cache is off."""
     root = cache_root()
     if root is None:
         return None
     import transformers
 
-    source = _source(gguf_path, dtype, transformers.__version__)
-    key = "|".join((source["path"], str(source["size"]), str(source["mtime_ns"]), source["dtype"],
-                    f"transformers {source['transformers']}", f"v{source['format']}"))
-    name = os.path.splitext(os.path.basename(source["path"]))[0]
-    return os.path.join(root, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
-
-
-def _source(gguf_path: str, dtype: Any, transformers_version: str) -> dict[str, Any]:
-    """What an entry is converted from: the fields of its name, kept beside it as `source.json`."""
     path = os.path.abspath(gguf_path)
     stat = os.stat(path)
-    return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(dtype),
-            "transformers": transformers_version, "format": FORMAT_VERSION}
+    source = {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(dtype),
+              "transformers": transformers.__version__, "format": FORMAT_VERSION}
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|transformers {transformers.__version__}|v{FORMAT_VERSION}"
+    name = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(root, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"), source
 
 
 def lookup(gguf_path: str, dtype: Any) -> str | None:
@@ -79,8 +81,11 @@ def lookup(gguf_path: str, dtype: Any) -> str | None:
 
 def store(gguf_path: str, dtype: Any, model: Any, hf_config: Any, tokenizer: Any | None) -> str | None:
     """Keeps what a GGUF load built; returns the entry, or None when the cache is off or unwritable."""
-    entry = entry_path(gguf_path, dtype)
-    if entry is None or os.path.isdir(entry):
+    located = _locate(gguf_path, dtype)
+    if located is None:
+        return None
+    entry, source = located
+    if os.path.isdir(entry):
         return entry
     parent = os.path.dirname(entry)
     tmp = None
@@ -96,9 +101,6 @@ def store(gguf_path: str, dtype: Any, model: Any, hf_config: Any, tokenizer: Any
         model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        import transformers
-
-        source = _source(gguf_path, dtype, transformers.__version__)
         with open(os.path.join(tmp, SOURCE), "w") as f:
             json.dump(source, f)
         os.rename(tmp, entry)
