@@ -23,7 +23,10 @@ from benchmark import LOCAL_RESULTS
 from benchmark.client import EndpointConfig, LoadResult, first_model_id, run_load
 from benchmark.goodput import search_goodput
 from benchmark.metrics import headline, merge_summary, summarize
-from benchmark.workloads import LENGTH_RANGES, WORKLOAD_NAMES, Phase, PromptSpec, build_phases, fixed_requests, random_requests
+from benchmark.workloads import (
+    LENGTH_RANGES, WORKLOAD_NAMES, Phase, PromptSpec, build_phases, fixed_requests, random_requests,
+    sglang_range,
+)
 
 RESULTS_DIR = LOCAL_RESULTS
 BUSY_WARNING = 0.7  # client CPU / wall time above which measurements are suspect
@@ -51,6 +54,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lengths", choices=LENGTH_RANGES, default="centered",
                    help="random, goodput and max_throughput lengths: centered on the workload's (+-r), or "
                         "drawn as SGLang's bench_serving does, from len * (1 - r) up to len")
+    p.add_argument("--range-ratio", type=float, help="SGLang's --random-range-ratio for the random and goodput "
+                   "workloads: lengths uniform in [len * R, len] (the seed protocol: 0.25, inputs 512-2,048, "
+                   "outputs 64-256); overrides --lengths")
     p.add_argument("--repeats", type=int, help="latency: batches per size; concurrency: requests per stream")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo-ms", type=float, default=200.0)
@@ -144,7 +150,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     phases: list[dict[str, Any]] = []
     goodput = None
     if args.workload == "goodput":
-        reqs = random_requests(args.num_requests or 256, 2048, 256, 0.25, spec, args.seed, args.lengths)
+        ratio, lengths = (0.25, args.lengths) if args.range_ratio is None else sglang_range(args.range_ratio)
+        reqs = random_requests(args.num_requests or 256, 2048, 256, ratio, spec, args.seed, lengths)
 
         async def measure(rate: float) -> dict[str, Any]:
             load = await run_load(cfg, reqs, request_rate=rate, concurrency=args.max_concurrency,
@@ -158,7 +165,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         for phase in build_phases(args.workload, spec, args.seed, num_requests=args.num_requests,
                                   request_rates=args.request_rate, concurrencies=args.concurrency,
-                                  repeats=args.repeats, lengths=args.lengths):
+                                  repeats=args.repeats, lengths=args.lengths, range_ratio=args.range_ratio):
             metrics = summarize(await run_phase(cfg, phase, args))
             phases.append({"name": phase.name, "concurrency": phase.concurrency or args.max_concurrency,
                            "request_rate": phase.request_rate, "rounds": phase.rounds,

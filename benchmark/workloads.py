@@ -19,6 +19,14 @@ PromptKind = Literal["token_ids", "text"]
 # for --random-range-ratio 1 - r (its figures, e.g. "2048/256 x0.75", use this).
 LengthRange = Literal["centered", "sglang"]
 LENGTH_RANGES: tuple[str, ...] = ("centered", "sglang")
+
+
+def sglang_range(range_ratio: float) -> tuple[float, LengthRange]:
+    """The (r, lengths) that draw as SGLang's `--random-range-ratio range_ratio` does: uniform in
+    [len * range_ratio, len]. The seed protocol's 0.25 gives inputs in [512, 2048], outputs in [64, 256]."""
+    if not 0 < range_ratio <= 1:
+        raise ValueError(f"range ratio {range_ratio} is outside (0, 1]")
+    return 1 - range_ratio, "sglang"
 WORKLOAD_NAMES: tuple[str, ...] = ("latency", "random", "goodput", "concurrency", "offline", "shared_prefix",
                                    "max_throughput")
 
@@ -142,9 +150,11 @@ def random_phases(
     request_rates: Sequence[float] = (8.0,),
     concurrencies: Sequence[int] = (),
     lengths: LengthRange = "centered",
+    range_ratio: float = 0.25,
 ) -> list[Phase]:
-    """In 2048 +-25%, out 256 +-25%: one phase per request rate, or per concurrency if given."""
-    reqs = random_requests(num_requests, 2048, 256, 0.25, spec, seed, lengths)
+    """In 2048 +-r, out 256 +-r (r = 25% unless `range_ratio` says otherwise): one phase per request
+    rate, or per concurrency if given."""
+    reqs = random_requests(num_requests, 2048, 256, range_ratio, spec, seed, lengths)
     if concurrencies:
         return [Phase(f"c{c}", reqs, concurrency=c) for c in concurrencies]
     return [Phase(f"rate{r:g}", reqs, request_rate=r) for r in request_rates]
@@ -198,13 +208,16 @@ def build_phases(
     concurrencies: Sequence[int] = (),
     repeats: int | None = None,
     lengths: LengthRange = "centered",
+    range_ratio: float | None = None,
 ) -> list[Phase]:
     """The phases of a named workload (all but `goodput`, which searches over rates instead).
-    `lengths` says how the random and max_throughput workloads draw lengths around their means."""
+    `lengths` says how the random and max_throughput workloads draw lengths around their means;
+    `range_ratio`, SGLang's `--random-range-ratio`, draws the random workload's lengths as SGLang does."""
     if workload == "latency":
         return latency_phases(spec, seed, repeats or 5)
     if workload == "random":
-        return random_phases(spec, seed, num_requests or 256, request_rates or (8.0,), concurrencies, lengths)
+        ratio, lengths = (0.25, lengths) if range_ratio is None else sglang_range(range_ratio)
+        return random_phases(spec, seed, num_requests or 256, request_rates or (8.0,), concurrencies, lengths, ratio)
     if workload == "concurrency":
         return concurrency_phases(spec, seed, concurrencies or (5, 10, 25, 50, 100), repeats or 3)
     if workload == "offline":

@@ -202,6 +202,14 @@ def test_sglang_lengths_are_drawn_up_to_the_named_length_as_its_bench_serving_do
     assert all(512 <= r.prompt_len <= 1024 and 128 <= r.output_len <= 256 for r in top.requests)
 
 
+def test_range_ratio_draws_the_seed_protocols_lengths_as_sglang_bench_serving_does():
+    # SGLang's --random-range-ratio 0.25 on 2048/256: inputs uniform in [512, 2048], outputs in [64, 256].
+    rnd = build_phases("random", TOKEN_IDS, request_rates=(4.0,), num_requests=1000, range_ratio=0.25)[0]
+    ins, outs = [r.prompt_len for r in rnd.requests], [r.output_len for r in rnd.requests]
+    assert 512 <= min(ins) < 560 and 2000 < max(ins) <= 2048 and 64 <= min(outs) < 70 and 250 < max(outs) <= 256
+    assert abs(sum(ins) / len(ins) - 1280) < 40 and abs(sum(outs) / len(outs) - 160) < 6
+
+
 def test_workloads_have_the_shapes_of_performance_md():
     lat = build_phases("latency", TOKEN_IDS, repeats=3)
     assert [(p.name, p.concurrency, p.rounds, len(p.requests)) for p in lat] == [("bs1", 1, 3, 3), ("bs8", 8, 3, 24)]
