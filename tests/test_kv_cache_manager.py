@@ -178,13 +178,42 @@ def test_different_extra_keys_never_give_equal_hashes() -> None:
     assert len(set(firsts)) == len(firsts)
 
 
-def test_hashes_depend_on_the_per_hasher_random_seed() -> None:
+def test_hashes_are_equal_across_hashers_with_the_default_seed() -> None:
     a: list[PageHash] = []
     b: list[PageHash] = []
     PageHasher(4).extend(a, range(8))
     PageHasher(4).extend(b, range(8))
+    assert a == b
+
+
+def test_hashes_depend_on_the_seed() -> None:
+    a, b = chain(range(8), seed=b"x"), chain(range(8), seed=b"y")
     assert a[0] != b[0] and a[1] != b[1]
     assert chain(range(8), seed=b"x") == chain(range(8), seed=b"x")
+
+
+def test_hashes_follow_the_documented_algorithm() -> None:
+    """docs/production.md: a router can compute the engine's page hashes from the token ids."""
+    import hashlib
+    import struct
+
+    def documented(tokens: list[int], salt: str | None, seed: str) -> list[bytes]:
+        key = b"\x00" if salt is None else b"\x01" + salt.encode()
+        parent = hashlib.sha256(b"flashserve-kv-root\x00" + hashlib.sha256(seed.encode()).digest() + key).digest()
+        out = []
+        for i in range(0, len(tokens) - len(tokens) % 4, 4):
+            parent = hashlib.sha256(parent + struct.pack("<4q", *tokens[i : i + 4])).digest()
+            out.append(parent)
+        return out
+
+    tokens = [5, 49151, 0, 7, 300, 1, 2, 3, 9]
+    for salt in (None, "tenant-a"):
+        hashes: list[PageHash] = []
+        PageHasher(4).extend(hashes, tokens, salt)
+        assert hashes == documented(tokens, salt, "flashserve")
+        hashes = []
+        PageHasher(4, "my-seed").extend(hashes, tokens, salt)
+        assert hashes == documented(tokens, salt, "my-seed")
 
 
 # --- prefix hits -------------------------------------------------------------------------------

@@ -74,7 +74,10 @@ class PrefixCache:
         if not self.enabled:
             return
         full = num_tokens // self.page_size
-        self.kv_cache.register(request.request_id, request.page_hashes, full)
+        # The tokens only for the events, and only when a page is new: concatenating them every
+        # step would cost what the step's bookkeeping costs.
+        self.kv_cache.register(request.request_id, request.page_hashes, full, lambda: request.all_token_ids,
+                               request.cache_salt)
         start, end = self._computing_range.get(request.request_id, (0, 0))
         if start < min(full, end):
             self._forget(request, start, min(full, end))

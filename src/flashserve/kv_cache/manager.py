@@ -18,18 +18,27 @@ as used pages.
 Page 0 is reserved as a scratch page: padded slots of a CUDA-graph batch write their K/V there, so
 it is never handed to a request and is not counted in `capacity`, `num_free_pages` or
 `num_used_pages` (free + used == capacity == num_pages - 1).
+
+Once `record_events()` is called the manager also keeps a log of what enters and leaves the set of
+registered hashes (`kv_cache/events.py`), which the engine core drains once a step with
+`take_events()` and publishes for KV-aware routers (`engine/kv_events.py`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
+from flashserve.kv_cache.events import KVCacheEvent, PagesRemoved, PagesStored
+
 SCRATCH_PAGE: Final = 0
+# The chain's seed when none is configured (`--prefix-caching-hash-seed`): fixed, so that a page's
+# hash is the same in every process and after every restart, as vLLM's default for sha256.
+DEFAULT_HASH_SEED: Final = "flashserve"
 
 PageHash = bytes
 
@@ -39,6 +48,7 @@ PageHash = bytes
 # costs ~1.2 us per page; array('q') once per extend() and struct.pack per page measured alike.
 _HASH = hashlib.sha256
 _ID_BYTES: Final = array("q").itemsize
+_BIG_ENDIAN: Final = sys.byteorder == "big"
 
 
 class KVCacheManagerError(RuntimeError):
@@ -46,23 +56,30 @@ class KVCacheManagerError(RuntimeError):
 
 
 class PageHasher:
-    """Chained hashes of full pages: hash_i = H(hash_{i-1}, token ids of page i).
+    """Chained hashes of full pages, sha256 throughout (documented in docs/production.md, so that a
+    router can compute them itself):
 
-    The chain's root comes from a per-process random seed (os.urandom, drawn once per PageHasher)
-    and the extra key (a request's cache salt, str | None), so two salts never produce equal hashes
-    and hashes are not predictable across processes. Ids are hashed in native byte order: hashes
-    are only meant to be compared within one process.
+        seed_digest = sha256(seed as UTF-8)
+        root(salt)  = sha256(b"flashserve-kv-root\\x00" + seed_digest + key)
+                      key = b"\\x00" without a salt, b"\\x01" + salt as UTF-8 with one
+        hash_i      = sha256(hash_{i-1} (root(salt) for the first page)
+                             + page i's token ids as little-endian int64)
+
+    The seed (`--prefix-caching-hash-seed`, DEFAULT_HASH_SEED when unset) is fixed, so hashes
+    are equal across processes and restarts; the salt (a request's `cache_salt`) enters only the
+    root, so two salts never produce equal hashes.
     """
 
-    def __init__(self, page_size: int, seed: bytes | None = None) -> None:
+    def __init__(self, page_size: int, seed: str | bytes = DEFAULT_HASH_SEED) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
-        self._seed = os.urandom(16) if seed is None else bytes(seed)
+        raw = seed.encode("utf-8", "surrogatepass") if isinstance(seed, str) else bytes(seed)
+        self._seed = _HASH(raw).digest()
 
     def _root(self, extra_key: str | None) -> PageHash:
-        # The tag byte keeps None apart from "" (and any salt apart from any other): the seed has a
-        # fixed length within one hasher, so seed + tag + salt is unambiguous.
+        # The tag byte keeps None apart from "" (and any salt apart from any other): the seed's
+        # digest has a fixed length, so digest + tag + salt is unambiguous.
         key = b"\x00" if extra_key is None else b"\x01" + extra_key.encode("utf-8", "surrogatepass")
         return _HASH(b"flashserve-kv-root\x00" + self._seed + key).digest()
 
@@ -77,7 +94,10 @@ class PageHasher:
         start, end = len(hashes), len(token_ids) // size
         if start >= end:
             return
-        data = array("q", token_ids[start * size : end * size]).tobytes()
+        ids = array("q", token_ids[start * size : end * size])
+        if _BIG_ENDIAN:  # the documented byte order, wherever the hashes are computed
+            ids.byteswap()
+        data = ids.tobytes()
         width = size * _ID_BYTES
         parent = hashes[-1] if hashes else self._root(extra_key)
         # The parent has a fixed length (one digest) and so has a page, so parent + page is unambiguous.
@@ -115,6 +135,7 @@ class KVCacheManager:
         self._pins: dict[PageHash, int] = {}  # pinned hash -> how many pins name it
         self._pin_handles: dict[int, tuple[PageHash, ...]] = {}
         self._next_pin = 1
+        self._events: list[KVCacheEvent] | None = None  # None: not recording (record_events)
 
     @property
     def capacity(self) -> int:
@@ -140,6 +161,23 @@ class KVCacheManager:
     def num_pinned_pages(self) -> int:
         """Registered pages held by a pin (some may be in use by requests too)."""
         return sum(page_hash in self._hash_to_page for page_hash in self._pins)
+
+    def record_events(self) -> None:
+        """From now on, log every hash that enters or leaves the registered set, for take_events()."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The changes to the registered set since the last call, oldest first; [] when not recording."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def registered_hashes(self) -> set[PageHash]:
+        """Hashes of every registered page: in use, pinned, or free but cached (what match() finds)."""
+        return set(self._hash_to_page)
 
     def pages(self, request_id: str) -> array[int]:
         """The request's page table (int32), by reference (it grows in place); empty for an unknown id."""
@@ -217,6 +255,7 @@ class KVCacheManager:
         for page in cached_pages:
             self._take(page)
             table.append(page)
+        evicted: list[PageHash] = []
         for _ in range(fresh):
             page, _ = self._free.popitem(last=False)
             if self._ref_counts[page] != 0:
@@ -226,15 +265,21 @@ class KVCacheManager:
                 del self._hash_to_page[old_hash]
                 self._page_hash[page] = None
                 self._num_cached_free -= 1
+                evicted.append(old_hash)
             self._ref_counts[page] = 1
             table.append(page)
+        if evicted and self._events is not None:
+            self._events.append(PagesRemoved(evicted))
         return True
 
-    def register(self, request_id: str, hashes: Sequence[PageHash], num_pages: int | None = None) -> None:
+    def register(self, request_id: str, hashes: Sequence[PageHash], num_pages: int | None = None,
+                 token_ids: Sequence[int] | Callable[[], Sequence[int]] = (), cache_salt: str | None = None) -> None:
         """The request's first `num_pages` pages (default: len(hashes)) now hold computed K/V for
         `hashes[:num_pages]` (full pages only): record hash -> page for those not registered yet.
         Idempotent, and O(1) when nothing is new, so a caller may pass a request's whole (growing)
-        hash list every step.
+        hash list every step. `token_ids` (the request's tokens, at least its first `num_pages`
+        pages, or a function that returns them, called only when a new page goes into the events)
+        and `cache_salt` (its salt) only go into the events (record_events).
 
         If a different page already holds an equal hash (two requests computed the same prefix),
         the existing mapping stays and this page stays unregistered. Pages looked at by an earlier
@@ -250,6 +295,7 @@ class KVCacheManager:
         if num_pages > min(len(hashes), len(table)):
             raise ValueError(f"{num_pages} pages to register for request {request_id!r} holding "
                              f"{len(table)} pages with {len(hashes)} hashes")
+        runs: list[list[int]] | None = None if self._events is None else []  # [first, end) of new pages
         for i in range(start, num_pages):
             page, page_hash = table[i], hashes[i]
             held = self._page_hash[page]
@@ -262,7 +308,26 @@ class KVCacheManager:
                 self._page_hash[page] = page_hash
                 if page_hash in self._pins:
                     self._take(page)  # a pin waiting for this hash holds the page from now on
+                if runs is not None:
+                    if runs and runs[-1][1] == i:
+                        runs[-1][1] = i + 1
+                    else:
+                        runs.append([i, i + 1])
         self._registered_upto[request_id] = num_pages
+        if runs:
+            self._log_stored(runs, hashes, token_ids, cache_salt)
+
+    def _log_stored(self, runs: list[list[int]], hashes: Sequence[PageHash],
+                    token_ids: Sequence[int] | Callable[[], Sequence[int]], cache_salt: str | None) -> None:
+        size = self.page_size
+        if callable(token_ids):
+            token_ids = token_ids()
+        if len(token_ids) < runs[-1][1] * size:
+            raise ValueError(f"events need the tokens of {runs[-1][1]} pages, got {len(token_ids)} tokens")
+        for first, end in runs:
+            parent = hashes[first - 1] if first else None
+            self._events.append(  # type: ignore[union-attr]
+                PagesStored(list(hashes[first:end]), parent, list(token_ids[first * size : end * size]), cache_salt))
 
     def free(self, request_id: str) -> None:
         """Drop the request's references; an unknown or already freed id is a no-op.

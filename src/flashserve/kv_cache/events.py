@@ -1,0 +1,38 @@
+"""What the KV cache manager reports when its set of registered page hashes changes: the records
+`KVCacheManager.take_events()` returns, in the order the changes happened. Pure data; the engine
+core turns them into vLLM's wire events (`engine/kv_events.py`).
+
+A page's hash enters the set when a request registers the page's computed K/V (`PagesStored`),
+and leaves it when `allocate()` evicts the page for another use (`PagesRemoved`). Taking a
+reference on a cached page, or freeing one that keeps its hash, changes nothing here: the page
+stays reusable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PagesStored:
+    """Consecutive pages of one hash chain registered together.
+
+    `parent_hash`: the hash of the page before the first one (None when the first page starts the
+    chain); `token_ids`: the pages' tokens, page_size per page; `cache_salt`: the chain's salt,
+    which entered its root (so it matters to a consumer only when `parent_hash` is None).
+    """
+
+    page_hashes: list[bytes]
+    parent_hash: bytes | None
+    token_ids: list[int]
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PagesRemoved:
+    """Pages evicted: their hashes name no cached K/V any more."""
+
+    page_hashes: list[bytes]
+
+
+KVCacheEvent = PagesStored | PagesRemoved
