@@ -26,6 +26,15 @@ AUTHENTICATION = "invalid_request_error"  # what OpenAI answers for a missing or
 # Seconds a client should wait before retrying a request refused because the server is busy.
 RETRY_AFTER_SECONDS = 1
 
+# Endpoints of OpenAI's API and vLLM's pooling models that a text-generation server does not serve
+# (first path segment after an optional /v1 or /v2 -> what they do): their 404 says so, where a bare
+# "Not Found" left clients wondering whether the path was mistyped.
+UNSERVED_ENDPOINTS = {
+    "embeddings": "embeddings", "audio": "audio (speech, transcriptions, translations)",
+    "images": "images", "moderations": "moderations", "pooling": "pooling", "classify": "classification",
+    "score": "scores", "rerank": "reranking",
+}
+
 
 class APIError(Exception):
     def __init__(
@@ -73,11 +82,14 @@ def overloaded(message: str, code: str = "overloaded") -> APIError:
     return APIError(503, message, UNAVAILABLE, code=code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line from pydantic's error list, and the offending field for `param`."""
+def _validation_message(exc: RequestValidationError, body_model: Any = None) -> tuple[str, str | None]:
+    """One readable line from pydantic's error list, and the offending field for `param`.
+    `body_model`: the route's request model, whose required fields an empty body lacks."""
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return "We could not parse the JSON body of your request: it is not valid JSON.", None
+    if [(e.get("type"), tuple(e.get("loc", ()))) for e in errors] == [("missing", ("body",))]:
+        return _empty_body(body_model)
     parts: list[str] = []
     first_param: str | None = None
     for e in errors:
@@ -88,6 +100,36 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         first_param = first_param or where or None
         parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
     return "; ".join(parts) or "invalid request", first_param
+
+
+def _empty_body(body_model: Any) -> tuple[str, str | None]:
+    """The message for a request sent without a body, naming the fields it needs."""
+    fields = getattr(body_model, "model_fields", {})
+    required = [name for name, field in fields.items() if field.is_required()]
+    if not required:
+        return "The request body is empty: it must be a JSON object (Content-Type: application/json).", None
+    names = f" {required[0]}" if len(required) == 1 else f"s {', '.join(required[:-1])} and {required[-1]}"
+    return (f"The request body is empty: it must be a JSON object with the required field{names} "
+            "(Content-Type: application/json)."), required[0]
+
+
+def _not_found(path: str, detail: str) -> APIError:
+    """The 404 for a path no route serves: for an endpoint of UNSERVED_ENDPOINTS, one saying so."""
+    parts = path.strip("/").split("/")
+    if parts[0] in ("v1", "v2"):
+        parts = parts[1:]
+    what = UNSERVED_ENDPOINTS.get(parts[0]) if parts else None
+    if what is None:
+        return APIError(404, detail, NOT_FOUND)
+    return APIError(404, f"This server does not serve {what} ({path}): it runs a text-generation model, served "
+                         "at /v1/chat/completions, /v1/completions, /v1/responses and /v1/messages.",
+                    NOT_FOUND, code="unsupported_endpoint")
+
+
+def _body_model(request: Request) -> Any:
+    """The request model of the route that refused the request, or None."""
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    return getattr(getattr(body_field, "field_info", None), "annotation", None)
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics | None = None) -> None:
@@ -102,14 +144,15 @@ def install_error_handlers(app: FastAPI, metrics: Metrics | None = None) -> None
     async def on_invalid_parameter(_: Request, exc: InvalidParameter) -> JSONResponse:
         return respond(invalid(str(exc), exc.param))
 
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers 400 where FastAPI would answer 422.
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, _body_model(request))
         return respond(invalid(message, param))
 
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
-        return respond(APIError(exc.status_code, str(exc.detail), kind), exc.headers)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return respond(_not_found(request.url.path, str(exc.detail)), exc.headers)
+        return respond(APIError(exc.status_code, str(exc.detail), INVALID_REQUEST), exc.headers)
 
     async def on_engine_dead(_: Request, exc: EngineDead) -> JSONResponse:
         return respond(engine_dead(str(exc) or "the engine is not running"))

@@ -9,11 +9,12 @@ not dropped.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from flashserve.api.errors import invalid, unsupported
+from flashserve.api.request_checks import check_stop
 
 # A chat field's errors are reported under the Messages field it came from.
 CHAT_TO_MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
@@ -37,7 +38,7 @@ class MessagesRequest(BaseModel):
     max_tokens: int
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[str] | None, AfterValidator(check_stop)] = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -90,6 +91,7 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
     """Chat messages for the request: a user message's tool_result blocks become tool messages
     (before its text), an assistant message's tool_use blocks its tool_calls."""
     out: list[dict[str, Any]] = []
+    use_ids: set[str] = set()  # of the tool_use blocks so far
     if req.system:
         out.append({"role": "system", "content": _text(req.system, "system", "system")})
     for i, message in enumerate(req.messages):
@@ -110,10 +112,15 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
                 texts += _block_fields(block, where, text=str)
             elif kind == "tool_use" and role == "assistant":
                 call_id, name, args = _block_fields(block, where, id=str, name=str, input=dict)
+                use_ids.add(call_id)
                 calls.append({"id": call_id, "type": "function",
                               "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
             elif kind == "tool_result" and role == "user":
                 (call_id,) = _block_fields(block, where, tool_use_id=str)
+                if call_id not in use_ids:
+                    raise invalid(f"{where}: unexpected tool_use_id found in tool_result blocks: {call_id}. Each "
+                                  "tool_result block must answer a tool_use block of an earlier assistant message.",
+                                  "messages")
                 out.append({"role": "tool", "tool_call_id": call_id,
                             "content": _text(block.get("content", ""), f"{where}.content", "messages")})
             else:

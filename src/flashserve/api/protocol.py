@@ -12,6 +12,7 @@ import dataclasses
 from typing import Annotated, Any, Literal, Sequence, Union
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -23,6 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from flashserve.api.request_checks import check_stop, prompt_validator
 from flashserve.engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 
 # Upper bound on choices per request; each choice is a full engine request.
@@ -66,7 +68,7 @@ class GenerationRequest(_Request):
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    stop: Annotated[str | list[str] | None, _one_of("a string or a list of strings")] = None
+    stop: Annotated[str | list[str] | None, _one_of("a string or a list of strings"), AfterValidator(check_stop)] = None
     stop_token_ids: list[TokenId] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -161,10 +163,7 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-Prompt = Annotated[
-    Union[str, list[TokenId], list[str], list[list[TokenId]]],
-    _one_of("a string, a list of token ids, or a list of strings or of token-id lists"),
-]
+Prompt = Annotated[Union[str, list[TokenId], list[str], list[list[TokenId]]], prompt_validator()]
 
 
 class CompletionRequest(GenerationRequest):
@@ -203,6 +202,11 @@ def to_sampling_params(
     req: GenerationRequest, max_tokens: int, eos_token_ids: Sequence[int], grammar: Any = None
 ) -> SamplingParams:
     """SamplingParams for choice 0; raises InvalidParameter for out-of-range values."""
+    completion = isinstance(req, CompletionRequest)
+    if max_tokens < 1 and not (max_tokens == 0 and completion and req.echo):  # type: ignore[attr-defined]
+        # 0 with echo: the prompt alone, with its logprobs (prompt scoring, as in vLLM); no generation.
+        hint = " (0 only with echo, which returns the prompt and its logprobs)" if completion else ""
+        raise InvalidParameter("max_tokens", f"max_tokens must be at least 1, got {max_tokens}{hint}")
     logprobs = prompt_logprobs = None
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:

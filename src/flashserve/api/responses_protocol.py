@@ -8,7 +8,7 @@ them in a 400 instead of silently ignoring something that changes the output.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -99,12 +99,16 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
-    """Chat messages for these items: a function_call joins the assistant message before it as one
-    of its tool_calls, a function_call_output is a tool message."""
+def chat_messages(items: list[dict[str, Any]], instructions: str | None,
+                  history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Chat messages for the items of the stored conversation `previous_response_id` continues
+    (`history`, validated when stored) and then the request's `items`: a function_call joins the
+    assistant message before it as one of its tool_calls, a function_call_output is a tool message.
+    A function_call_output must answer a function_call before it, as OpenAI requires."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
+    call_ids: set[str] = set()
+    for i, item in enumerate([*history, *items]):
+        where = f"input[{i - len(history)}]"
         if not isinstance(item, dict):
             raise invalid(f"{where} must be an object", "input")
         kind = item.get("type", "message" if "role" in item else None)
@@ -114,6 +118,7 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
                 raise invalid(f"{where}.role must be user, assistant, system or developer, got {role!r}", "input")
             messages.append({"role": role, "content": _text_parts(item.get("content"), where)})
         elif kind == "function_call":
+            call_ids.add(_string(item, "call_id", where))
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where),
                                  "arguments": _string(item, "arguments", where)}}
@@ -125,7 +130,12 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _text_parts(output, where)
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text})
+            call_id = _string(item, "call_id", where)
+            if call_id not in call_ids:
+                raise invalid(f"No tool call found for function call output with call_id {call_id}. ({where} answers "
+                              "no function_call item before it, in the input or in the conversation that "
+                              "previous_response_id continues.)", "input")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         else:
             raise invalid(f"{where} has type {kind!r}, which this server does not support; it reads message, "
                           "function_call and function_call_output items", "input", code="unsupported_item_type")

@@ -67,7 +67,7 @@ class ResponsesServing:
             raise unsupported(field)
         items = rp.input_items(body)
         history = self._history(body.previous_response_id)
-        chat = bridge.chat_request(rp.chat_fields(body, rp.chat_messages(history + items, body.instructions)))
+        chat = bridge.chat_request(rp.chat_fields(body, rp.chat_messages(items, body.instructions, history)))
         try:
             with bridge.fields_named(rp.CHAT_TO_RESPONSES_PARAM):
                 plan = await self.serving.plan_chat(chat)
