@@ -161,6 +161,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--shutdown-timeout", _seconds, 30.0, "on SIGTERM, seconds to let running requests finish "
            "(new ones get 503) before the rest end with an error"),
     Option("--ui", _bool, True, "the chat page at / (--no-ui: / answers 404)"),
+    Option("--otlp-traces-endpoint", str, None, "OpenTelemetry collector to send a span per request to over "
+           "OTLP, gRPC unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (then the whole URL, .../v1/traces); "
+           "the request's traceparent header is its parent (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else "
+           "no tracing; needs the tracing extra)"),
 )
 
 
@@ -170,7 +174,7 @@ SERVER_ONLY_FLAGS = frozenset({
     "--host", "--port", "--log-requests", "--access-log", "--max-waiting", "--queue-timeout", "--api-key",
     "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials", "--shutdown-timeout",
     "--ui", "--api-server-count", "--data-parallel-size", "--data-parallel-routing",
-    "--responses-store-max-entries", "--responses-store-max-age",
+    "--responses-store-max-entries", "--responses-store-max-age", "--otlp-traces-endpoint",
 })
 
 RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag not in SERVER_ONLY_FLAGS) + (
@@ -276,6 +280,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         ui=ns.ui,
         responses_store_max_entries=ns.responses_store_max_entries,
         responses_store_max_age_s=ns.responses_store_max_age,
+        otlp_traces_endpoint=ns.otlp_traces_endpoint,
     )
     return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
                      queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -217,6 +217,10 @@ class RequestRecord:
         # Inter-token gaps, added to the histogram every ITL_FLUSH_TOKENS tokens and at the end.
         self._itl = HistogramBuffer(metrics.itl, flush_every=ITL_FLUSH_TOKENS)
         self._closed = False
+        # Seconds the first scheduled choice waited in the engine's queue, once known.
+        self.queue_time: float | None = None
+        # The request's trace span (`tracing.RequestSpan`), ended at `close`; None: tracing is off.
+        self.span: Any = None
 
     def tokens(self, index: int, num_new_tokens: int, num_output_tokens: int) -> None:
         """Choice `index` received `num_new_tokens` tokens now (one engine step's worth, or the
@@ -232,6 +236,12 @@ class RequestRecord:
             self._itl.observe((now - last) / num_new_tokens, num_new_tokens)
         self._last_token[index] = now
         self.output_tokens[index] = max(self.output_tokens[index], num_output_tokens)
+
+    def scheduled(self, arrival_time: float, scheduled_time: float) -> None:
+        """An output of one of its choices: `scheduled_time` is when the engine first scheduled it
+        (0.0 until then), `arrival_time` when the engine received it (one monotonic clock)."""
+        if self.queue_time is None and scheduled_time:
+            self.queue_time = max(0.0, scheduled_time - arrival_time)
 
     def finish(self, index: int, reason: str) -> None:
         if self.finish_reasons[index] is None:
@@ -250,6 +260,8 @@ class RequestRecord:
         end = time.monotonic()
         latency = end - self.arrival
         self.metrics.e2e.observe(latency)
+        if self.span is not None:
+            self.span.end(self, latency)
         if request_logger.isEnabledFor(logging.INFO):
             request_logger.info("%s", self.log_line(latency))
 

@@ -106,7 +106,7 @@ class ChatRun:
         """Raises APIError, or ClientGone if the client left first."""
         streams = serving._open(body, plan.request_id, [plan.prompt], param="messages",
                                 arrival=time.monotonic() if arrival is None else arrival,
-                                x_request_id=raw.state.request_id, grammar=plan.grammar)
+                                x_request_id=raw.state.request_id, grammar=plan.grammar, headers=raw.headers)
         try:
             await unless_disconnected(raw, streams.start())
         except BaseException:

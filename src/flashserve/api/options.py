@@ -36,6 +36,9 @@ class APIOptions:
     # A SQLite file that every front end of one `flashserve serve` shares for them (set by the
     # supervisor, in its temporary directory); None: this process's memory.
     responses_store_path: str | None = None
+    # OTLP endpoint that each front end sends a span per request to (flashserve/tracing.py); None:
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT if set, else no tracing.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_sequences_per_request < 1:

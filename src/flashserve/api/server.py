@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Coroutine, Sequence
+from typing import Any, Callable, Coroutine, Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -54,6 +55,7 @@ from flashserve.client.protocol import EngineClient
 from flashserve.engine.sampling_params import SamplingParams
 from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
 from flashserve.structured.compiler import spec_from_request
+from flashserve.tracing import RequestTracer, build_tracer
 
 
 def _model_not_found(model: str) -> APIError:
@@ -88,6 +90,7 @@ class _OpenAIServing:
         metrics: Metrics,
         state: ServerState,
         vocab_size: int | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
@@ -103,6 +106,7 @@ class _OpenAIServing:
         self.eos_token_ids = tuple(eos_token_ids) or ((fallback,) if isinstance(fallback, int) else ())
         self.created = int(time.time())
         self.vocab_size = vocab_size
+        self.tracer = tracer  # None: tracing is off
         # One thread tokenizes long inputs, in arrival order, off the event loop (see `_off_loop`).
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flashserve-tokenize")
         self.text_of = TokenTexts(tokenizer)
@@ -277,7 +281,7 @@ class _OpenAIServing:
         echo: list[str] | None = None,
     ) -> Response:
         streams = self._open(body, request_id, prompts, param="messages" if chat else "prompt", arrival=arrival,
-                             x_request_id=raw.state.request_id, grammar=grammar)
+                             x_request_id=raw.state.request_id, grammar=grammar, headers=raw.headers)
         try:
             await unless_disconnected(raw, streams.start())
         except ClientGone:
@@ -336,9 +340,10 @@ class _OpenAIServing:
 
     def _open(
         self, body: p.GenerationRequest, request_id: str, prompts: list[list[int]], param: str, arrival: float,
-        x_request_id: str | None = None, grammar: Any = None,
+        x_request_id: str | None = None, grammar: Any = None, headers: Mapping[str, str] | None = None,
     ) -> EngineStreams:
-        """One engine request per choice: n per prompt, numbered across prompts."""
+        """One engine request per choice: n per prompt, numbered across prompts. `headers`: the HTTP
+        request's, for its trace context."""
         ids: list[str] = []
         choice_prompts: list[list[int]] = []
         params: list[SamplingParams] = []
@@ -354,6 +359,8 @@ class _OpenAIServing:
             raise engine_dead()
         record = RequestRecord(self.metrics, request_id, sum(len(x) for x in prompts), len(ids), arrival,
                                x_request_id)
+        if self.tracer is not None:
+            record.span = self.tracer.span(headers or {}, request_id, body.model or self.names[0], params[0], body.n)
         return EngineStreams(self.engine, ids, choice_prompts, params, record, group=request_id,
                              cache_salt=body.cache_salt, choices_per_prompt=body.n, stream=bool(body.stream))
 
@@ -415,8 +422,9 @@ def build_app(
     `vocab_size`: the model's logit width, for grammar masks (default: the tokenizer's length)."""
     metrics = metrics if metrics is not None else Metrics(model_name=served_model_names[0] if served_model_names else None)
     state = state if state is not None else ServerState()
+    tracer = build_tracer(options.otlp_traces_endpoint, os.environ)
     serving = _OpenAIServing(engine, tokenizer, served_model_names, max_model_len, eos_token_ids,
-                             options, metrics, state, vocab_size)
+                             options, metrics, state, vocab_size, tracer)
     app = FastAPI(title="flashserve", version="0.1.0")
     app.router.route_class = _JSONRoute
     install_error_handlers(app, metrics)
@@ -447,4 +455,5 @@ def build_app(
     app.build_middleware_stack = lambda: RequestIdMiddleware(build_stack())  # type: ignore[method-assign]
     app.state.metrics = metrics
     app.state.server_state = state
+    app.state.tracer = tracer  # the server shuts it down at exit (`RequestTracer.shutdown`)
     return app

@@ -144,6 +144,7 @@ class EngineStreams:
         self.num_cached_tokens[index] = max(self.num_cached_tokens[index], item.num_cached_tokens)
         if self._record is not None:
             self._record.tokens(index, len(item.new_token_ids), item.num_output_tokens)
+            self._record.scheduled(item.arrival_time, item.scheduled_time)
             if item.finished:
                 self._record.finish(index, item.finish_reason or "stop")
         return index, item

@@ -39,7 +39,7 @@ from flashserve.engine.outputs import RequestOutput
 from flashserve.structured.compiler import GrammarSpec
 
 # Bump whenever a message below changes shape.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,7 @@ class LLMEngine:
             error=req.error,
             arrival_time=req.arrival_time,
             num_cached_tokens=req.num_cached_tokens,
+            scheduled_time=req.first_scheduled_time or 0.0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )

@@ -146,6 +146,9 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     # Prompt tokens whose K/V came from the prefix cache when the request was first scheduled
     # (OpenAI's usage.prompt_tokens_details.cached_tokens); 0 until then.
     num_cached_tokens: int = 0
+    # When the scheduler first admitted it, on the clock of `arrival_time`; 0.0 until then. Their
+    # difference is the request's time in queue (its trace span's gen_ai.latency.time_in_queue).
+    scheduled_time: float = 0.0
     # One per new token id when the request asks for logprobs, else None.
     logprobs: list[TokenLogprob] | None = None
     # On the output that carries the first token, when the request asks for prompt logprobs: one

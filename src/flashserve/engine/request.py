@@ -47,6 +47,8 @@ class Request:
     # the next step may be scheduled behind them, its token taken from the device.
     num_output_placeholders: int = 0
     num_preemptions: int = 0
+    # Monotonic seconds when the scheduler first admitted it (its time in queue ends there).
+    first_scheduled_time: float | None = None
     # Prompt tokens found in the prefix cache at the first schedule (usage's cached_tokens).
     num_cached_tokens: int = 0
     # Chained hashes of the request's full pages so far (prompt and output), for the prefix cache.

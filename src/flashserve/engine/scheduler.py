@@ -37,6 +37,7 @@ ones; it is admitted as soon as one of its group's sequences ends.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Sequence
 
@@ -205,6 +206,8 @@ class Scheduler:
             self.prefix_cache.admitted(request, cached)
             del self.waiting[i]
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             if request.group is not None:
                 self._group_running[request.group] = self._group_running.get(request.group, 0) + 1
