@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 from flashserve.api.options import APIOptions
 from flashserve.attention.cascade import CASCADE_MODES
-from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+from flashserve.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, ServerConfig
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,13 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
     return value
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seconds(text: str) -> float:
@@ -111,6 +118,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--cpu-kv-cache-gb", float, 1.0, "KV cache size on CPU, in GB"),
     Option("--enable-prefix-caching", _bool, True, "reuse the KV pages of prompt prefixes that earlier "
            "requests computed (--no-enable-prefix-caching to turn it off)"),
+    Option("--prefix-caching-hash-seed", str, "flashserve", "seed of the page hashes' chain (sha256, "
+           "docs/production.md): fixed, so a page's hash is the same in every replica and after restarts; "
+           "change it to keep them private"),
+    Option("--kv-events-config", _kv_events_config, None, "publish the prefix cache's stored and evicted "
+           "pages for KV-aware routers, as vLLM's option (JSON, e.g. '{\"enable_kv_cache_events\": true, "
+           "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'; "
+           "each engine core of --data-parallel-size publishes on the ports plus its rank)"),
     Option("--max-num-seqs", _positive_int, None, "most requests in one step (default: 1024 on a GPU of 70 GiB "
            "or more other than an A100, as vLLM's; else 256)"),
     Option("--max-num-batched-tokens", _positive_int, None, "most tokens in one step (prefill chunks + decode "
@@ -173,7 +187,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
 SERVER_ONLY_FLAGS = frozenset({
     "--host", "--port", "--log-requests", "--access-log", "--max-waiting", "--queue-timeout", "--api-key",
     "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials", "--shutdown-timeout",
-    "--ui", "--api-server-count", "--data-parallel-size", "--data-parallel-routing",
+    "--ui", "--api-server-count", "--data-parallel-size", "--data-parallel-routing", "--kv-events-config",
     "--responses-store-max-entries", "--responses-store-max-age", "--otlp-traces-endpoint",
 })
 
@@ -267,7 +281,9 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
     )
     cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,
                         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
-                        enable_prefix_caching=ns.enable_prefix_caching, kv_cache_dtype=ns.kv_cache_dtype)
+                        enable_prefix_caching=ns.enable_prefix_caching, kv_cache_dtype=ns.kv_cache_dtype,
+                        prefix_caching_hash_seed=ns.prefix_caching_hash_seed,
+                        kv_events=ns.kv_events_config if ns.kv_events_config and ns.kv_events_config.enabled else None)
     scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                                 overlap_scheduling=ns.overlap_scheduling)
     api_keys = tuple(ns.api_key or ())

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,58 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """`--kv-events-config`: vLLM's KVEventsConfig, field for field (`engine/kv_events.py`)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = ""  # "zmq" | "null"; "": zmq when enabled, else null (as vLLM)
+    endpoint: str = "tcp://*:5557"  # PUB socket; under --data-parallel-size the port plus the rank
+    replay_endpoint: str | None = None  # ROUTER socket answering replay requests (port plus rank too)
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parses vLLM's JSON shape; ValueError names what is wrong."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("expected a JSON object")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; known: {sorted(known)}")
+        kinds = {"enable_kv_cache_events": (bool,), "publisher": (str,), "endpoint": (str,),
+                 "replay_endpoint": (str, type(None)), "buffer_steps": (int,), "hwm": (int,),
+                 "max_queue_size": (int,), "topic": (str,)}
+        for name, value in raw.items():
+            if not isinstance(value, kinds[name]) or (isinstance(value, bool) and bool not in kinds[name]):
+                raise ValueError(f"{name}: {value!r} is not of the expected type")
+        config = cls(**raw)
+        publisher = config.publisher or ("zmq" if config.enable_kv_cache_events else "null")
+        if publisher not in ("zmq", "null"):
+            raise ValueError(f"publisher: {publisher!r} is not one of 'zmq', 'null'")
+        for name in ("buffer_steps", "max_queue_size"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if config.hwm < 0:
+            raise ValueError("hwm must be zero or more")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(config, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name}: {value!r} is not a tcp://, ipc:// or inproc:// endpoint")
+        return cls(**{**raw, "publisher": publisher})
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: sized from memory (GPU) or cpu_kv_cache_gb (CPU)
@@ -45,6 +98,8 @@ class CacheConfig:
     cpu_kv_cache_gb: float = 1.0
     enable_prefix_caching: bool = True  # full KV pages shared by content across requests
     kv_cache_dtype: str = "auto"  # auto (the attention dtype) | fp8 (e4m3, scale 1.0)
+    prefix_caching_hash_seed: str = "flashserve"  # the page hash chain's seed (kv_cache/manager.py)
+    kv_events: KVEventsConfig | None = None  # None: no KV cache events published
 
 
 @dataclass(frozen=True)

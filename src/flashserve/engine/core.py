@@ -35,6 +35,7 @@ from flashserve.client.codec import (
 from flashserve.client.streams import Abort, error_output
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
+from flashserve.engine.kv_events import KVEventPublisher
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
 from flashserve.engine.outputs import RequestOutput
 from flashserve.engine.prefix_pins import GroupPins
@@ -63,14 +64,19 @@ class EngineCore:
         metrics: Metrics | None = None,
         queue_timeout: float | None = None,
         pins: GroupPins | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         """`pins`: an offline batch's prefix-sharing groups (run-batch), pinned as their requests
-        (`AddRequest.prefix_member`) come and go."""
+        (`AddRequest.prefix_member`) come and go. `kv_events`: publishes each step's KV cache
+        events (`--kv-events-config`)."""
         self.engine = engine
         self.setup = setup
         self.compile_grammar = compile_grammar
         self.queue_timeout = queue_timeout
         self.pins = pins
+        self.kv_events = kv_events
+        if kv_events is not None:
+            engine.scheduler.kv_cache.record_events()
         self._group_of: dict[str, int] = {}  # request id -> its pinned group
         self._recorder = StepRecorder(engine, metrics)
         self._conns: list[Connection] = []
@@ -123,6 +129,8 @@ class EngineCore:
                         logger.exception("engine loop died")
                         return self._die(f"engine loop died: {exc!r}")
                     generated = self.engine.num_step_tokens
+                    if self.kv_events is not None:
+                        self.kv_events.publish(self.engine.scheduler.kv_cache.take_events())
                 self._recorder.record(outputs, start, generated)
                 self._deliver(outputs)
         return None

@@ -22,7 +22,7 @@ class PrefixCache:
         self.kv_cache = kv_cache
         self.enabled = kv_cache.enable_caching
         self.page_size = kv_cache.page_size
-        self.hasher = hasher if hasher is not None else PageHasher(kv_cache.page_size)
+        self.hasher = hasher if hasher is not None else PageHasher(kv_cache.page_size, kv_cache.hash_seed)
         # Hashes of pages that a running request will compute and has not registered yet.
         self._computing: dict[PageHash, str] = {}
         self._computing_range: dict[str, tuple[int, int]] = {}  # request id -> its page range there

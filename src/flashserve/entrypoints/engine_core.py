@@ -32,13 +32,29 @@ class CoreParts:
     setup: EngineSetup
     compile_grammar: Callable[[Any], Any] | None
     close: Callable[[], None]
+    kv_events: Any = None  # config.KVEventsConfig: publish the KV cache's events; None: not
+
+
+def start_kv_events(parts: CoreParts, engine_index: int) -> Any:
+    """The KV event publisher of engine core `engine_index` (an `engine.kv_events.KVEventPublisher`,
+    bound to its ports), or None when events are off."""
+    if parts.kv_events is None:
+        return None
+    from flashserve.engine.kv_events import KVEventPublisher
+
+    kv_cache = parts.engine.scheduler.kv_cache
+    if not kv_cache.enable_caching:
+        logger.warning("--kv-events-config with prefix caching off: no page is ever cached, no event published")
+    return KVEventPublisher(parts.kv_events, kv_cache.page_size, engine_index)
 
 
 def load_serve_core(args: Any) -> CoreParts:
     """The engine of `flashserve serve` for `args` (a `cli.ServeArgs`)."""
     from flashserve.entrypoints.stack import load_engine
 
-    return core_parts(load_engine(args, detokenize=False))
+    parts = core_parts(load_engine(args, detokenize=False))
+    parts.kv_events = args.cache.kv_events
+    return parts
 
 
 def core_parts(stack: Any) -> CoreParts:
@@ -76,6 +92,7 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the core stops
     signal.signal(signal.SIGTERM, _stop)
     parts: CoreParts | None = None
+    kv_events = None
     code = 0
     try:
         try:
@@ -85,10 +102,19 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
             _tell_all(conns, Dead(f"the model did not load: {exc!r}"))
             code = EXIT_ENGINE_DIED
             return
-        code = serve_front_ends(parts, conns, queue_timeout, engine_index)
+        try:
+            kv_events = start_kv_events(parts, engine_index)
+        except Exception as exc:  # a port in use, say
+            logger.exception("KV cache events did not start")
+            _tell_all(conns, Dead(f"KV cache events did not start: {exc!r}"))
+            code = EXIT_ENGINE_DIED
+            return
+        code = serve_front_ends(parts, conns, queue_timeout, engine_index, kv_events)
     except _Stop:
         logger.info("engine core stopping")
     finally:
+        if kv_events is not None:
+            kv_events.close()
         if parts is not None:
             parts.close()
         for conn in conns:
@@ -97,11 +123,12 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
 
 
 def serve_front_ends(parts: CoreParts, conns: list[Connection], queue_timeout: float | None,
-                     engine_index: int = 0) -> int:
+                     engine_index: int = 0, kv_events: Any = None) -> int:
     from flashserve.engine.core import EngineCore
     from flashserve.metrics import Metrics
 
-    core = EngineCore(parts.engine, parts.setup, parts.compile_grammar, Metrics(str(engine_index)), queue_timeout)
+    core = EngineCore(parts.engine, parts.setup, parts.compile_grammar, Metrics(str(engine_index)), queue_timeout,
+                      kv_events=kv_events)
     for conn in conns:
         if not core.connect(conn):
             logger.warning("a front end did not connect")

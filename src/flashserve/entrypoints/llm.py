@@ -75,7 +75,7 @@ def build_engine(
         prefill_only = scheduler.prefill_only_budget or default_prefill_only_budget(loaded.device.type, budget)
         scheduler = replace(scheduler, max_num_batched_tokens=budget, prefill_only_budget=prefill_only)
     # loaded.max_model_len is already capped by what the KV cache holds.
-    kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching)
+    kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching, cache.prefix_caching_hash_seed)
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
     overlap = scheduler.overlap_scheduling and runner.overlap_capable
     tokenizer = loaded.tokenizer if detokenize else None

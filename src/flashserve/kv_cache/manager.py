@@ -107,7 +107,9 @@ class PageHasher:
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True,
+                 hash_seed: str = DEFAULT_HASH_SEED) -> None:
+        """`hash_seed`: the seed of the PageHasher that names this cache's pages (PrefixCache)."""
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if num_pages < 2:
@@ -115,6 +117,7 @@ class KVCacheManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_caching = enable_caching
+        self.hash_seed = hash_seed
         # Pages with no owner, head first: the head is taken (and evicted) first. Blank pages go to
         # the head, cached ones to the tail (LRU). A hit removes a page from the middle, so a deque
         # will not do. OrderedDict over a hand-written doubly linked list (prev/next lists indexed
