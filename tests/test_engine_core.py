@@ -24,6 +24,7 @@ from flashserve.engine.core import EngineCore
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import RequestOutput, TokenLogprob
 from flashserve.engine.sampling_params import SamplingParams
+from flashserve.metrics import Metrics, StepStats
 from flashserve.structured.compiler import GrammarSpec
 
 
@@ -49,11 +50,11 @@ def test_a_steps_messages_round_trip_through_the_codec():
 class CoreThread:
     """An EngineCore serving `n` front-end pipes from a thread; `clients` made on the running loop."""
 
-    def __init__(self, engine: LLMEngine, n: int = 1, tokenizer: Any = None) -> None:
+    def __init__(self, engine: LLMEngine, n: int = 1, tokenizer: Any = None, metrics: Metrics | None = None) -> None:
         self.engine = engine
         pairs = [Pipe(duplex=True) for _ in range(n)]
         self.setup = EngineSetup(PROTOCOL_VERSION, tokenizer, "m", 512, (), VOCAB)
-        self.core = EngineCore(engine, self.setup)
+        self.core = EngineCore(engine, self.setup, metrics=metrics)
         self.front_conns = [b for _, b in pairs]
         self.result: list[str | None] = []
         for _, b in pairs:
@@ -362,5 +363,80 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped_its_requests_freed_a
         for client in (stuck, served):
             client.shutdown()
         core.thread.join(5)
+
+    asyncio.run(main())
+
+
+# ---- queue times: arrival to the first step that schedules the request, never negative -----------
+class QueueTimes(Metrics):
+    """Metrics that keep every queue time the engine core records, besides the histogram's sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queue_times: list[float] = []
+
+    def record_step(self, stats: StepStats) -> None:
+        self.queue_times.extend(stats.queue_times)
+        super().record_step(stats)
+
+
+def _slow_engine(step_seconds: float) -> LLMEngine:
+    from test_engine import ScriptedExecutor
+
+    class SlowExecutor(ScriptedExecutor):
+        def launch(self, out, previous=None):  # noqa: ANN001, ANN202
+            time.sleep(step_seconds)
+            return super().launch(out, previous)
+
+    engine = make_engine([3])
+    engine.executor = SlowExecutor([3])
+    return engine
+
+
+def test_a_request_that_wakes_an_idle_engine_core_has_a_queue_time_of_its_short_wait_not_below_zero():
+    async def main() -> None:
+        metrics = QueueTimes()
+        core = CoreThread(make_engine([3]), metrics=metrics)
+        (client,) = core.clients()
+        await asyncio.sleep(0.3)  # the engine core waits for messages, idle
+        await _collect(client, "r", [1, 2], SamplingParams(max_tokens=2))
+        client.shutdown()
+        core.thread.join(5)
+        assert len(metrics.queue_times) == 1 and 0 <= metrics.queue_times[0] < 0.1, metrics.queue_times
+
+    asyncio.run(main())
+
+
+def test_requests_that_arrive_mid_step_have_queue_times_not_below_zero():
+    async def main() -> None:
+        metrics = QueueTimes()
+        core = CoreThread(_slow_engine(0.02), metrics=metrics)
+        (client,) = core.clients()
+        running = asyncio.create_task(_collect(client, "long", [1], SamplingParams(max_tokens=40, ignore_eos=True)))
+        later = []
+        for i in range(6):  # while steps run, at times that fall inside them
+            await asyncio.sleep(0.013)
+            later.append(asyncio.create_task(_collect(client, f"r{i}", [2, i], SamplingParams(max_tokens=2))))
+        await asyncio.gather(running, *later)
+        client.shutdown()
+        core.thread.join(5)
+        assert len(metrics.queue_times) == 7 and min(metrics.queue_times) >= 0, metrics.queue_times
+
+    asyncio.run(main())
+
+
+def test_concurrent_requests_of_several_front_ends_have_queue_times_not_below_zero():
+    async def main() -> None:
+        metrics = QueueTimes()
+        core = CoreThread(_slow_engine(0.01), n=2, metrics=metrics)
+        clients = core.clients()
+        await asyncio.sleep(0.2)  # idle, as a fresh server is
+        await asyncio.gather(*[_collect(client, f"f{f}-{i}", [1, i], SamplingParams(max_tokens=3))
+                               for f, client in enumerate(clients) for i in range(4)])
+        for client in clients:
+            client.shutdown()
+        core.thread.join(5)
+        assert len(metrics.queue_times) == 8 and min(metrics.queue_times) >= 0, metrics.queue_times
+        assert metrics.registry.get_sample_value("flashserve_request_queue_time_seconds_sum") >= 0
 
     asyncio.run(main())

@@ -36,6 +36,21 @@ def test_metrics_count_tokens_latencies_and_finish_reasons_of_served_requests() 
     assert metric(text, "flashserve_num_preemptions_total") == 0
 
 
+def test_queue_times_of_concurrent_requests_that_wake_an_idle_server_are_not_below_zero() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serve_engine() as stack:
+        time.sleep(0.2)  # the engine loop waits for work, idle
+        with ThreadPoolExecutor(4) as pool:
+            statuses = list(pool.map(lambda _: httpx.post(f"{stack.url}/v1/completions", json=completion(3)).status_code,
+                                     range(4)))
+        text = httpx.get(f"{stack.url}/metrics").text
+    assert statuses == [200] * 4
+    for name in ("flashserve_request_queue_time_seconds", "vllm:request_queue_time_seconds"):
+        assert metric(text, f"{name}_count") == 4
+        assert metric(text, f"{name}_sum") >= 0
+
+
 def test_metrics_count_errors_by_openai_type() -> None:
     with serve_engine() as stack:
         httpx.post(f"{stack.url}/v1/completions", json=completion(-1))

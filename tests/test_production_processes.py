@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from live_server import live_server
+from production_helpers import metric
 from test_production_one_request import dummy_args, model_config  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
@@ -95,6 +96,34 @@ def finished_requests(url: str) -> float:
 
 def test_the_engine_core_and_each_front_end_run_in_processes_of_their_own(two_front_ends: Server) -> None:
     assert set(two_front_ends.children) >= {"flashserve-core", "flashserve-api0", "flashserve-api1"}
+
+
+IDLE_GAUGES = ("flashserve_num_requests_running", "flashserve_num_requests_waiting", "flashserve_kv_pages_used",
+               "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+               "vllm:gpu_cache_usage_perc")
+
+
+def idle_gauges(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {name: metric(text, name) for name in (*IDLE_GAUGES, "flashserve_kv_pages_free")}
+
+
+def test_every_engine_gauge_is_on_a_fresh_servers_metrics_page_at_its_true_value(two_front_ends: Server) -> None:
+    gauges = idle_gauges(two_front_ends.url)  # no request yet (routers and autoscalers poll from the start)
+    assert {name: gauges[name] for name in IDLE_GAUGES} == dict.fromkeys(IDLE_GAUGES, 0)
+    assert gauges["flashserve_kv_pages_free"] > 0
+
+
+def test_the_engine_gauges_return_to_zero_once_the_server_is_idle_again(two_front_ends: Server) -> None:
+    threads = [threading.Thread(target=complete, args=(two_front_ends.url,), kwargs={"max_tokens": 20})
+               for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert finished_requests(two_front_ends.url) >= 6
+    gauges = idle_gauges(two_front_ends.url)
+    assert {name: gauges[name] for name in IDLE_GAUGES} == dict.fromkeys(IDLE_GAUGES, 0)
 
 
 def test_one_metrics_page_adds_up_every_front_end_and_the_engine(two_front_ends: Server) -> None:

@@ -130,8 +130,8 @@ class AsyncEngine(OutputStreams):
                     if self._stop:
                         return
                     inbox, self._inbox = self._inbox, []
-                start = time.monotonic()
                 outputs = self._apply(inbox)
+                start = time.monotonic()  # after the arrivals just applied: queue times are never negative
                 outputs.extend(expire(self.engine, self.queue_timeout, start))
                 generated = 0
                 if self.engine.has_unfinished:

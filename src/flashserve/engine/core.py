@@ -79,6 +79,7 @@ class EngineCore:
             engine.scheduler.kv_cache.record_events()
         self._group_of: dict[str, int] = {}  # request id -> its pinned group
         self._recorder = StepRecorder(engine, metrics)
+        self._recorder.record([], time.monotonic())  # every gauge at its value before any front end asks
         self._conns: list[Connection] = []
         self._owner: dict[str, Connection] = {}  # request id -> the front end it answers
         self._compiling: list[tuple[AddRequest, Connection, Any]] = []  # (request, front end, future)
@@ -117,9 +118,11 @@ class EngineCore:
     def _run(self) -> str | None:
         with existing_objects_frozen():
             while self._conns:
-                start = time.monotonic()
                 outputs = self._receive(wait_for=self._idle_wait())
                 outputs += self._admit_compiled()
+                # After the requests that came in got their arrival times (a request that woke an
+                # idle loop arrived after the wait began): queue times are never negative.
+                start = time.monotonic()
                 outputs += expire(self.engine, self.queue_timeout, start)
                 generated = 0
                 if self.engine.has_unfinished:

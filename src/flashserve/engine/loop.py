@@ -58,7 +58,10 @@ class StepRecorder:
         self._counters_seen = (0, 0, 0)
 
     def record(self, outputs: Sequence[RequestOutput], step_start: float, generation_tokens: int = 0) -> None:
-        """`generation_tokens`: the step's output tokens, those held for requests not streamed included."""
+        """`step_start`: when the step began, on the monotonic clock of the requests' arrival times
+        and after every request it may schedule arrived (a request's queue time is the time from
+        its arrival to the start of the first step that schedules it). `generation_tokens`: the
+        step's output tokens, those held for requests not streamed included."""
         if self.metrics is None:
             return
         scheduler = self.engine.scheduler
