@@ -133,3 +133,35 @@ def test_requests_that_ask_for_prompt_logprobs_compute_their_whole_prompt() -> N
     s.add_request(again)
     out, _ = step(s)
     assert out.requests[0].num_computed_tokens == 0 and again.num_cached_tokens == 0
+
+
+def prompt_scores(sr) -> SampledTokens:  # noqa: ANN001
+    """A runner's result for a request that asks for prompt logprobs: one entry per position of the
+    chunk that has a next prompt token, and a sampled token where the chunk samples."""
+    last = len(sr.new_token_ids) - (1 if sr.sample else 0)
+    entries = [TokenLogprob(TOKEN, -1.0, ()) for _ in range(last)]
+    return SampledTokens([TOKEN] if sr.sample else [], None, entries)
+
+
+def test_max_tokens_0_ends_after_the_prompt_by_length_with_its_logprobs_no_token_and_no_pages() -> None:
+    s = make(max_tokens_per_step=16)
+    r = req("score", prompt_len=40, max_tokens=0, prompt_logprobs=1)
+    s.add_request(r)
+    touched = []
+    while s.has_unfinished:
+        touched += step(s, prompt_scores)[1]
+    assert touched == [r] and r.finish_reason is FinishReason.LENGTH
+    assert r.output_token_ids == [] and len(r.prompt_logprobs) == 39
+    assert s.kv_cache.num_used_pages == 0 and s.num_running == 0
+
+
+def test_max_tokens_0_is_not_scheduled_again_behind_its_prompts_last_chunk() -> None:
+    s = make()
+    r = req("score", max_tokens=0)
+    s.add_request(r)
+    s.add_request(req("other", max_tokens=4))
+    first = s.schedule()
+    ahead = s.schedule()  # before update(first), as with overlap scheduling
+    assert [row.request_id for row in ahead.requests] == ["other"]
+    s.update(first, [sampled(TOKEN), sampled(TOKEN)])
+    assert r.is_finished and r.output_token_ids == []

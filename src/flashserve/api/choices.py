@@ -94,13 +94,15 @@ def chat_choice_logprobs(result: ChoiceResult, text_of: TokenTexts) -> dict[str,
 
 def completion_choice_logprobs(result: ChoiceResult, text_of: TokenTexts, prompt_ids: list[int] | None,
                                prompt_text: str = "") -> dict[str, Any] | None:
-    """The completion's logprobs; with `prompt_ids` (echo) the prompt's tokens come first."""
-    if result.logprobs is None:
+    """The completion's logprobs; with `prompt_ids` (echo) the prompt's tokens come first. A choice
+    of max_tokens 0 has the prompt's alone."""
+    if result.logprobs is None and (prompt_ids is None or result.prompt_logprobs is None):
         return None
     parts: list[dict[str, Any]] = []
     if prompt_ids is not None and result.prompt_logprobs is not None:
         parts.append(completion_logprobs(prompt_ids, result.prompt_logprobs, text_of, TextOffsets()))
-    parts.append(completion_logprobs(result.token_ids, result.logprobs, text_of, TextOffsets(len(prompt_text))))
+    if result.logprobs is not None:
+        parts.append(completion_logprobs(result.token_ids, result.logprobs, text_of, TextOffsets(len(prompt_text))))
     return merge_completion_logprobs(parts)
 
 

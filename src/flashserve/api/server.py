@@ -39,6 +39,7 @@ from flashserve.api.options import APIOptions, ServerState
 from flashserve.api.response_store import ResponseStore, SharedResponseStore
 from flashserve.api.serving_messages import AnthropicErrors, MessagesServing
 from flashserve.api.serving_responses import ResponsesServing
+from flashserve.api.serving_tokenize import TokenizeServing
 from flashserve.api.streaming import (
     CLIENT_CLOSED,
     ClientGone,
@@ -435,6 +436,9 @@ def build_app(
         # `path`: model ids such as meta-llama/Llama-3.1-8B-Instruct hold slashes.
         app.add_api_route(f"{prefix}/models/{{model_id:path}}", serving.model, methods=["GET"], response_model=None)
     _add_translated_routes(app, serving, options)
+    tokenize = TokenizeServing(serving)  # at the root, as vLLM serves them
+    app.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"], response_model=None)
+    app.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"], response_model=None)
     app.add_api_route("/health", serving.health, methods=["GET"], response_model=None)
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"], response_model=None, include_in_schema=False)
     if options.ui:

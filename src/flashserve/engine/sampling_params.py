@@ -24,6 +24,7 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequen
 
 @dataclass(frozen=True)
 class SamplingParams:
+    # 0: the prompt only (computed, with its prompt_logprobs when asked), no token generated.
     max_tokens: int = 16
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -56,8 +57,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise InvalidParameter(name, f"{name} must be a finite number, got {value}")
-        if self.max_tokens < 1:
-            raise InvalidParameter("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise InvalidParameter("max_tokens", f"max_tokens must not be negative, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
             raise InvalidParameter("temperature", f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

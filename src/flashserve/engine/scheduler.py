@@ -267,6 +267,10 @@ class Scheduler:
                 continue
             if not scheduled.sample:
                 continue
+            if request.params.max_tokens == 0:  # the prompt only (scoring): its sampled token is dropped
+                self._finish(request, FinishReason.LENGTH)
+                touched.append(request)
+                continue
             self._append(request, result, advanced.get(request.request_id))
             touched.append(request)
         return touched
