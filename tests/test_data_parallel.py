@@ -17,7 +17,8 @@ import pytest
 
 from flashserve.client.router import BALANCE_SLACK, PrefixRouter
 from flashserve.entrypoints.serve import core_devices
-from live_server import live_server
+from kv_event_subscriber import Subscriber, documented_hash
+from live_server import free_port, live_server
 from production_helpers import metric
 from test_production_one_request import dummy_args, model_config  # noqa: F401  (a fixture)
 from test_production_processes import Server, assert_nothing_left, children_of
@@ -137,9 +138,16 @@ def test_too_few_gpus_for_the_engine_cores_is_an_error(monkeypatch: pytest.Monke
 
 
 # ---- a server with two engine cores --------------------------------------------------------------
+# Its engine cores publish KV cache events: engine core r on these ports plus r.
+EVENT_PORT, REPLAY_PORT = free_port(), free_port()
+
+
 @pytest.fixture(scope="module")
 def two_engines(model_config: str) -> Iterator[Server]:
-    with live_server(dummy_args(model_config, "--data-parallel-size", "2", "--page-size", str(PAGE))) as (url, proc):
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{EVENT_PORT}",
+                         "replay_endpoint": f"tcp://*:{REPLAY_PORT}"})
+    args = dummy_args(model_config, "--data-parallel-size", "2", "--page-size", str(PAGE), "--kv-events-config", events)
+    with live_server(args) as (url, proc):
         kids = children_of(proc.pid)
         environ = open(f"/proc/{kids['flashserve-dp0']}/environ", "rb").read().split(b"\0")
         metrics_dir = next(v.split(b"=", 1)[1].decode() for v in environ
@@ -180,6 +188,28 @@ def test_requests_sharing_a_prefix_go_to_one_engine(two_engines: Server) -> None
     assert sorted(grew) == [0, 18]
     hits = per_engine(two_engines.url, "flashserve_prefix_cache_hits_total")
     assert hits[grew.index(18)] >= 5 * len(PREFIX)  # the later five found the prefix cached there
+
+
+def test_each_engine_core_publishes_its_cached_pages_on_its_own_port(two_engines: Server) -> None:
+    prompts = [([50 + i] * (3 * PAGE), None) for i in range(4)] + [([50] * (3 * PAGE), "tenant")]
+    for prompt, salt in prompts:
+        complete(two_engines.url, prompt, max_tokens=1, **({"cache_salt": salt} if salt else {}))
+    subscribers = [Subscriber(f"tcp://127.0.0.1:{EVENT_PORT + r}", f"tcp://127.0.0.1:{REPLAY_PORT + r}")
+                   for r in range(2)]
+    for sub in subscribers:
+        sub.request_replay()  # every batch since the engine core started
+    try:
+        for rank, sub in enumerate(subscribers):
+            assert sub.batches and {b.data_parallel_rank for b in sub.batches} == {rank}
+        blocks = {**subscribers[0].blocks, **subscribers[1].blocks}
+        for prompt, salt in prompts:  # max_tokens 1: a prompt's three pages, and no output page, are cached
+            parent = None
+            for i in range(3):
+                parent = documented_hash(parent, prompt[i * PAGE : (i + 1) * PAGE], salt)
+                assert blocks[parent][1] == salt
+    finally:
+        for sub in subscribers:
+            sub.close()
 
 
 def test_every_page_of_both_engines_comes_back(two_engines: Server) -> None:
