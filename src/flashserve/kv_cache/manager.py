@@ -258,7 +258,7 @@ class KVCacheManager:
         for page in cached_pages:
             self._take(page)
             table.append(page)
-        evicted: list[PageHash] = []
+        evicted: list[PageHash] | None = None if self._events is None else []
         for _ in range(fresh):
             page, _ = self._free.popitem(last=False)
             if self._ref_counts[page] != 0:
@@ -268,11 +268,12 @@ class KVCacheManager:
                 del self._hash_to_page[old_hash]
                 self._page_hash[page] = None
                 self._num_cached_free -= 1
-                evicted.append(old_hash)
+                if evicted is not None:
+                    evicted.append(old_hash)
             self._ref_counts[page] = 1
             table.append(page)
-        if evicted and self._events is not None:
-            self._events.append(PagesRemoved(evicted))
+        if evicted:
+            self._events.append(PagesRemoved(evicted))  # type: ignore[union-attr]
         return True
 
     def register(self, request_id: str, hashes: Sequence[PageHash], num_pages: int | None = None,
