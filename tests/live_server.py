@@ -41,10 +41,12 @@ def log_tail(path: str, lines: int = 200) -> str:
 
 @contextmanager
 def live_server(args: Sequence[str] = (), env: dict[str, str] | None = None,
-                timeout_s: float = 240, module: str = "flashserve") -> Iterator[tuple[str, subprocess.Popen]]:
+                timeout_s: float = 240, module: str = "flashserve",
+                port: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yields (base URL, process) once /health answers 200; kills the process on exit if still running.
-    `module` is what `python -m` runs: flashserve, or a test wrapper that takes the same arguments."""
-    port = free_port()
+    `module` is what `python -m` runs: flashserve, or a test wrapper that takes the same arguments.
+    `port`: the one to serve on (default: a free one)."""
+    port = port or free_port()
     full_env = dict(os.environ, FLASHSERVE_PORT=str(port), FLASHSERVE_LOG_LEVEL="warning", **(env or {}))
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, full_env.get("PYTHONPATH")) if p)
