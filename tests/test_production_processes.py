@@ -136,6 +136,62 @@ def test_one_metrics_page_adds_up_every_front_end_and_the_engine(two_front_ends:
     assert generated and float(generated[0].rsplit(" ", 1)[1]) >= 24  # the engine core's counter
 
 
+def sockets_on_port(pid: int, port: int, state: str) -> set[str]:
+    """The inodes of the TCP sockets on local `port` that process `pid` holds, in `state`
+    ("0A": listening, "01": established), from /proc."""
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            held.add(target[len("socket:["):-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == state and fields[9] in held:
+                found.add(fields[9])
+    return found
+
+
+def front_end_pids(server: Server) -> list[int]:
+    return [server.children[f"flashserve-api{i}"] for i in range(2)]
+
+
+def test_each_front_end_listens_on_a_socket_of_its_own_on_the_one_port(two_front_ends: Server) -> None:
+    listening = [sockets_on_port(pid, two_front_ends.port, "0A") for pid in front_end_pids(two_front_ends)]
+    assert all(len(inodes) == 1 for inodes in listening) and listening[0] != listening[1], listening
+
+
+def test_sixty_four_concurrent_clients_are_spread_over_every_front_end(two_front_ends: Server) -> None:
+    clients: list[socket.socket] = []
+    barrier = threading.Barrier(64)
+
+    def connect() -> None:
+        barrier.wait()
+        clients.append(socket.create_connection(("127.0.0.1", two_front_ends.port), timeout=10))
+
+    try:
+        threads = [threading.Thread(target=connect) for _ in range(64)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        deadline = time.monotonic() + 10
+        while sum(held := [len(sockets_on_port(pid, two_front_ends.port, "01"))
+                           for pid in front_end_pids(two_front_ends)]) < 64:
+            assert time.monotonic() < deadline, f"accepted {held} of 64"
+            time.sleep(0.05)
+    finally:
+        for client in clients:
+            client.close()
+    # The kernel spreads connections by a hash: each front end gets half, give or take (fewer
+    # than 16 of 64 on either happens about once in 40,000 runs).
+    assert min(held) >= 16, f"connections per front end: {held}"
+
+
 def test_killing_one_front_end_leaves_the_other_serving(two_front_ends: Server) -> None:
     os.kill(two_front_ends.children["flashserve-api1"], signal.SIGKILL)
     time.sleep(0.5)
@@ -217,3 +273,15 @@ def test_a_start_removes_the_metrics_directories_of_supervisors_no_longer_runnin
         (folder / "counter_1.db").write_bytes(b"")
     assert remove_stale_metrics_dirs(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and running.exists() and other.exists()
+
+
+def test_the_front_ends_sockets_refuse_a_port_that_another_server_listens_on() -> None:
+    from flashserve.entrypoints.serve import listening_sockets
+
+    first = listening_sockets("127.0.0.1", 0, 2)  # a server with two front ends
+    try:
+        with pytest.raises(OSError):
+            listening_sockets("127.0.0.1", first[0].getsockname()[1], 2)
+    finally:
+        for sock in first:
+            sock.close()

@@ -1,5 +1,7 @@
 """`flashserve serve`'s process supervision: one engine core process and `--api-server-count` front
-ends, which share one listening socket (bound here, so they all accept on one port and one queue).
+ends, all accepting on one port. Each front end has a listening socket of its own on that port
+(SO_REUSEPORT, bound here), and the kernel spreads new connections over them evenly; one shared
+socket would leave it to whichever front end wakes first, which on a busy host may take them all.
 
     supervisor (this process: no model, no HTTP)
       |-- flashserve-core   scheduler, KV cache, runner (and tensor-parallel workers under it)
@@ -30,6 +32,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -53,14 +56,34 @@ STOP_SECONDS = 15.0
 FRONTEND_EXIT_SECONDS = 15.0
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
+    return sock
+
+
+def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    sock = bound_socket(host, port, reuse_port)
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """One listening socket per front end, all on `host:port` (port 0: one free port for all).
+    On Linux they are SO_REUSEPORT sockets, over which the kernel balances new connections (by a
+    hash of each connection's addresses); elsewhere, or with one front end, one socket that every
+    front end shares. A port already taken is an error (OSError), as with one socket: a second
+    server started on it does not quietly share its connections."""
+    if count == 1 or not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT"):
+        return [listening_socket(host, port)] * count
+    with bound_socket(host, port) as probe:  # fails if the port is taken, even by SO_REUSEPORT sockets
+        port = probe.getsockname()[1]
+    return [listening_socket(host, port, reuse_port=True) for _ in range(count)]
 
 
 class Supervisor:
@@ -79,7 +102,7 @@ class Supervisor:
         count, num_cores = args.api_server_count, args.data_parallel_size
         devices = core_devices(num_cores, args.model.tensor_parallel_size, args.model.device)
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold a GPU
-        sock = listening_socket(args.server.host, args.server.port)
+        socks = listening_sockets(args.server.host, args.server.port, count)
         # pipes[e][f]: between engine core e and front end f.
         pipes = [[context.Pipe(duplex=True) for _ in range(count)] for _ in range(num_cores)]
         for e, row in enumerate(pipes):
@@ -92,13 +115,14 @@ class Supervisor:
             self.cores.append(core)
         for i in range(count):
             front = context.Process(target=api_server.main, name=f"flashserve-api{i}",
-                                    args=(i, [row[i][1] for row in pipes], sock, args))
+                                    args=(i, [row[i][1] for row in pipes], socks[i], args))
             front.start()
             self.front_ends.append(front)
         for a, b in (pipe for row in pipes for pipe in row):  # the children hold them now: a pipe
             a.close()  # whose far end is gone reads EOF
             b.close()
-        sock.close()
+        for sock in set(socks):  # the front ends hold them now
+            sock.close()
         logger.info("engine core processes %s%s; front-end processes %s; listening on %s:%d",
                     [c.pid for c in self.cores], f" on GPUs {devices}" if devices else "",
                     [f.pid for f in self.front_ends], args.server.host, args.server.port)
