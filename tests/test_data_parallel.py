@@ -247,3 +247,42 @@ def test_killing_one_engine_core_fails_open_requests_and_exits_non_zero_leaving_
     for lines in events:
         assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][len("data: "):])
     assert_nothing_left(two_engines)
+
+
+# ---- an engine core told to stop while it exits (the supervisor stopping it after a peer died) ---
+EXITING_CORE = """
+import os, signal, sys, threading, time
+from test_engine import make_engine
+from flashserve.client.codec import PROTOCOL_VERSION, EngineSetup
+from flashserve.entrypoints import engine_core
+
+def sigterm_in(seconds):
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.3)
+
+def load(_):
+    def close():
+        if sys.argv[1] == "while-closing":
+            sigterm_in(0)
+        else:  # a thread the interpreter joins at exit (as a grammar compiler's pool is)
+            threading.Thread(target=sigterm_in, args=(0.3,)).start()
+    return engine_core.CoreParts(make_engine([3]), EngineSetup(PROTOCOL_VERSION, None, "m", 512, (), 50_000),
+                                 None, close)
+
+engine_core.main(load, None, [], None, "info", 0, "flashserve-dp0")
+"""
+
+
+@pytest.mark.parametrize("when", ["while-closing", "at-interpreter-exit"])
+def test_an_engine_core_stopped_while_it_exits_logs_one_line_and_no_traceback(when: str) -> None:
+    import subprocess
+    import sys
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", EXITING_CORE, when], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert done.stderr.count("engine core stopping") == 1, done.stderr

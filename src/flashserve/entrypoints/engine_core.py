@@ -80,8 +80,19 @@ class _Stop(BaseException):
     """SIGTERM: leave the loop wherever it is."""
 
 
-def _stop(signum: int, frame: Any) -> None:
-    raise _Stop
+class _StopOnce:
+    """SIGTERM's handler. The first SIGTERM while the engine core serves leaves the loop wherever
+    it is; once the core is stopping (told to, or its front ends gone), a SIGTERM changes nothing.
+    The supervisor sends one to every engine core left when another dies: raised in the exit
+    (inside threading's shutdown, say), it printed a traceback instead of the one line."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.stopping:
+            self.stopping = True
+            raise _Stop
 
 
 def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection],
@@ -90,7 +101,8 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
     `engine_index`: this engine core's index under `--data-parallel-size` (its metrics' label)."""
     become_child(name, log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the core stops
-    signal.signal(signal.SIGTERM, _stop)
+    stop = _StopOnce()
+    signal.signal(signal.SIGTERM, stop)
     parts: CoreParts | None = None
     kv_events = None
     code = 0
@@ -110,9 +122,13 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
             code = EXIT_ENGINE_DIED
             return
         code = serve_front_ends(parts, conns, queue_timeout, engine_index, kv_events)
+        stop.stopping = True
+        if code == 0:
+            logger.info("engine core stopping: every front end is gone")
     except _Stop:
         logger.info("engine core stopping")
     finally:
+        stop.stopping = True
         if kv_events is not None:
             kv_events.close()
         if parts is not None:
