@@ -74,6 +74,18 @@ def test_a_file_with_a_repeated_custom_id_is_refused_before_the_model_loads(tmp_
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_a_rerun_over_a_finished_output_ends_at_once_without_loading_the_model(tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text("\n".join(line(c) for c in "abc") + "\n")
+    finished = result("a") + result("b") + result("c", 400)
+    (tmp_path / "out.jsonl").write_text(finished)
+    proc = run_batch(tmp_path, tmp_path / "no-such-model")  # a model load would fail
+    summary, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "every line of" in err and "nothing to run" in err
+    assert "requests: 0 ok, 0 failed" in summary
+    assert (tmp_path / "out.jsonl").read_text() == finished
+
+
 def test_a_run_interrupted_halfway_is_finished_by_a_rerun_that_runs_only_the_rest(
         tmp_path: Path, tiny_llama_config: Path) -> None:
     total = 40

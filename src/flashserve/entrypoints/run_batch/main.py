@@ -14,7 +14,8 @@ and requests reached the engine in bursts, long after the app made them. Up to
 submitted in prefix-sharing order (`engine/prefix_groups.py`) unless `--no-prefix-grouping`.
 Result lines are written and flushed as requests finish, so an interrupted run keeps every
 finished result, and a run on the same output file resumes it: it runs only the lines without a
-result there (`resume.py`; --overwrite starts afresh). A file whose custom_ids repeat is refused.
+result there (`resume.py`; --overwrite starts afresh), and ends at once, without loading the model,
+when every line has one. A file whose custom_ids repeat is refused.
 
 Exit code 0 when the run completes, failed lines or not; 1 if the engine died on the way (or the
 app process did); 2 when the input cannot be read or repeats a custom_id, or the output cannot be
@@ -76,6 +77,12 @@ def main(args: BatchArgs, stack: Any = None) -> int:
         print(f"flashserve run-batch: cannot write {args.output_file}: {exc}", file=sys.stderr)
         return EXIT_BAD_FILE
     todo = remaining(items, resume)
+    if not todo:  # before the model loads (a minute on a large one) and the app process starts
+        had = f"{args.output_file} has a result for every line of {args.input_file}" if items else \
+            f"{args.input_file} holds no request"
+        print(f"flashserve run-batch: {had}; nothing to run (--overwrite starts afresh)", file=sys.stderr)
+        print(batch_app.Tally().summary())
+        return 0
     if resume.num_done:
         print(f"flashserve run-batch: resuming {args.output_file}: {len(items) - len(todo)} of {len(items)} lines "
               f"have results there; running the other {len(todo)} (--overwrite starts afresh)", file=sys.stderr)
