@@ -1,4 +1,4 @@
-"""vLLM's /tokenize and /detokenize over the embedded model's tokenizer (a scripted engine), and the
+"""vLLM's /tokenize, /detokenize and /tokenizer_info over the embedded model's tokenizer (a scripted engine), and the
 rule on max_tokens 0: only a completion that echoes its prompt (prompt scoring) may ask for no
 tokens."""
 
@@ -56,6 +56,13 @@ async def test_detokenize_refuses_a_token_id_outside_the_vocabulary_naming_it(to
         assert (await c.post("/detokenize", json={"tokens": [1]})).status_code == 200  # still serving
 
 
+async def test_tokenizer_info_gives_the_special_tokens_and_the_chat_template(tokenizer: Any) -> None:
+    async with api_client(FakeEngine(), tokenizer) as c:
+        info = (await c.get("/tokenizer_info")).json()
+    assert info["eos_token"] == tokenizer.eos_token and info["bos_token"] == tokenizer.bos_token
+    assert info["chat_template"] == tokenizer.chat_template and info["tokenizer_class"]
+
+
 async def test_tokenize_refuses_a_body_with_neither_prompt_nor_messages(tokenizer: Any) -> None:
     assert_openai_error(await post(FakeEngine(), tokenizer, "/tokenize", {"model": MODEL}), 400)
 
@@ -65,11 +72,12 @@ async def test_tokenize_of_an_unknown_model_is_a_404(tokenizer: Any) -> None:
     assert assert_openai_error(r, 404, "model_not_found")["param"] == "model"
 
 
-async def test_tokenize_and_detokenize_need_the_api_key(tokenizer: Any) -> None:
+async def test_the_tokenizer_endpoints_need_the_api_key(tokenizer: Any) -> None:
     app = build_app(FakeEngine(), tokenizer, [MODEL], 2048, options=APIOptions(api_keys=("secret",)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
         assert_openai_error(await c.post("/tokenize", json={"prompt": "Hi"}), 401)
         assert_openai_error(await c.post("/detokenize", json={"tokens": [1]}), 401)
+        assert_openai_error(await c.get("/tokenizer_info"), 401)
         keyed = await c.post("/tokenize", json={"prompt": "Hi"}, headers={"Authorization": "Bearer secret"})
         assert keyed.status_code == 200
 

@@ -439,6 +439,7 @@ def build_app(
     tokenize = TokenizeServing(serving)  # at the root, as vLLM serves them
     app.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"], response_model=None)
     app.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"], response_model=None)
+    app.add_api_route("/tokenizer_info", tokenize.tokenizer_info, methods=["GET"], response_model=None)
     app.add_api_route("/health", serving.health, methods=["GET"], response_model=None)
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"], response_model=None, include_in_schema=False)
     if options.ui:

@@ -1,10 +1,13 @@
-"""vLLM's `/tokenize` and `/detokenize`: the server's own tokenizer over HTTP, for clients that count
-or build token ids without the model's files (evaluation harnesses, prompt budgeting).
+"""vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`: the server's own tokenizer over HTTP,
+for clients that count or build token ids without the model's files (evaluation harnesses, prompt
+budgeting).
 
 `/tokenize` takes a `prompt` (text, special tokens added by default) or chat `messages` (rendered
 by the chat template exactly as `/v1/chat/completions` renders them, tools included) and answers
 `{"count", "max_model_len", "tokens", "token_strs"}`; `/detokenize` takes `tokens` and answers
-`{"prompt"}`. Both sit behind the same API key as every other endpoint.
+`{"prompt"}`; `/tokenizer_info` gives the special tokens and the chat template (vLLM serves it behind
+`--enable-tokenizer-info-endpoint`; here it is always on, so that lm-evaluation-harness's default,
+remote tokenizer finds it). All sit behind the same API key as every other endpoint.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class TokenizeServing:
     def __init__(self, serving: Any) -> None:
         self.serving = serving  # the app's `_OpenAIServing`: tokenizer, names, chat template
 
-    def _tokenizer(self, model: str | None, param: str) -> Any:
+    def _tokenizer(self, model: str | None, param: str | None) -> Any:
         if model is not None and model not in self.serving.names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         if self.serving.tokenizer is None:
@@ -90,6 +93,23 @@ class TokenizeServing:
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from exc
         return await self.serving._off_loop(len(text), tokenizer.encode, text,
                                             add_special_tokens=bool(body.add_special_tokens))
+
+    async def tokenizer_info(self) -> JSONResponse:
+        """vLLM's /tokenizer_info, from the tokenizer's attributes rather than its init arguments
+        (which hold local file paths): what a client needs to rebuild prompts as this server does."""
+        tokenizer = self._tokenizer(None, None)
+        info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            token = getattr(tokenizer, name, None)
+            if token is not None:
+                info[name] = str(token)
+        for name in ("add_bos_token", "add_eos_token"):
+            flag = getattr(tokenizer, name, None)
+            if isinstance(flag, bool):
+                info[name] = flag
+        if getattr(tokenizer, "chat_template", None):
+            info["chat_template"] = tokenizer.chat_template
+        return JSONResponse(info)
 
     async def detokenize(self, body: DetokenizeRequest) -> JSONResponse:
         tokenizer = self._tokenizer(body.model, "tokens")
