@@ -13,8 +13,8 @@ executor (the real engine core, scheduler and KV cache manager; steps of 2 ms of
 events on (a subscriber connected and reading) and one with them off, then a second server with
 them off; `benchmark.serve_bench`'s random workload (`--requests` prompts of 2,048 +-25% random
 token ids, 256 +-25% out, Poisson at `--rate`, a new seed each repeat so that every repeat stores
-new pages and, from the third on, evicts) runs against them in turn, off / on / off2 (reversed every
-other repeat), `--repeats` times. Reported: the server's CPU per streamed token and the median
+new pages and, from the third on, evicts) runs against them in turn, off / on / off2 (rotated each
+repeat, so that each takes every place in the order), `--repeats` times. Reported: the server's CPU per streamed token and the median
 TPOT; on/off should lie within the spread of off/off2.
 
 Prints tables; writes `--out` (JSON, by default under the git-ignored benchmark/results/local/).
@@ -121,7 +121,7 @@ def micro(rows: list[dict[str, Any]]) -> None:
         step = [PagesStored([os.urandom(32)], os.urandom(32), list(range(PAGE)), None)]
         n = 20000
         publish_s = timed(lambda: [publisher.publish(step) for _ in range(n)])
-        row = {"what": "publish() per step (engine thread: a queue put)", "us": publish_s / n * 1e6}
+        row = {"what": "publish() per step (engine thread: a deque append)", "us": publish_s / n * 1e6}
         rows.append(row)
         print(f"{row['what']:60s} {row['us']:8.3f}")
         publisher.close(timeout=30)
@@ -216,7 +216,9 @@ def end_to_end(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             print(f"\n{'server':>6} {'repeat':>6} {'tokens':>7} {'server CPU us/token':>20} {'TPOT p50 ms':>12} "
                   f"{'out tok/s':>10} {'load 1m':>8}")
             for repeat in range(args.repeats):
-                order = ["off", "on", "off2"] if repeat % 2 == 0 else ["off2", "on", "off"]
+                # Each server takes each place in the order in turn: a phase's place (after which
+                # phase, how warm the machine) shows in its numbers on a shared machine.
+                order = ["off", "on", "off2"][repeat % 3 :] + ["off", "on", "off2"][: repeat % 3]
                 for name in order:
                     proc, url, procs = servers[name]
                     out_dir = Path(tmp) / f"{name}-{repeat}"

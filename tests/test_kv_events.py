@@ -67,7 +67,7 @@ def settle(sub: Subscriber, publisher: KVEventPublisher) -> None:
     """Until the subscriber has applied every batch the publisher sent."""
     for _ in range(50):
         sub.poll(quiet_s=0.05)
-        if not publisher._queue.qsize():  # noqa: SLF001
+        if not publisher.num_pending:
             sub.poll(quiet_s=0.2)
             return
     raise AssertionError("the publisher never drained its queue")
