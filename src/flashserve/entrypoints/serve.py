@@ -260,6 +260,12 @@ def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.lo
 
         load_engine(args)  # runs the rank's steps, then exits 0
         return 0
+    from flashserve.tracing import check_tracing
+
+    try:
+        check_tracing(args.api.otlp_traces_endpoint, os.environ)
+    except ValueError as exc:
+        raise SystemExit(f"flashserve: {exc}") from None
     remove_stale_metrics_dirs(tempfile.gettempdir())
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the children inherit it
