@@ -16,24 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 from flashserve.attention.cascade import CascadePolicy, PrefixLevel, build_prefix_level
+from flashserve.attention.layout_row import LayoutRow
 
 if TYPE_CHECKING:
     import torch
-
-
-class LayoutRow(Protocol):
-    """A request's share of a step as a layout reads it (`input_batch.BatchRow`, or a new
-    `ScheduledRequest`, whose `page_ids` is its whole table)."""
-
-    request_id: str
-    num_computed_tokens: int
-    page_ids: Sequence[int]  # the request's whole page table
-
-    @property
-    def num_new_tokens(self) -> int: ...
-
-    @property
-    def kv_len(self) -> int: ...
 
 
 def last_page_len(kv_len: int, page_size: int) -> int:

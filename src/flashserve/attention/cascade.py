@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
-if TYPE_CHECKING:
-    from flashserve.attention.base import LayoutRow
+from flashserve.attention.layout_row import LayoutRow
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from flashserve.attention.cascade import PrefixLevel
 from flashserve.attention.kv_quant import is_fp8, to_cache
 from flashserve.attention.paged_append import Rope, append_paged, fuses_rope
 from flashserve.layers.ops import apply_rope_torch
-from flashserve.worker.pinned import PinnedStaging
+from flashserve.pinned_staging import PinnedStaging
 
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 # FA2 prefill reads out of bounds (or computes garbage) for other head sizes (FLASHINFER.md §8).

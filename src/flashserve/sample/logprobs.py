@@ -14,7 +14,7 @@ import torch
 
 from flashserve.engine.outputs import TokenLogprob
 from flashserve.structured.grammar import TokenBitmask
-from flashserve.worker.pinned import PinnedStaging
+from flashserve.pinned_staging import PinnedStaging
 
 if TYPE_CHECKING:
     from flashserve.worker.input_batch import BatchRow

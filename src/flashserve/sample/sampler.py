@@ -16,7 +16,7 @@ import torch
 from flashserve.engine.sampling_params import SamplingParams
 from flashserve.sample.logprobs import apply_token_bitmask
 from flashserve.structured.grammar import TokenBitmask
-from flashserve.worker.pinned import PinnedStaging
+from flashserve.pinned_staging import PinnedStaging
 
 _MASK64 = (1 << 64) - 1
 

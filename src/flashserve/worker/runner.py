@@ -6,7 +6,6 @@ import importlib.util
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -20,9 +19,10 @@ from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, 
 from flashserve.model_loader.loader import LoadedModel, load_model, native_checkpoint
 from flashserve.models.hf import HFCausalLM, attention_scale
 from flashserve.models.llama import LlamaModel, UnsupportedModelError
-from flashserve.sample.logprobs import PendingLogprobs, PromptLogprobs, compute_logprobs
+from flashserve.sample.logprobs import PromptLogprobs, compute_logprobs
 from flashserve.structured.grammar import TokenBitmask
 from flashserve.worker.input_batch import BatchRow, InputBatch, append_sampled
+from flashserve.worker.launched_step import LaunchedStep
 from flashserve.worker.step_inputs import StepInputBuilder, StepInputs
 
 if TYPE_CHECKING:
@@ -39,27 +39,6 @@ class TokenSampler(Protocol):
     ) -> torch.Tensor:
         """`logits` [B, V] -> B token ids on the logits' device, without waiting for them."""
         ...
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward and sampling were enqueued on the device; `ModelRunner.collect` waits."""
-
-    num_requests: int
-    sampling: list[int]  # indices of the requests that sample
-    sampled_request_ids: list[str] = field(default_factory=list)  # their ids, in that order
-    sampled_rows: list[BatchRow] = field(default_factory=list)  # their rows, which collect extends
-    ids: torch.Tensor | None = None  # their token ids, still on the device
-    results: list[SampledTokens] | None = None  # or already on the host (per-row fallback)
-    # Copies to the host, enqueued behind the sampling, and the event that says they are there:
-    # collecting a step must not wait for a step launched after it.
-    host_ids: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
-    # Sampling rows (positions in `sampling`) that asked for logprobs, and how many top tokens.
-    logprob_rows: list[int] = field(default_factory=list)
-    logprob_top: list[int] = field(default_factory=list)
-    logprobs: PendingLogprobs | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # the chunks' rows that give prompt logprobs
 
 
 class StepModel(Protocol):

@@ -15,17 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import CascadePolicy
+from flashserve.pinned_staging import PinnedStaging
 from flashserve.worker.input_batch import BatchRow
-from flashserve.worker.pinned import PinnedStaging
-
-if TYPE_CHECKING:
-    from flashserve.worker.runner import LaunchedStep
+from flashserve.worker.launched_step import LaunchedStep
 
 
 @dataclass(slots=True)
