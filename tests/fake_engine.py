@@ -1,9 +1,10 @@
 """A scripted EngineClient for API tests, and in-process clients of the app built over it.
 
 FakeEngine.generate() echoes a fixed script of (token id, text) pairs, one output per token,
-stopping at max_tokens ("length") or at the end of the script ("stop"). It records what it was
-asked (`prompts`, `params`, `groups`, `salts`), which requests were aborted or closed early, can be
-told to fail, and can report prompt tokens as prefix-cached (`cached_tokens`).
+stopping at max_tokens ("length") or at the end of the script ("stop"); max_tokens 0 gives one
+finished output with no token (and the prompt's logprobs when asked), as the engine does. It
+records what it was asked (`prompts`, `params`, `groups`, `salts`), which requests were aborted or
+closed early, can be told to fail, and can report prompt tokens as prefix-cached (`cached_tokens`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import httpx
 from flashserve.api.server import build_app
 from flashserve.client.protocol import EngineDead
 from flashserve.engine.engine import check_token_ids
-from flashserve.engine.outputs import RequestOutput
+from flashserve.engine.outputs import RequestOutput, TokenLogprob
 from flashserve.engine.sampling_params import SamplingParams
 
 MODEL = "smollm2"  # served as MODEL and "alias"
 EOS = (2,)
 SCRIPT: list[tuple[int, str]] = [(100, "Hello"), (101, ","), (102, " world"), (103, "!")]
+PROMPT_LOGPROB = -1.5  # every prompt token's, when a request of max_tokens 0 asks for them
 
 
 class FakeEngine:
@@ -77,6 +79,13 @@ class FakeEngine:
         n_cached = cached(list(prompt_token_ids)) if callable(cached) else cached
         done = False
         try:
+            if params.max_tokens == 0:  # the prompt alone, as the engine ends it: no token, "length"
+                done = True
+                scores = None if params.prompt_logprobs is None else [
+                    None, *(TokenLogprob(t, PROMPT_LOGPROB, ((t, PROMPT_LOGPROB),)) for t in prompt_token_ids[1:])]
+                yield RequestOutput(request_id, [], "", True, "length", n_prompt, 0, num_cached_tokens=n_cached,
+                                    prompt_logprobs=scores)
+                return
             for count, (token, text) in enumerate(self.script[: params.max_tokens], start=1):
                 if self.delay:
                     await asyncio.sleep(self.delay)

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fake_engine import MODEL, FakeEngine, api_client, ask, complete, post
+from fake_engine import MODEL, PROMPT_LOGPROB, FakeEngine, api_client, ask, complete, post
 from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
 from production_helpers import assert_openai_error
@@ -95,8 +95,21 @@ async def test_a_chat_completion_may_not_ask_for_0_tokens(tokenizer: Any) -> Non
     assert error["param"] == "max_tokens"
 
 
-async def test_an_echoed_completion_of_0_tokens_reaches_the_engine_as_the_prompt_alone(tokenizer: Any) -> None:
+async def test_an_echoed_completion_of_0_tokens_answers_the_prompt_with_its_logprobs_alone(tokenizer: Any) -> None:
     engine = FakeEngine()
-    await complete(engine, tokenizer, prompt="Hi", max_tokens=0, echo=True, logprobs=1, stream=True)
+    r = await complete(engine, tokenizer, prompt="Hi there", max_tokens=0, echo=True, logprobs=1)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    ids = tokenizer.encode("Hi there")
+    assert choice["text"] == "Hi there" and choice["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 0 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([i]) for i in ids]
+    assert choice["logprobs"]["token_logprobs"] == [None] + [PROMPT_LOGPROB] * (len(ids) - 1)
     (params,) = engine.params.values()
     assert params.max_tokens == 0 and params.prompt_logprobs == 1
+
+
+async def test_an_echoed_completion_of_0_tokens_without_logprobs_answers_the_prompt(tokenizer: Any) -> None:
+    r = await complete(FakeEngine(), tokenizer, prompt="Hi there", max_tokens=0, echo=True)
+    (choice,) = r.json()["choices"]
+    assert choice["text"] == "Hi there" and choice["logprobs"] is None and choice["finish_reason"] == "length"
