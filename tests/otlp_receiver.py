@@ -24,7 +24,11 @@ class ReceivedSpan:
     start_ns: int
     end_ns: int
     attributes: dict[str, Any]
-    service_name: str
+    resource: dict[str, Any]
+
+    @property
+    def service_name(self) -> str:
+        return str(self.resource.get("service.name"))
 
 
 class Received:
@@ -43,7 +47,7 @@ class Received:
                     spans.append(ReceivedSpan(
                         s.name, s.kind, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                         s.start_time_unix_nano, s.end_time_unix_nano,
-                        {a.key: _value(a.value) for a in s.attributes}, str(resource.get("service.name"))))
+                        {a.key: _value(a.value) for a in s.attributes}, resource))
         with self._changed:
             self.spans.extend(spans)
             self._changed.notify_all()

@@ -19,8 +19,10 @@ from flashserve.api.options import APIOptions
 from flashserve.cli import build_parser, to_configs
 from flashserve.entrypoints.serve import run as serve_run
 from flashserve.tracing import build_tracer
+from live_server import live_server
 from otlp_receiver import grpc_receiver, http_receiver
 from production_helpers import MODEL, serve_engine
+from test_production_one_request import dummy_args, model_config  # noqa: F401  (a fixture)
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
@@ -105,6 +107,23 @@ def test_an_endpoint_that_never_answers_neither_fails_nor_holds_up_requests(
                 assert complete(stack.url).status_code == 200
             streamed = complete(stack.url, stream=True)
             assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.slow
+def test_each_front_end_of_serve_exports_its_own_spans_and_sends_the_last_at_shutdown(model_config: str) -> None:  # noqa: F811
+    requests = 12
+    with grpc_receiver() as (endpoint, received):
+        args = dummy_args(model_config, "--api-server-count", "2", "--otlp-traces-endpoint", endpoint)
+        with live_server(args) as (url, _):
+            for _ in range(requests):  # a connection each: the kernel spreads them over the front ends
+                with httpx.Client() as client:
+                    r = client.post(f"{url}/v1/completions", timeout=60,
+                                    json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True})
+                    assert r.status_code == 200
+        # The batch processor sends every 5 s by default: these went out when the server stopped.
+        spans = received.wait(requests, timeout=10)
+    assert len(spans) == requests
+    assert len({span.resource["process.pid"] for span in spans}) == 2
 
 
 def test_the_flag_and_its_environment_variable_set_the_endpoint() -> None:

@@ -19,6 +19,7 @@ a request pays one `is None` check.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -89,7 +90,9 @@ class RequestTracer:
             raise RuntimeError("--otlp-traces-endpoint needs OpenTelemetry: pip install 'flashserve[tracing]'") from exc
         if exporter is None:
             exporter = _otlp_exporter(protocol, endpoint)
-        resource = Resource.create({"service.name": environ.get(SERVICE_NAME_ENV) or DEFAULT_SERVICE_NAME})
+        # process.pid: which front end of --api-server-count sent a span.
+        resource = Resource.create({"service.name": environ.get(SERVICE_NAME_ENV) or DEFAULT_SERVICE_NAME,
+                                    "process.pid": os.getpid()})
         # No exit hook: `shutdown` bounds the wait for an endpoint that does not answer.
         self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
