@@ -74,8 +74,12 @@ def _in_thread(fn: Any, *args: Any) -> asyncio.Future[Any]:
     future: asyncio.Future[Any] = loop.create_future()
 
     def settle(result: Any, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     def run() -> None:
         try:
