@@ -123,6 +123,9 @@ def lm_eval_tasks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
             mp.setenv(name, "1")
         mp.setenv("HF_DATASETS_CACHE", str(root / "cache"))
+        import huggingface_hub.constants
+
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import, which came first
         from lm_eval.tasks import TaskManager
 
         yield TaskManager(include_path=str(root), include_defaults=False)  # not its thousands of tasks
