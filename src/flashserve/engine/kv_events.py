@@ -177,6 +177,8 @@ class KVEventPublisher:
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError:
             self._close_sockets()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             raise
         self._thread = threading.Thread(target=self._run, name="flashserve-kv-events", daemon=True)
         self._thread.start()
