@@ -224,15 +224,13 @@ def flashinfer_bmm_fp8() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build(quantization: str | None, layers: int = 0) -> Any:
-    from flashserve.model_loader.checkpoint import DummyCheckpoint
+    from flashserve.model_loader.checkpoint import DummyCheckpoint, load_llama
     from flashserve.model_loader.loader import dummy_hf_config
-    from flashserve.models.llama import LlamaModel
 
     config = dummy_hf_config(SHAPE)
     if layers:
         config.num_hidden_layers = layers
-    return LlamaModel.from_checkpoint(DummyCheckpoint(0), config, torch.bfloat16, "cuda", max_positions=4096,
-                                      quantization=quantization)
+    return load_llama(DummyCheckpoint(0), config, torch.bfloat16, "cuda", max_positions=4096, quantization=quantization)
 
 
 def weight_bytes(model: Any) -> int:

@@ -35,7 +35,7 @@ def load_peer_model(args: argparse.Namespace) -> Any:
     """The transformers model flashserve would load for `--model` (dummy weights from the same seed)."""
     from flashserve.config import ModelConfig
     from flashserve.model_loader.loader import load_model
-    from flashserve.worker.runner import pick_device
+    from flashserve.worker.assembly import pick_device
 
     device = pick_device(args.device)
     return load_model(ModelConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, seed=0), device)

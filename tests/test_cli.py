@@ -54,7 +54,7 @@ def test_torch_compile_flag_reaches_the_model_config():
 
 
 def test_fused_decode_is_off_by_default_and_reaches_only_the_flashinfer_backend():
-    from flashserve.worker.runner import backend_options
+    from flashserve.worker.assembly import backend_options
 
     assert to_configs(build_parser({}).parse_args(["serve"])).model.fused_decode is False
     on = to_configs(build_parser({"FLASHSERVE_FUSED_DECODE": "1"}).parse_args(["serve"])).model

@@ -22,7 +22,7 @@ from flashserve.layers.fp8 import (
     FP8_DTYPE, dequantize_weight, quantize_rows_torch, quantize_weight_per_channel, scale_rows_cols,
 )  # fmt: skip
 from flashserve.layers.quantization import ProjectionLoader, UnsupportedQuantizationError, fp8_scheme
-from flashserve.model_loader.checkpoint import read_llama_shard
+from flashserve.model_loader.checkpoint import load_llama, read_llama_shard
 from flashserve.models.llama import LlamaModel, LlamaSpec, WeightMismatchError
 from fp8_checkpoints import PROJECTIONS, ct_config, with_quantization, write_fp8_checkpoint
 from test_native_llama import SMALL, hf_model, native_teacher_forced
@@ -52,7 +52,7 @@ def test_compressed_tensors_fp8_checkpoint_matches_the_dequantized_model(
     qconfig = ct_config(strategy, dynamic)
     path, reference = write_fp8_checkpoint(tmp_path, hf, config, qconfig, strategy == "channel", scale_dtype,
                                            static_input=not dynamic)
-    loaded = LlamaModel.from_checkpoint(path, with_quantization(config, qconfig), torch.float32, "cpu")
+    loaded = load_llama(path, with_quantization(config, qconfig), torch.float32, "cpu")
     expected = LlamaModel.from_hf(reference, config, torch.float32, "cpu", consume=False)
     assert_same_logits(loaded, expected)
 
@@ -61,7 +61,7 @@ def test_fbgemm_fp8_checkpoint_matches_the_dequantized_model(tmp_path: Path, mod
     hf, config = model_and_config
     qconfig = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]}
     path, reference = write_fp8_checkpoint(tmp_path, hf, config, qconfig, per_channel=True)
-    loaded = LlamaModel.from_checkpoint(path, with_quantization(config, qconfig), torch.float32, "cpu")
+    loaded = load_llama(path, with_quantization(config, qconfig), torch.float32, "cpu")
     assert_same_logits(loaded, LlamaModel.from_hf(reference, config, torch.float32, "cpu", consume=False))
 
 
@@ -69,7 +69,7 @@ def test_modules_in_the_ignore_list_load_unquantized(tmp_path: Path, model_and_c
     hf, config = model_and_config
     qconfig = ct_config("channel", True, ignore=["re:.*down_proj"])
     path, reference = write_fp8_checkpoint(tmp_path, hf, config, qconfig, True, skip=("down_proj",))
-    loaded = LlamaModel.from_checkpoint(path, with_quantization(config, qconfig), torch.float32, "cpu")
+    loaded = load_llama(path, with_quantization(config, qconfig), torch.float32, "cpu")
     assert_same_logits(loaded, LlamaModel.from_hf(reference, config, torch.float32, "cpu", consume=False))
 
 
@@ -114,7 +114,7 @@ def test_an_fp8_checkpoint_without_its_scales_is_a_weight_mismatch(tmp_path: Pat
     qconfig = ct_config("tensor", False)
     path, _ = write_fp8_checkpoint(tmp_path, hf, config, qconfig, per_channel=False, static_input=False)
     with pytest.raises(WeightMismatchError, match="input_scale"):
-        LlamaModel.from_checkpoint(path, with_quantization(config, qconfig), torch.float32, "cpu")
+        load_llama(path, with_quantization(config, qconfig), torch.float32, "cpu")
 
 
 @pytest.mark.parametrize(("qconfig", "message"), [

@@ -16,8 +16,9 @@ from flashserve.config import ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.engine.sampling_params import SamplingParams
 from flashserve.model_loader import gguf_cache, loader
-from flashserve.model_loader.loader import LoadedModel, eos_token_ids, load_model, resolve_dtype
-from flashserve.worker.runner import ModelRunner, model_shape
+from flashserve.model_loader.loader import PretrainedModel, eos_token_ids, load_model, resolve_dtype
+from flashserve.models.hf import HFCausalLM, model_shape
+from flashserve.worker.runner import ModelRunner
 
 # name: (hidden, layers, q heads, kv heads, head_dim, intermediate, vocab, tied, rope_theta, max_positions)
 SHAPES = {
@@ -97,11 +98,11 @@ def test_explicit_dtype_wins_and_auto_follows_the_checkpoint_off_the_cpu() -> No
 
 
 def test_eos_token_ids_merge_generation_config_model_config_and_tokenizer() -> None:
-    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 8]))
+    generation = SimpleNamespace(eos_token_id=[7, 8])
     tokenizer = SimpleNamespace(eos_token_id=2)
-    ids = eos_token_ids(model, SimpleNamespace(eos_token_id=8), tokenizer)  # type: ignore[arg-type]
+    ids = eos_token_ids(generation, SimpleNamespace(eos_token_id=8), tokenizer)
     assert ids == (7, 8, 2)
-    assert eos_token_ids(SimpleNamespace(), SimpleNamespace(eos_token_id=None), None) == ()  # type: ignore[arg-type]
+    assert eos_token_ids(None, SimpleNamespace(eos_token_id=None), None) == ()
 
 
 def test_dummy_without_a_model_name_is_an_error() -> None:
@@ -116,12 +117,12 @@ def test_missing_embedded_package_says_how_to_install_it(monkeypatch: pytest.Mon
 
 
 @pytest.fixture(scope="module")
-def embedded() -> LoadedModel:
+def embedded() -> PretrainedModel:
     return load_model(ModelConfig(), "cpu")
 
 
 @pytest.mark.slow
-def test_embedded_default_loads_with_a_chat_template(embedded: LoadedModel) -> None:
+def test_embedded_default_loads_with_a_chat_template(embedded: PretrainedModel) -> None:
     assert embedded.name == "SmolLM2-135M-Instruct"
     assert model_shape(embedded.hf_config) == (30, 9, 3, 64)
     assert embedded.hf_config.vocab_size == 49152 and embedded.dtype == torch.float32
@@ -132,7 +133,7 @@ def test_embedded_default_loads_with_a_chat_template(embedded: LoadedModel) -> N
 
 
 @pytest.mark.slow
-def test_embedded_default_through_the_runner_matches_eager(embedded: LoadedModel) -> None:
+def test_embedded_default_through_the_runner_matches_eager(embedded: PretrainedModel) -> None:
     tok = embedded.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False)
     ids = tok(ids, add_special_tokens=False).input_ids
@@ -142,14 +143,14 @@ def test_embedded_default_through_the_runner_matches_eager(embedded: LoadedModel
         expected = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
     layers, heads, kv_heads, head_dim = model_shape(embedded.hf_config)
     backend = TorchAttentionBackend(layers, 8, 16, kv_heads, head_dim, torch.float32, "cpu", None, num_qo_heads=heads)
-    runner = ModelRunner(embedded, backend, None, 16)
+    runner = ModelRunner(HFCausalLM(model), embedded.device, backend, None, 16)  # type: ignore[arg-type]
     request = ScheduledRequest("r", ids, 0, [3, 1, 6, 0], True, SamplingParams())
     torch.testing.assert_close(runner.forward(SchedulerOutput([request]))[0], expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow
 def test_a_gguf_converted_once_loads_the_same_weights_tokenizer_and_template(
-        embedded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        embedded: PretrainedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path))
     direct = load_model(ModelConfig(), "cpu")  # converts the GGUF, then keeps it
     (entry,) = (tmp_path / "gguf").iterdir()
@@ -276,10 +277,11 @@ def test_local_checkpoint_dir_loads_its_weights_without_a_tokenizer(tmp_path: Pa
 
 
 def test_safetensors_checkpoint_reads_straight_into_the_native_model(tmp_path: Path) -> None:
-    """No transformers model holds the weights (its object is shapes only, on meta), and the
-    native model read from the files gives the logits of the HF path over the same checkpoint."""
+    """No transformers model is built (the native model reads the files), and it gives the logits
+    of the HF path over the same checkpoint."""
     from flashserve.config import CacheConfig
-    from flashserve.worker.runner import build_runner
+    from flashserve.executor.build import build_runner
+    from flashserve.models.llama import NativeCausalLM
 
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(TINY))
@@ -288,8 +290,8 @@ def test_safetensors_checkpoint_reads_straight_into_the_native_model(tmp_path: P
     cache = CacheConfig(num_pages=16)
     runners = {impl: build_runner(ModelConfig(model=str(tmp_path / "ckpt"), model_impl=impl, device="cpu"), cache)[0]
                for impl in ("auto", "hf")}
-    assert next(runners["auto"].loaded.model.parameters()).device.type == "meta"
-    assert next(runners["hf"].loaded.model.parameters()).device.type == "cpu"
+    assert isinstance(runners["auto"].model, NativeCausalLM)
+    assert isinstance(runners["hf"].model, HFCausalLM)
     prompt = [5, 9, 2, 41, 7, 3]
     request = ScheduledRequest("r", prompt, 0, [1], True, SamplingParams(), prompt, [])
     native, hf = (runners[i].forward(SchedulerOutput([request])) for i in ("auto", "hf"))

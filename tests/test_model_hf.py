@@ -13,9 +13,9 @@ from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import NOTHING, ScheduledRequest, SchedulerOutput, sample_error
 from flashserve.engine.sampling_params import SamplingParams
-from flashserve.model_loader.loader import LoadedModel
 from flashserve.models import hf
-from flashserve.worker.runner import ModelRunner, build_runner, model_shape
+from flashserve.executor.build import build_runner
+from flashserve.worker.runner import ModelRunner
 
 PAGE = 16
 NUM_PAGES = 48
@@ -45,11 +45,10 @@ def build_model(kind: str) -> torch.nn.Module:
 
 
 def make_runner(model: torch.nn.Module, sampler: object | None = None) -> ModelRunner:
-    loaded = LoadedModel(model, None, model.config, 512, (), torch.float32, torch.device("cpu"), "test")
-    num_layers, heads, kv_heads, head_dim = model_shape(model.config)
+    num_layers, heads, kv_heads, head_dim = hf.model_shape(model.config)
     backend = TorchAttentionBackend(num_layers, NUM_PAGES, PAGE, kv_heads, head_dim, torch.float32, "cpu", None,
                                     num_qo_heads=heads)
-    return ModelRunner(loaded, backend, sampler or ArgmaxSampler(), PAGE)
+    return ModelRunner(hf.HFCausalLM(model), torch.device("cpu"), backend, sampler or ArgmaxSampler(), PAGE)
 
 
 def eager_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:

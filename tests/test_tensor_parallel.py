@@ -29,6 +29,7 @@ from flashserve.engine.outputs import ScheduledRequest
 from flashserve.engine.sampling_params import SamplingParams
 from flashserve.executor.launch import RankFailed, RankProcesses
 from flashserve.layers.ops import torch_ops
+from flashserve.model_loader.checkpoint import load_llama
 from flashserve.models.llama import LlamaModel
 
 WORLD = 2
@@ -134,7 +135,7 @@ def _rank_main(checkpoints: str, names: list[str], out_dir: str) -> None:
         config = config_of(path)
         state = load_file(os.path.join(path, "model.safetensors"))
         from_state = LlamaModel.from_hf(state, config, torch.float32, "cpu", ops="torch", group=group)
-        from_files = LlamaModel.from_checkpoint(path, config, torch.float32, "cpu", ops="torch", group=group)
+        from_files = load_llama(path, config, torch.float32, "cpu", ops="torch", group=group)
         found["models"][name] = {
             "state": run_schedule(from_state),
             "files": run_schedule(from_files),
@@ -227,7 +228,7 @@ def test_one_rank_reads_the_whole_model_from_safetensors(runs: dict[str, Any]) -
 
     for name in NAMES:
         path = runs["root"] / name
-        model = LlamaModel.from_checkpoint(path, AutoConfig.from_pretrained(path), torch.float32, "cpu", ops="torch")
+        model = load_llama(path, AutoConfig.from_pretrained(path), torch.float32, "cpu", ops="torch")
         assert all(torch.equal(a, b) for a, b in zip(run_schedule(model), runs["one_rank"][name])), name
 
 
@@ -366,7 +367,7 @@ def test_ranks_exit_when_the_process_that_started_them_is_killed(tmp_path: Path)
 
 def test_dummy_checkpoint_draws_the_same_weights_for_a_seed_and_others_for_another() -> None:
     from flashserve.model_loader.checkpoint import DummyCheckpoint
-    from flashserve.model_loader.weights import LlamaSpec
+    from flashserve.models.llama_weights import LlamaSpec
 
     spec = LlamaSpec.from_hf_config(configs()["llama_gqa_untied"])
     a, b = (DummyCheckpoint(seed=7).read_llama_shard(spec, torch.float32, "cpu") for _ in range(2))
@@ -379,7 +380,7 @@ def test_dummy_checkpoint_draws_the_same_weights_for_a_seed_and_others_for_anoth
 
 def test_a_rank_draws_its_dummy_shard_as_the_slice_of_the_whole_dummy_model() -> None:
     from flashserve.model_loader.checkpoint import DummyCheckpoint
-    from flashserve.model_loader.weights import LlamaSpec
+    from flashserve.models.llama_weights import LlamaSpec
 
     spec = LlamaSpec.from_hf_config(configs()["llama_gqa_untied"])
     whole = DummyCheckpoint(seed=3).read_llama_shard(spec, torch.float32, "cpu")

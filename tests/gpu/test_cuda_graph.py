@@ -192,7 +192,7 @@ def test_capture_batch_sizes() -> None:
 def test_a_model_that_cannot_be_captured_decodes_eagerly() -> None:
     from types import SimpleNamespace
 
-    from flashserve.worker.runner import capture_decode_graphs
+    from flashserve.worker.assembly import capture_decode_graphs
 
     backend = fi_backend(4, 64, torch.bfloat16)
     tiny = TinyModel(backend, 4, 64, torch.bfloat16)

@@ -12,7 +12,7 @@ from flashserve.engine.outputs import ScheduledRequest
 from flashserve.engine.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
 from flashserve.models.hf import HFCausalLM
-from flashserve.worker.runner import NativeCausalLM
+from flashserve.models.llama import NativeCausalLM
 
 
 class RecordingSampler:

@@ -22,8 +22,9 @@ from flashserve.layers.fp8 import (
 )  # fmt: skip
 from flashserve.layers.linear import gate_up_silu_for, linear, linear_unscaled
 from flashserve.layers.ops import rope_cos_sin_cache, rope_inv_freq
-from flashserve.models.llama import LlamaModel
-from flashserve.worker.runner import NativeCausalLM, model_shape
+from flashserve.model_loader.checkpoint import load_llama
+from flashserve.models.hf import model_shape
+from flashserve.models.llama import LlamaModel, NativeCausalLM
 from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
 from test_cascade_gpu import scheduled
 from test_flashinfer_backend import (
@@ -331,7 +332,7 @@ def test_an_fp8_checkpoint_runs_fp8_gemms_near_its_dequantized_model(fmt: str, t
     seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in PROMPTS]
     shape = model_shape(config)
     with torch.inference_mode():
-        fp8 = LlamaModel.from_checkpoint(path, with_quantization(config, qconfig()), torch.bfloat16, "cuda")
+        fp8 = load_llama(path, with_quantization(config, qconfig()), torch.bfloat16, "cuda")
         assert fp8.layers[0].qkv_proj.weight.dtype == torch.float8_e4m3fn
         assert (fp8.layers[0].qkv_proj.input_scale is not None) == static
         got = paged_logits(shape, NativeCausalLM(fp8).decode_logits, seqs, True)

@@ -21,9 +21,9 @@ from flashserve.attention.base import BatchLayout
 from flashserve.engine.outputs import ScheduledRequest
 from flashserve.engine.sampling_params import SamplingParams
 from flashserve.model_loader.loader import dummy_hf_config
-from flashserve.models.hf import HFCausalLM
-from flashserve.models.llama import LlamaModel
-from flashserve.worker.runner import NativeCausalLM, model_shape
+from flashserve.model_loader.checkpoint import load_llama
+from flashserve.models.hf import HFCausalLM, model_shape
+from flashserve.models.llama import LlamaModel, NativeCausalLM
 
 PAGE = 16
 PROMPTS = (100, 37)  # unaligned lengths; decode crosses page boundaries
@@ -123,7 +123,7 @@ def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: s
         elif mode == "safetensors":
             # The checkpoint's files read straight onto the GPU, with no transformers model built.
             hf.save_pretrained(tmp_path, safe_serialization=True)
-            native = LlamaModel.from_checkpoint(tmp_path, config, torch.bfloat16, "cuda", max_positions=4096)
+            native = load_llama(tmp_path, config, torch.bfloat16, "cuda", max_positions=4096)
             got = paged_logits(model_shape(config), NativeCausalLM(native).decode_logits, seqs, False)
             del native
         else:

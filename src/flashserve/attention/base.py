@@ -92,6 +92,18 @@ class BatchLayout:
         return cls(page_size, qo_indptr, kv_indptr, kv_indices, last, positions, prefix)
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a model's attention asks of a backend on this rank: its layers, query and KV heads (the
+    rank's share under tensor parallelism), head size and softmax scale (None: 1/sqrt(head_dim))."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sm_scale: float | None = None
+
+
 class AttentionBackend(Protocol):
     """Owns the paged KV cache of every layer; attends one layer at a time.
 

@@ -30,7 +30,7 @@ import torch
 
 T = TypeVar("T")
 
-# The kinds of checkpoint tensor, as `weights.py` names them, that are split; any other kind
+# The kinds of checkpoint tensor, as `models/llama_weights.py` names them, that are split; any other kind
 # (norms, q/k norms) is replicated whole.
 _Q_ROWS = ("q", "q_bias")
 _KV_ROWS = ("k", "v", "k_bias", "v_bias")
@@ -158,7 +158,7 @@ class ShardLayout:
         )
 
     def slice_for(self, kind: str) -> TensorSlice | None:
-        """The rank's slice of a checkpoint tensor of this kind (`weights.py`'s per-layer keys,
+        """The rank's slice of a checkpoint tensor of this kind (`models/llama_weights.py`'s per-layer keys,
         "embed_tokens", "lm_head", "norm"); None: the rank holds all of it."""
         if self.is_whole:
             return None

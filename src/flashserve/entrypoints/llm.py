@@ -53,7 +53,7 @@ def build_engine(
 ) -> EngineStack:
     """detokenize=False: the engine sees token ids only and leaves text and stop strings to its
     caller (the server's front ends)."""
-    from flashserve.worker.runner import build_runner  # torch is imported here, not at package import
+    from flashserve.executor.build import build_runner  # torch is imported here, not at package import
     from flashserve.worker.step_budget import default_max_num_seqs, large_gpu
 
     large = large_gpu(model.device)

@@ -40,9 +40,10 @@ from flashserve.executor.worker import (
     RankRunner, WireCapture, WireStep, build_rank_runner, capture_message, control_group, rank_device,
     check_allreduce_fusion, release_before_group_end, run_worker,
 )  # fmt: skip
-from flashserve.model_loader.loader import LoadedModel
+from flashserve.model_loader import LoadedModel
+from flashserve.worker.assembly import capture_decode_graphs, pick_backend, pick_device, warm_up
 from flashserve.worker.input_batch import BatchRow
-from flashserve.worker.runner import LaunchedStep, capture_decode_graphs, pick_backend, pick_device, warm_up
+from flashserve.worker.runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class TensorParallelRunner(RankRunner):
 
     def __init__(self, base: RankRunner, control: Any, workers: RankProcesses,
                  steps: StepChannel | GlooSteps | None = None) -> None:
-        super().__init__(base.loaded, base.backend, base.sampler, base.page_size, base.model, base.group)
+        super().__init__(base.model, base.device, base.backend, base.sampler, base.page_size, base.group)
         self.control = control
         self.steps = steps if steps is not None else GlooSteps(control)
         self.workers = workers

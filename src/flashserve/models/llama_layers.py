@@ -1,0 +1,121 @@
+"""The native Llama forward's pieces: one decoder layer's weights, and the forward between two
+attention calls as functions of tensors only, so that one compiled graph serves every layer
+(`--torch-compile`): weights are arguments, never module attributes. `llama.LlamaModel` holds the
+layers and runs them."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from flashserve.attention.paged_append import Rope
+from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
+from flashserve.layers.linear import Linear, LinearArgs, add_rmsnorm_for, gate_up_silu_for, linear, linear_unscaled
+from flashserve.layers.ops import Ops
+from flashserve.models.llama_weights import LlamaSpec
+
+Tensor = torch.Tensor
+
+
+def meta_param(*shape: int) -> nn.Parameter:
+    # Built on the meta device by `from_hf`; real tensors arrive with load_state_dict(assign=True).
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One decoder layer's weights. `projection(out, in, bias, keys)` builds the layer's
+    projection that fuses those checkpoint parts (`llama_weights.py`'s keys), in its weight format."""
+
+    def __init__(self, spec: LlamaSpec, projection: Callable[[int, int, bool, tuple[str, ...]], Linear]) -> None:
+        super().__init__()
+        h, i_size = spec.hidden_size, spec.intermediate_size
+        self.input_layernorm = nn.ParameterDict({"weight": meta_param(h)})
+        self.post_attention_layernorm = nn.ParameterDict({"weight": meta_param(h)})
+        self.qkv_proj = projection(spec.q_size + 2 * spec.kv_size, h, spec.qkv_bias, ("q", "k", "v"))
+        self.o_proj = projection(h, spec.q_size, spec.o_bias, ("o",))
+        self.gate_up_proj = projection(2 * i_size, h, spec.mlp_bias, ("gate", "up"))
+        self.down_proj = projection(h, i_size, spec.mlp_bias, ("down",))
+        if spec.qk_norm:
+            self.q_norm = nn.ParameterDict({"weight": meta_param(spec.head_dim)})
+            self.k_norm = nn.ParameterDict({"weight": meta_param(spec.head_dim)})
+
+
+def attention_input(
+    spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows | None, residual: Tensor, positions: Tensor,
+    cos_sin: Tensor, norm_w: Tensor, qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
+    rotate: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """A layer up to attention: (add +) RMSNorm, fused qkv, the q/k norms, RoPE (unless not
+    `rotate`: the attention backend rotates, see `backend_rope`).
+
+    `hidden` is the previous layer's output, added into `residual` (None for the first layer,
+    whose `residual` is the embedding). Returns q, k, v as [T, heads, head_dim] and the residual.
+    """
+    normed, residual = add_rmsnorm_for(qkv, ops, hidden, residual, norm_w, spec.rms_norm_eps)
+    q, k, v = qkv_rope(spec, ops, normed, positions, cos_sin, qkv, q_norm_w, k_norm_w, rotate)
+    return q, k, v, residual
+
+
+def qkv_rope(
+    spec: LlamaSpec, ops: Ops, normed: Tensor | QuantizedRows, positions: Tensor, cos_sin: Tensor,
+    qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None, rotate: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """`attention_input` after the layer's input norm: fused qkv, the q/k norms, RoPE (if `rotate`)."""
+    eps, d = spec.rms_norm_eps, spec.head_dim
+    q, k, v = linear(normed, *qkv).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    t = q.shape[0]
+    if q_norm_w is not None and k_norm_w is not None:
+        q = ops.rmsnorm(q.view(t, spec.num_heads, d), q_norm_w, eps).view(t, spec.q_size)
+        k = ops.rmsnorm(k.view(t, spec.num_kv_heads, d), k_norm_w, eps).view(t, spec.kv_size)
+    if rotate:
+        q, k = ops.apply_rope(positions, q, k, d, cos_sin)
+    return q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d)
+
+
+def backend_rope(backend: Any, positions: Tensor, cos_sin: Tensor, head_dim: int) -> Rope | None:
+    """The step's RoPE for `backend` to apply where it takes it (`AttentionBackend`: FlashInfer's
+    rotates in the kernel that appends K and V), else None: the model rotates q and k itself."""
+    takes = getattr(backend, "takes_rope", None)
+    return Rope(positions, cos_sin) if takes is not None and takes(cos_sin, head_dim) else None
+
+
+def attend(backend: Any, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope | None) -> Tensor:
+    return backend.forward(layer, q, k, v) if rope is None else backend.forward(layer, q, k, v, rope=rope)
+
+
+def attention_output(
+    spec: LlamaSpec, ops: Ops, attn: Tensor, residual: Tensor, o: LinearArgs, norm_w: Tensor,
+    gate_up: LinearArgs, down: LinearArgs,
+) -> tuple[Tensor | UnscaledRows, Tensor]:  # fmt: skip
+    """A layer from attention on: o_proj, add + RMSNorm, the SiLU MLP. Returns it and the residual;
+    an FP8 down_proj's output may come with its scales still to apply (`UnscaledRows`), which the
+    next layer's add + RMSNorm (or `final_norm`) applies."""
+    hidden = linear_unscaled(attn.reshape(attn.shape[0], spec.q_size), *o)
+    return mlp(spec, ops, hidden, residual, norm_w, gate_up, down)
+
+
+def mlp(
+    spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows, residual: Tensor, norm_w: Tensor,
+    gate_up: LinearArgs, down: LinearArgs,
+) -> tuple[Tensor | UnscaledRows, Tensor]:  # fmt: skip
+    """`attention_output` after o_proj: add + RMSNorm, the SiLU MLP."""
+    normed, residual = add_rmsnorm_for(gate_up, ops, hidden, residual, norm_w, spec.rms_norm_eps)
+    return gated_mlp(ops, normed, gate_up, down, unscaled=True), residual
+
+
+def gated_mlp(
+    ops: Ops, normed: Tensor | QuantizedRows, gate_up: LinearArgs, down: LinearArgs, unscaled: bool = False,
+) -> Tensor | UnscaledRows:  # fmt: skip
+    """The SiLU MLP of a normed hidden state: gate_up, SiLU-and-mul, down. `unscaled`: an FP8
+    down_proj may leave its scales to the reader (`linear_unscaled`)."""
+    return linear_unscaled(gate_up_silu_for(down, ops, normed, gate_up), *down, defer=unscaled)
+
+
+def final_norm(
+    spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows | None, residual: Tensor, norm_w: Tensor
+) -> Tensor:
+    normed = add_rmsnorm_for(None, ops, hidden, residual, norm_w, spec.rms_norm_eps)[0]
+    assert not isinstance(normed, QuantizedRows)
+    return normed

@@ -1,0 +1,145 @@
+"""The pieces a runner builder puts together around a loaded model: the device, the attention
+backend and its KV cache's size, the sampler, and before serving the warm-up and decode CUDA graphs
+(`executor/build.py` builds one rank's runner from them, `executor/worker.py` a tensor-parallel
+rank's)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from typing import Any
+
+import torch
+
+from flashserve.attention.cascade import CascadePolicy
+from flashserve.config import CacheConfig, ModelConfig
+from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from flashserve.worker.runner import ModelRunner, StepModel, TokenSampler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def pick_backend(name: str, device: torch.device) -> str:
+    """"auto": FlashInfer on CUDA when it is installed, else the PyTorch reference."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer"
+    return "torch"
+
+
+def backend_options(config: ModelConfig, backend: str) -> dict[str, Any]:
+    """Keywords of `backend`'s constructor beyond the shared ones: FlashInfer's `fused_decode`."""
+    return {"fused_decode": True} if backend == "flashinfer" and config.fused_decode else {}
+
+
+def attention_dtype(config: ModelConfig, model_dtype: torch.dtype, device: torch.device, backend: str) -> torch.dtype:
+    """KV cache / attention dtype: explicit, else the model's, except float32 under FlashInfer (no fp32 kernels)."""
+    if config.attention_dtype != "auto":
+        return _DTYPES[config.attention_dtype]
+    if device.type == "cuda" and backend == "flashinfer" and model_dtype == torch.float32:
+        return torch.bfloat16
+    return model_dtype
+
+
+def kv_page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one page across all layers, K and V."""
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def num_kv_pages(cache: CacheConfig, page_bytes: int, device: torch.device) -> int:
+    """Explicit `num_pages`, else `gpu_memory_utilization` of the GPU memory left free after the
+    model loaded (CUDA), or `cpu_kv_cache_gb` (CPU)."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cache.gpu_memory_utilization)
+    else:
+        budget = int(cache.cpu_kv_cache_gb * (1 << 30))
+    pages = budget // page_bytes
+    if pages < 1:
+        raise RuntimeError(f"no memory left for the KV cache: {budget} bytes for pages of {page_bytes} bytes")
+    return pages
+
+
+def pick_sampler(device: torch.device, seed: int) -> TokenSampler:
+    from flashserve.sample.sampler import Sampler
+
+    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        from flashserve.sample.flashinfer import FlashInferSampler
+
+        return FlashInferSampler(seed)
+    return Sampler(seed)
+
+
+def warm_up(runner: ModelRunner, num_pages: int) -> None:
+    """Runs a prefill step, a decode step (with sampling) and a one-request decode step on free
+    pages, so that every kernel module is built (FlashInfer JIT) and every step size class is
+    compiled (`--torch-compile`) before the server reports healthy."""
+    from flashserve.engine.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    n = min(4, num_pages - 1)
+    page_ids = [list(range(1 + i * (num_pages - 1) // n, 2 + i * (num_pages - 1) // n)) for i in range(n)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20),
+              SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.1), SamplingParams(seed=1)]
+    prefill = [ScheduledRequest(f"warmup-{i}", [1] * 5, 0, page_ids[i], True, params[i % 4], [1] * 5, [])
+               for i in range(n)]
+    decode = [ScheduledRequest(r.request_id, [1], 5, r.page_ids, True, r.params, r.prompt_token_ids, [1])
+              for r in prefill]
+    steps = [prefill, decode, decode[:1]]
+    policy = runner.cascade
+    if policy is not None and n >= 3:
+        # Two requests behind one shared full page, a group under the warm-up's policy of any
+        # group: the prefix pass and the merge, whose kernels are built on first use too.
+        shared, own = page_ids[0][:1], [page_ids[1][0], page_ids[2][0]]
+        tokens = [1] * runner.page_size
+        steps.append([ScheduledRequest(f"warmup-cascade-{i}", [1], runner.page_size, shared + [page], True, params[0],
+                                       tokens, [1]) for i, page in enumerate(own)])
+        runner.cascade = CascadePolicy()
+    try:
+        for step in steps:
+            runner.execute(SchedulerOutput(step))
+    finally:
+        runner.cascade = policy
+        runner.batch.clear()  # no scheduler releases the warm-up's rows
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    logger.info("warm-up (kernel builds and compilation included) took %.1f s", time.perf_counter() - t0)
+    if runner.device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        from flashserve.attention.flashinfer_modules import module_report
+
+        logger.info("%s", module_report())
+
+
+def capture_decode_graphs(runner: ModelRunner, model: StepModel, max_batch_size: int) -> None:
+    """Captures decode-step graphs; a model whose forward synchronises with the host (some
+    transformers model's code, say) decodes eagerly instead, with a warning."""
+    from flashserve.worker.cuda_graph import CudaGraphRunner, NotCapturableError, capture_batch_sizes
+
+    t0 = time.perf_counter()
+    sizes = capture_batch_sizes(max_batch_size)
+    cascade = runner.cascade is not None  # cascade decode steps get graphs of their own
+    graphs = CudaGraphRunner(model.decode_logits(runner.backend), runner.backend, sizes,  # type: ignore[arg-type]
+                             cascade=cascade)
+    try:
+        graphs.capture()
+    except NotCapturableError as exc:
+        logger.warning("decoding eagerly, without CUDA graphs: %s", exc)
+        return
+    runner.graphs = graphs
+    logger.info("captured decode CUDA graphs%s for batch sizes %s in %.1f s", " (flat and cascade)" if cascade else "",
+                sizes, time.perf_counter() - t0)
