@@ -140,7 +140,7 @@ def serve_in_one_process(port: int, step_ms: float, tokenizer_path: str | None, 
 def load_instant_core(args: Any) -> Any:
     """`flashserve serve`'s engine core loader, with `InstantExecutor` for the model (runs in the
     engine core process; its settings come in FLASHSERVE_BENCH_* variables)."""
-    from flashserve.client.codec import PROTOCOL_VERSION, EngineSetup
+    from flashserve.message.codec import PROTOCOL_VERSION, EngineSetup
     from flashserve.entrypoints.engine_core import CoreParts
 
     tokenizer = load_tokenizer(os.environ.get("FLASHSERVE_BENCH_TOKENIZER") or None)

@@ -50,7 +50,7 @@ def group_prompts(rng: random.Random, vocab: int, groups: int, per_group: int, s
 
 
 def offline(llm: Any, prompts: list[list[int]], out: int, grouping: bool) -> dict[str, Any]:
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def decode_steps(llm: Any, prompts: list[list[int]], out: int) -> dict[str, Any]
     Not synchronised with the device: a step returns while the next one runs there (the engine's
     overlap of the host's output work with the device), so the time between returns is the
     engine's rhythm, as `LLM.generate` sees it."""
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True,
@@ -183,7 +183,7 @@ def cascade_decode(llm: Any, rng: random.Random, vocab: int, groups: int, per_gr
     decode steps with cascade off (flat) and on (and `auto`, `--cascade-attention auto`'s
     policy), all from CUDA graphs, the same prompts."""
     from flashserve.attention.cascade import CascadePolicy, cascade_policy
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     prompts = []
     for _ in range(groups):

@@ -28,7 +28,7 @@ SHAPE = (32, 8, 64)  # llama-3.2-1b: q heads, kv heads, head dim
 def step(groups: int, per_group: int, prefix: int, own: int) -> tuple[list[Any], int]:
     """The decode step's requests (page ids in group order) and the pages they use."""
     from flashserve.engine.outputs import ScheduledRequest
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     prefix_pages, own_pages = prefix // PAGE, (own + PAGE) // PAGE
     next_page, requests = 1, []

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmark import LOCAL_RESULTS
-from flashserve.client.codec import AddRequest, StepOutputs, decode, encode
-from flashserve.client.streams import Add
-from flashserve.engine.outputs import RequestOutput, TokenLogprob
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.codec import AddRequest, StepOutputs, decode, encode
+from flashserve.message.requests import Add
+from flashserve.message.outputs import RequestOutput, TokenLogprob
+from flashserve.message.sampling_params import SamplingParams
 
 
 def step_outputs(streams: int, logprobs: bool) -> StepOutputs:

@@ -67,7 +67,7 @@ def serve_startup_s(timeout_s: float = 120.0) -> float | None:
 def one_step_prefill_s(stack: Any, n: int, gen: torch.Generator) -> float:
     """The model alone: one step holding the whole prompt, on the cache's last (free) pages."""
     from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     pages = list(range(stack.num_pages - (n + stack.page_size - 1) // stack.page_size, stack.num_pages))
     ids = random_prompt(n, gen)
@@ -80,7 +80,7 @@ def one_step_prefill_s(stack: Any, n: int, gen: torch.Generator) -> float:
 
 def engine_ttft_s(engine: Any, n: int, gen: torch.Generator) -> float:
     """Prompt of n tokens through the engine at its step budget, to its first token."""
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     engine.add_request(uuid.uuid4().hex, random_prompt(n, gen), SamplingParams(max_tokens=1, temperature=0.0))
@@ -93,7 +93,7 @@ def decode_ms(engine: Any, model: torch.nn.Module, batch: int, gen: torch.Genera
     """Median decode step (ms) of flashserve's engine and of transformers (its forward over its own
     cache, the loop `generate` runs, with SDPA), `batch` requests each, one step of each in turn:
     a 2-core VM's speed drifts within seconds, and alternating steps puts both under the same drift."""
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=DECODE_TOKENS + 8, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
@@ -121,7 +121,7 @@ def decode_ms(engine: Any, model: torch.nn.Module, batch: int, gen: torch.Genera
 
 def largest_gap(engine: Any, prompt_len: int, gen: torch.Generator) -> dict[str, float]:
     """One stream decodes; a prompt of `prompt_len` tokens arrives. Gaps between the stream's tokens."""
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     stream = uuid.uuid4().hex
     engine.add_request(stream, random_prompt(32, gen), SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))

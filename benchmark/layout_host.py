@@ -25,7 +25,7 @@ from typing import Any, Callable
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import CascadePolicy, build_prefix_level, find_groups
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 
 from benchmark import LOCAL_RESULTS
 

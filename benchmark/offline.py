@@ -68,7 +68,7 @@ def prompt_spec_for(vocab_size: int) -> PromptSpec:
 
 def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     """Generate every request of the phase at once; counts, throughputs (per s) and duration (s)."""
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in phase.requests]
     t0 = time.perf_counter()

@@ -42,7 +42,7 @@ def main() -> None:
     args = p.parse_args()
 
     from flashserve.engine.heap import existing_objects_frozen
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
     from flashserve.entrypoints.llm import LLM
 
     llm = LLM(args.model, load_format="dummy", max_num_seqs=args.batch, max_num_batched_tokens=8192)

@@ -46,9 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
     from flashserve.entrypoints.llm import LLM
-    from flashserve.structured.compiler import GrammarCompiler, GrammarSpec
+    from flashserve.message.grammar_spec import GrammarSpec
+    from flashserve.structured.compiler import GrammarCompiler
 
     llm = LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, max_num_seqs=args.requests)
     loaded = llm.stack.loaded

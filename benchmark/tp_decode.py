@@ -39,7 +39,7 @@ def decode_step(runner: Any, batch: int, kv_len: int) -> Any:
     """A decode step of `batch` requests at `kv_len`, repeatable: its new rows go to the runner's
     batch here, and the step returned continues them (diff rows), as the scheduler's would."""
     from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0)
     per = kv_len // PAGE + 1
@@ -69,7 +69,7 @@ def engine_step_ms(llm: Any, batch: int, kv_len: int, tokens: int) -> float:
     that of 1, over `tokens`. Each call gets fresh random prompts, so no prefill hits the prefix cache."""
     import random
 
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     rng = random.Random(batch * 7919 + kv_len)
 

@@ -50,7 +50,7 @@ def category(name: str) -> str:
 
 def prefill_step(n: int, seed: int) -> Any:
     from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     ids = [rng.randrange(1000, 100000) for _ in range(n)]
@@ -59,7 +59,7 @@ def prefill_step(n: int, seed: int) -> Any:
 
 
 def ttft_ms(llm: Any, n: int, reps: int = 3) -> float:
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     rng = random.Random(n)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -112,7 +112,7 @@ class Receiver:
 
 def per_span(protocol: str, spans: int) -> dict[str, Any]:
     """Caller wall us and process CPU us per span, `spans` spans through the OTLP exporter."""
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
     from flashserve.metrics import Metrics, RequestRecord
     from flashserve.tracing import RequestTracer
 

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 
 from flashserve.api.server import build_app
-from flashserve.client.protocol import EngineDead
+from flashserve.message.errors import EngineDead
 from flashserve.engine.engine import check_token_ids
-from flashserve.engine.outputs import RequestOutput, TokenLogprob
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.outputs import RequestOutput, TokenLogprob
+from flashserve.message.sampling_params import SamplingParams
 
 MODEL = "smollm2"  # served as MODEL and "alias"
 EOS = (2,)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from fake_engine import MODEL, FakeEngine, api_client, ask, complete, post
-from flashserve.client.protocol import EngineDead
+from flashserve.message.errors import EngineDead
 
 pytestmark = pytest.mark.anyio
 

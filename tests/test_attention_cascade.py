@@ -18,7 +18,7 @@ from flashserve.attention.cascade import AUTO_MIN_SAVED_TOKENS, CascadePolicy, c
 from flashserve.attention.torch_ref import TorchAttentionBackend, merge_attention_states
 from flashserve.attention.torch_sdpa import SdpaAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 
 PAGE = 16
 HEAD_DIM = 32

@@ -11,7 +11,7 @@ from flashserve.attention import torch_ref
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 
 PAGE = 16
 HEAD_DIM = 64

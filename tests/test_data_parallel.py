@@ -108,7 +108,7 @@ def test_each_front_end_counts_on_its_share_of_the_slots_the_engine_cores_resolv
     from multiprocessing import Pipe
     from types import SimpleNamespace
 
-    from flashserve.client.codec import PROTOCOL_VERSION, EngineSetup
+    from flashserve.message.codec import PROTOCOL_VERSION, EngineSetup
     from flashserve.entrypoints.api_server import engine_client
 
     pipes = [Pipe() for _ in range(2)]
@@ -253,7 +253,7 @@ def test_killing_one_engine_core_fails_open_requests_and_exits_non_zero_leaving_
 EXITING_CORE = """
 import os, signal, sys, threading, time
 from test_engine import make_engine
-from flashserve.client.codec import PROTOCOL_VERSION, EngineSetup
+from flashserve.message.codec import PROTOCOL_VERSION, EngineSetup
 from flashserve.entrypoints import engine_core
 
 def sigterm_in(seconds):

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from flashserve.client.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
+from flashserve.message.sampling_params import SamplingParams
 
 ENGLISH = (
     "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of "
@@ -161,7 +161,7 @@ def test_decode_window_stays_short_over_a_long_output(smollm2_tokenizer: Any) ->
 def test_raw_decoder_gives_the_tokenizers_own_text(smollm2_tokenizer: Any, clean_up: bool) -> None:
     import copy
 
-    from flashserve.client.detokenizer import raw_decoder
+    from flashserve.detokenizer import raw_decoder
 
     tok = copy.copy(smollm2_tokenizer)
     tok.clean_up_tokenization_spaces = clean_up
@@ -187,7 +187,7 @@ class _CleaningUp:
 
 
 def test_raw_decoder_keeps_a_tokenizer_that_really_cleans_up(smollm2_tokenizer: Any) -> None:
-    from flashserve.client.detokenizer import raw_decoder
+    from flashserve.detokenizer import raw_decoder
 
     tok = _CleaningUp(smollm2_tokenizer)
     assert raw_decoder(tok) == tok.decode
@@ -196,7 +196,7 @@ def test_raw_decoder_keeps_a_tokenizer_that_really_cleans_up(smollm2_tokenizer: 
 def test_raw_decoder_takes_the_backend_when_clean_up_changes_nothing(smollm2_tokenizer: Any) -> None:
     import copy
 
-    from flashserve.client.detokenizer import raw_decoder
+    from flashserve.detokenizer import raw_decoder
 
     tok = copy.copy(smollm2_tokenizer)
     tok.clean_up_tokenization_spaces = True

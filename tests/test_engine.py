@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from flashserve.client.async_engine import AsyncEngine
-from flashserve.client.protocol import EngineDead
+from flashserve.message.errors import EngineDead
 from flashserve.config import SchedulerConfig
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.outputs import NOTHING, SampledTokens, SchedulerOutput, sampled
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.engine.scheduler import Scheduler
 from flashserve.kv_cache.manager import KVCacheManager
 from flashserve.worker.input_batch import InputBatch

@@ -14,18 +14,18 @@ import pytest
 
 from test_engine import VOCAB, make_engine
 
-from flashserve.client.codec import (
+from flashserve.message.codec import (
     PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, FrameWriter, Hello, StepOutputs, decode, encode, recv, send,
 )
 from flashserve.client.core_client import EngineCoreClient
-from flashserve.client.protocol import EngineDead, EngineOverloaded
-from flashserve.client.streams import Abort, Add
+from flashserve.message.errors import EngineDead, EngineOverloaded
+from flashserve.message.requests import Abort, Add
 from flashserve.engine.core import EngineCore
 from flashserve.engine.engine import LLMEngine
-from flashserve.engine.outputs import RequestOutput, TokenLogprob
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.outputs import RequestOutput, TokenLogprob
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.metrics import Metrics, StepStats
-from flashserve.structured.compiler import GrammarSpec
+from flashserve.message.grammar_spec import GrammarSpec
 
 
 def test_a_steps_messages_round_trip_through_the_codec():

@@ -176,7 +176,7 @@ def test_an_fp8_linear_computes_the_product_of_its_quantized_operands(static: bo
 
 
 def test_the_engine_serves_an_fp8_checkpoint_as_its_dequantized_model(tmp_path: Path, model_and_config: Any) -> None:
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
     from flashserve.entrypoints.llm import LLM
 
     hf, config = model_and_config

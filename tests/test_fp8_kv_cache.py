@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 from flashserve.attention import get_backend_cls
 from flashserve.attention.kv_quant import FP8_KV_DTYPE, resolve_kv_cache_dtype
 from flashserve.cli import build_parser, to_configs
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
 from flashserve.models.llama import LlamaModel
 from test_fp8 import SCHEDULE, SEQS

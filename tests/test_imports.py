@@ -94,22 +94,14 @@ def test_the_engine_kv_cache_client_and_api_import_no_torch() -> None:
 
 # The packages (and top-level modules) of flashserve, bottom first: each may import only those
 # before it. "" is the package's own __init__ (the lazy `LLM` and `SamplingParams`).
-LAYERS = ["config", "metrics_vllm", "metrics", "tracing", "pinned_staging", "kv_cache", "structured", "engine",
-          "layers", "attention", "distributed", "sample", "worker", "models", "model_loader", "executor", "client",
-          "api", "cli", "entrypoints", "__main__", ""]
+LAYERS = ["message", "config", "metrics_vllm", "metrics", "tracing", "pinned_staging", "kv_cache", "structured",
+          "detokenizer", "engine", "layers", "attention", "distributed", "sample", "worker", "models", "model_loader",
+          "executor", "client", "api", "cli", "entrypoints", "__main__", ""]
 # Imports from a lower package to a higher one that are still there, each to be removed by moving
-# what it needs down (the messages, their codec and the types they carry into a bottom package);
-# nothing may be added here.
+# what it needs down; nothing may be added here.
 ALLOWED_UPWARD = {
-    # The engine core and engine reach into the front end's side for the message codec, the
-    # per-request streams and the detokenizer.
-    ("flashserve.engine.core", "flashserve.client.codec"),
-    ("flashserve.engine.core", "flashserve.client.streams"),
-    ("flashserve.engine.engine", "flashserve.client.detokenizer"),
-    ("flashserve.engine.loop", "flashserve.client.streams"),
-    # The grammar compiler renders tool schemas with the API's renderer and reads SamplingParams.
+    # The grammar compiler renders tool schemas with the API's renderer.
     ("flashserve.structured.compiler", "flashserve.api.tools.render"),
-    ("flashserve.structured.compiler", "flashserve.engine.sampling_params"),
 }
 
 

@@ -19,7 +19,7 @@ import zmq
 from flashserve.config import KVEventsConfig
 from flashserve.engine.kv_events import KVEventPublisher
 from flashserve.engine.request import Request
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.engine.scheduler import Scheduler
 from kv_event_subscriber import BlockRemoved, BlockStored, Subscriber, documented_hash
 from live_server import free_port

@@ -14,7 +14,7 @@ import torch
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader import gguf_cache, loader
 from flashserve.model_loader.loader import PretrainedModel, eos_token_ids, load_model, resolve_dtype
 from flashserve.models.hf import HFCausalLM, model_shape

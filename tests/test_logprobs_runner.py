@@ -10,7 +10,7 @@ import torch
 from test_model_hf import VOCAB, Requests, build_model, eager_logits, make_runner
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.sample.sampler import Sampler
 from flashserve.structured.grammar import TokenBitmask, bitmask_words
 from flashserve.worker.input_batch import InputBatch

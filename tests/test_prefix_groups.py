@@ -155,7 +155,7 @@ def llm() -> Any:
 
 
 def greedy(max_tokens: int = 6) -> Any:
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
@@ -227,7 +227,7 @@ def test_under_cache_pressure_groups_compute_far_fewer_prompt_tokens_than_arriva
         tiny_llama_config: Any) -> None:
     """BatchLLM's point: when the cache cannot hold every shared prefix at once, arrival order
     evicts a prefix before most of its group arrives; groups compute each prefix about once."""
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
     from flashserve.entrypoints.llm import LLM
 
     config = tiny_llama_config

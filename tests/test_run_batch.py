@@ -201,7 +201,7 @@ class InstantEngine:
     def __init__(self) -> None:
         import multiprocessing
 
-        from flashserve.client.codec import PROTOCOL_VERSION, EngineSetup
+        from flashserve.message.codec import PROTOCOL_VERSION, EngineSetup
         from flashserve.entrypoints.run_batch.app import BatchEngineClient
         from flashserve.entrypoints.run_batch.pipes import Duplex
 
@@ -214,8 +214,8 @@ class InstantEngine:
 
     def _put(self, message: Any) -> None:
         """The app client's messages, as they are handed to its pipe to the engine."""
-        from flashserve.client.codec import AddRequest, StepOutputs, send
-        from flashserve.engine.outputs import RequestOutput
+        from flashserve.message.codec import AddRequest, StepOutputs, send
+        from flashserve.message.outputs import RequestOutput
 
         if isinstance(message, AddRequest):
             self.events.append(("admit", self.remote.line.get().line_no))
@@ -264,9 +264,9 @@ def test_the_pipe_to_the_engine_takes_64_long_requests_before_the_engine_reads()
     import multiprocessing
     import threading
 
-    from flashserve.client.codec import AddRequest, send
-    from flashserve.client.streams import Add
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.codec import AddRequest, send
+    from flashserve.message.requests import Add
+    from flashserve.message.sampling_params import SamplingParams
     from flashserve.entrypoints.run_batch.pipes import pipe
 
     reader, writer = pipe(multiprocessing.get_context("spawn"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.sample.sampler import (
     Sampler,
     apply_min_p,

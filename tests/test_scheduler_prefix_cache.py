@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.engine.request import Request
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from test_scheduler import assert_all_pages_free, make, run, step
 
 PAGE = 16

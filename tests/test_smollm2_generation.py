@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashserve.config import ModelConfig
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
 from flashserve.model_loader.loader import load_model
 

@@ -15,14 +15,10 @@ import pytest
 
 import xgrammar as xgr
 
-from flashserve.engine.sampling_params import InvalidParameter
+from flashserve.message.sampling_params import InvalidParameter
+from flashserve.message.grammar_spec import GrammarSpec
 from flashserve.structured.compiler import (
-    GrammarCompiler,
-    GrammarSpec,
-    XGrammar,
-    spec_from_request,
-    tool_call_spec,
-    unroll_bounded_strings,
+    GrammarCompiler, XGrammar, spec_from_request, tool_call_spec, unroll_bounded_strings,
 )
 from flashserve.structured.grammar import bitmask_words, step_bitmask
 

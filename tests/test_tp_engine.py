@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import pytest
 
 from flashserve.cli import build_parser, to_configs
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
 from flashserve.executor.launch import RankFailed
 

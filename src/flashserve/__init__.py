@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from flashserve.engine.sampling_params import SamplingParams
+        from flashserve.message.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'flashserve' has no attribute {name!r}")

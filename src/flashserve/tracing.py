@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
     from flashserve.metrics import RequestRecord
 
 logger = logging.getLogger("flashserve")

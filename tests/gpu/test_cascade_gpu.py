@@ -16,7 +16,7 @@ from test_flashinfer_backend import KV_HEADS, NUM_LAYERS, PAGE, TOL, make_backen
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import CascadePolicy
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
 
 SHARED_A = [3, 7, 11, 15]  # 64 tokens, read by three requests

@@ -14,7 +14,7 @@ from flashserve.attention.base import BatchLayout
 from flashserve.attention.flashinfer import FlashInferAttentionBackend
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.worker.cuda_graph import CudaGraphRunner, capture_batch_sizes
 
 PAGE = 16

@@ -17,7 +17,7 @@ from flashserve.attention import flashinfer as flashinfer_backend
 from flashserve.attention.flashinfer import FlashInferAttentionBackend
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 
 PAGE = 16
 NUM_PAGES = 96

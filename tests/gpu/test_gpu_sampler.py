@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.sample.flashinfer import FlashInferSampler
 from flashserve.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from flashserve.worker.input_batch import BatchRow, InputBatch

@@ -19,7 +19,7 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader.loader import dummy_hf_config
 from flashserve.model_loader.checkpoint import load_llama
 from flashserve.models.hf import HFCausalLM, model_shape

@@ -15,7 +15,7 @@ import torch
 from test_engine_gpu import RecordingSampler
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
 from flashserve.sample.logprobs import compute_logprobs
 from flashserve.sample.sampler import Sampler
@@ -78,7 +78,8 @@ def llm() -> LLM:
 
 
 def test_a_batch_of_grammar_logprob_and_plain_rows_under_cuda_graphs(llm: LLM) -> None:
-    from flashserve.structured.compiler import GrammarCompiler, GrammarSpec
+    from flashserve.message.grammar_spec import GrammarSpec
+    from flashserve.structured.compiler import GrammarCompiler
 
     runner = llm.engine.executor
     assert runner.graphs is not None, "decode steps should run from CUDA graphs"

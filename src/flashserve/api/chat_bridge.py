@@ -21,7 +21,7 @@ from flashserve.api import protocol as p
 from flashserve.api.choices import ChatChoiceStream, chat_message
 from flashserve.api.errors import APIError, invalid
 from flashserve.api.streaming import EngineStreams, unless_disconnected, usage
-from flashserve.engine.sampling_params import InvalidParameter
+from flashserve.message.sampling_params import InvalidParameter
 
 if TYPE_CHECKING:
     from flashserve.api.server import ChatPlan, _OpenAIServing

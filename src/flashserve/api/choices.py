@@ -20,7 +20,7 @@ from flashserve.api.logprobs import (
     merge_completion_logprobs,
 )
 from flashserve.api.tools.parsers import ToolParser, forced_named_call
-from flashserve.engine.outputs import RequestOutput, TokenLogprob
+from flashserve.message.outputs import RequestOutput, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flashserve.client.protocol import EngineDead
-from flashserve.engine.sampling_params import InvalidParameter
+from flashserve.message.errors import EngineDead
+from flashserve.message.sampling_params import InvalidParameter
 from flashserve.metrics import Metrics
 
 INVALID_REQUEST = "invalid_request_error"

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flashserve.engine.outputs import TokenLogprob
+from flashserve.message.outputs import TokenLogprob
 
 
 def _byte_level_table() -> dict[str, int]:

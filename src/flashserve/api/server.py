@@ -53,7 +53,7 @@ from flashserve.api.streaming import (
 from flashserve.api.tools.render import TemplateSupport, template_support
 from flashserve.api.ui import add_ui
 from flashserve.client.protocol import EngineClient
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
 from flashserve.structured.compiler import spec_from_request
 from flashserve.tracing import RequestTracer, build_tracer

@@ -18,9 +18,10 @@ from starlette.requests import Request
 
 from flashserve.api.choices import ChoiceResult
 from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, engine_dead, invalid, overloaded
-from flashserve.client.protocol import EngineClient, EngineDead, EngineOverloaded
-from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.sampling_params import InvalidParameter, SamplingParams
+from flashserve.client.protocol import EngineClient
+from flashserve.message.errors import EngineDead, EngineOverloaded
+from flashserve.message.outputs import RequestOutput
+from flashserve.message.sampling_params import InvalidParameter, SamplingParams
 from flashserve.metrics import RequestRecord
 
 logger = logging.getLogger(__name__)

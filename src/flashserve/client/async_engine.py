@@ -18,12 +18,13 @@ import threading
 import time
 from typing import Callable
 
-from flashserve.client.protocol import EngineOverloaded
-from flashserve.client.streams import Abort, Add, OutputStreams
+from flashserve.message.errors import EngineOverloaded
+from flashserve.client.streams import OutputStreams
+from flashserve.message.requests import Abort, Add
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
-from flashserve.engine.outputs import RequestOutput
+from flashserve.message.outputs import RequestOutput
 from flashserve.metrics import Metrics
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from flashserve.client.core_client import EngineCoreClient
 from flashserve.client.router import PrefixRouter
-from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.outputs import RequestOutput
+from flashserve.message.sampling_params import SamplingParams
 
 
 class DataParallelClient:

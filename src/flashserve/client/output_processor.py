@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from flashserve.client.detokenizer import IncrementalDetokenizer, raw_decoder
-from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.detokenizer import IncrementalDetokenizer, raw_decoder
+from flashserve.message.outputs import RequestOutput
+from flashserve.message.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
-from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.sampling_params import SamplingParams
-
-
-class EngineDead(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-class EngineOverloaded(RuntimeError):
-    """The engine's queue is full; the request was not queued. Worth retrying later."""
+from flashserve.message.outputs import RequestOutput
+from flashserve.message.sampling_params import SamplingParams
 
 
 class EngineClient(Protocol):

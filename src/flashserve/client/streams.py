@@ -12,27 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-from flashserve.client.protocol import EngineDead
-from flashserve.engine.outputs import RequestOutput
-from flashserve.engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    group: str | None = None
-    cache_salt: str | None = None
-    stream: bool = True
-
-
-@dataclass(frozen=True)
-class Abort:
-    request_id: str
-    error: str | None = None  # None: the client went away; else why the server gave up on it
+from flashserve.message.errors import EngineDead
+from flashserve.message.outputs import RequestOutput, error_output
+from flashserve.message.requests import Abort, Add
+from flashserve.message.sampling_params import SamplingParams
 
 
 class OutputStreams:
@@ -109,15 +93,3 @@ class OutputStreams:
         for request_id, queue in list(self._streams.items()):
             queue.put_nowait(error_output(request_id, 0, message))
 
-
-def error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        new_token_ids=[],
-        new_text="",
-        finished=True,
-        finish_reason="error",
-        num_prompt_tokens=num_prompt_tokens,
-        num_output_tokens=0,
-        error=message,
-    )

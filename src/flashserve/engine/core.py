@@ -29,15 +29,16 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from flashserve.client.codec import (
+from flashserve.message.codec import (
     PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, FrameQueue, Hello, StepOutputs, recv, send,
 )
-from flashserve.client.streams import Abort, error_output
+from flashserve.message.outputs import error_output
+from flashserve.message.requests import Abort
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.kv_events import KVEventPublisher
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
-from flashserve.engine.outputs import RequestOutput
+from flashserve.message.outputs import RequestOutput
 from flashserve.engine.prefix_pins import GroupPins
 from flashserve.metrics import Metrics
 

@@ -23,10 +23,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from flashserve.client.detokenizer import IncrementalDetokenizer, raw_decoder
-from flashserve.engine.outputs import RequestOutput, SampledTokens, SchedulerOutput
+from flashserve.detokenizer import IncrementalDetokenizer, raw_decoder
+from flashserve.engine.outputs import SampledTokens, SchedulerOutput
+from flashserve.message.outputs import RequestOutput
 from flashserve.engine.request import FinishReason, Request
-from flashserve.engine.sampling_params import InvalidParameter, SamplingParams
+from flashserve.message.sampling_params import InvalidParameter, SamplingParams
 from flashserve.engine.scheduler import Scheduler
 from flashserve.engine.stop import check_stop
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from flashserve.client.streams import Abort, Add, error_output
+from flashserve.message.outputs import error_output
+from flashserve.message.requests import Abort, Add
 from flashserve.engine.engine import LLMEngine
-from flashserve.engine.outputs import RequestOutput
+from flashserve.message.outputs import RequestOutput
 from flashserve.metrics import Metrics, StepStats
 
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from flashserve.engine.outputs import TokenLogprob
+    from flashserve.message.outputs import TokenLogprob
     from flashserve.structured.grammar import GrammarMatcher
 
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

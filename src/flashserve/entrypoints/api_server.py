@@ -23,7 +23,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from flashserve.client.codec import PROTOCOL_VERSION, Dead, EngineSetup, Hello, recv, send
+from flashserve.message.codec import PROTOCOL_VERSION, Dead, EngineSetup, Hello, recv, send
 from flashserve.entrypoints.processes import FRONTEND_NAME, become_child
 
 logger = logging.getLogger("flashserve")

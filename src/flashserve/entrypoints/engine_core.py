@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from flashserve.client.codec import PROTOCOL_VERSION, Dead, EngineSetup, recv, send
+from flashserve.message.codec import PROTOCOL_VERSION, Dead, EngineSetup, recv, send
 from flashserve.entrypoints.processes import ENGINE_CORE_NAME, become_child
 
 logger = logging.getLogger("flashserve")

@@ -11,10 +11,10 @@ from typing import Any, Sequence
 from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
-from flashserve.engine.outputs import RequestOutput, merge_outputs
+from flashserve.message.outputs import RequestOutput, merge_outputs
 from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 from flashserve.engine.prefix_pins import GroupPins
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.engine.scheduler import Scheduler
 from flashserve.kv_cache.manager import KVCacheManager
 

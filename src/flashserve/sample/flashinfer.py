@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.sample.sampler import Sampler, SamplingRow, _to_device, step_seed
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashserve.engine.outputs import TokenLogprob
+from flashserve.message.outputs import TokenLogprob
 from flashserve.structured.grammar import TokenBitmask
 from flashserve.pinned_staging import PinnedStaging
 

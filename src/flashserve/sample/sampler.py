@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.sample.logprobs import apply_token_bitmask
 from flashserve.structured.grammar import TokenBitmask
 from flashserve.pinned_staging import PinnedStaging

@@ -20,11 +20,11 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from flashserve.engine.sampling_params import InvalidParameter
+from flashserve.message.grammar_spec import GrammarSpec
+from flashserve.message.sampling_params import InvalidParameter
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -37,7 +37,6 @@ def _xgr() -> ModuleType:
 
     return xgrammar
 
-GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
 # vLLM `structured_outputs` keys that pick the output form, and keys we accept and ignore: JSON
 # output never has free whitespace here, and there is no other backend to fall back to.
@@ -62,19 +61,6 @@ _FREE_DIGITS = "[1-9] [0-9]*"
 MAX_INTEGER_DIGITS, MAX_FRACTION_DIGITS, MAX_EXPONENT_DIGITS = 19, 17, 3
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: " (and sometimes "Check failed").
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What the output must match; hashable, as it is the compile cache key.
-
-    `value` is the schema serialized (json), "" (json_object), the pattern (regex), a JSON list of
-    the strings (choice) or EBNF text (grammar). `param` is the request field it came from.
-    """
-
-    kind: GrammarKind
-    value: str
-    param: str
 
 
 def _schema_text(schema: Any, param: str) -> str:

@@ -89,7 +89,7 @@ def warm_up(runner: ModelRunner, num_pages: int) -> None:
     """Runs a prefill step, a decode step (with sampling) and a one-request decode step on free
     pages, so that every kernel module is built (FlashInfer JIT) and every step size class is
     compiled (`--torch-compile`) before the server reports healthy."""
-    from flashserve.engine.sampling_params import SamplingParams
+    from flashserve.message.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     n = min(4, num_pages - 1)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from flashserve.engine.outputs import SchedulerOutput
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, eq=False)

@@ -20,7 +20,7 @@ import logging
 import time
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

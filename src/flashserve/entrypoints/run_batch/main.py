@@ -33,7 +33,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from flashserve.cli import BatchArgs
-from flashserve.client.codec import send
+from flashserve.message.codec import send
 from flashserve.engine.core import EngineCore
 from flashserve.engine.prefix_pins import GroupPins
 from flashserve.entrypoints.engine_core import core_parts

@@ -34,9 +34,9 @@ from typing import Any
 
 import msgspec
 
-from flashserve.client.streams import Abort, Add
-from flashserve.engine.outputs import RequestOutput
-from flashserve.structured.compiler import GrammarSpec
+from flashserve.message.grammar_spec import GrammarSpec
+from flashserve.message.outputs import RequestOutput
+from flashserve.message.requests import Abort, Add
 
 # Bump whenever a message below changes shape.
 PROTOCOL_VERSION = 5

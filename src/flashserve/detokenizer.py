@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flashserve.engine.sampling_params import SamplingParams
+from flashserve.message.sampling_params import SamplingParams
 
 # Prompt tokens decoded as context before the first output token: some decoders (SentencePiece's
 # leading-space rule) render a token differently at the start of a text.
