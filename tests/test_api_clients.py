@@ -4,6 +4,7 @@ token ids of `return_token_ids` (always, without a tokenizer)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -138,3 +139,63 @@ async def test_a_streamed_chat_with_return_token_ids_sends_the_prompt_first_and_
                                   "return_token_ids": True}))
     assert chunks[0]["prompt_token_ids"] and "prompt_token_ids" not in chunks[1]
     assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == [t for t, _ in SCRIPT[:2]]
+
+
+RESULT_CONVERSATION = [
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "3 C and snow"}]
+
+
+async def test_after_a_tool_result_the_model_is_asked_to_answer_in_auto_mode(tokenizer: Any) -> None:
+    engine = FakeEngine()
+    await ask(engine, tokenizer, messages=RESULT_CONVERSATION, tools=[WEATHER])
+    assert prompt_text(engine, tokenizer).endswith(
+        "<|im_start|>tool\n<tool_response>\n3 C and snow\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\nUse this result to answer my question in one sentence.<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+async def test_a_forced_call_after_a_tool_result_is_not_asked_for_an_answer(tokenizer: Any) -> None:
+    engine = FakeEngine()
+    await ask(engine, tokenizer, messages=RESULT_CONVERSATION, tools=[WEATHER], tool_choice="required")
+    assert "answer my question" not in prompt_text(engine, tokenizer)
+
+
+TWO_CALLS = [(200, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'),
+             (201, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_parallel_tool_calls_false_ends_an_auto_output_after_the_first_call(
+        tokenizer: Any, streamed: bool) -> None:
+    fields = dict(tools=[WEATHER], parallel_tool_calls=False)
+    if streamed:
+        chunks = events(await stream(FakeEngine(TWO_CALLS), tokenizer, "/v1/chat/completions",
+                                     {"messages": [{"role": "user", "content": "Hi"}], **fields}))
+        deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
+        calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas if "id" in d]
+        arguments = "".join(d["function"]["arguments"] for d in deltas)
+        assert {d["index"] for d in deltas} == {0} and json.loads(arguments) == {"city": "Oslo"}
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    else:
+        choice = (await ask(FakeEngine(TWO_CALLS), tokenizer, **fields)).json()["choices"][0]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+        assert calls == [("get_weather", '{"city": "Oslo"}')] and choice["finish_reason"] == "tool_calls"
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("choice, one_call", [
+    ("required", lambda spec: json.loads(spec.value)["maxItems"] == 1),
+    ("auto", lambda spec: json.loads(spec.value)["format"]["stop_after_first"] is True)])
+async def test_parallel_tool_calls_false_asks_the_grammar_for_one_call(tokenizer: Any, choice: str, one_call) -> None:
+    engine = FakeEngine()
+    assert (await ask(engine, tokenizer, tools=[WEATHER], tool_choice=choice,
+                      parallel_tool_calls=False)).status_code == 200
+    assert one_call(only_params(engine).grammar.spec)
+
+
+async def test_parallel_tool_calls_must_be_a_boolean(tokenizer: Any) -> None:
+    r = await ask(FakeEngine(), tokenizer, tools=[WEATHER], parallel_tool_calls="no")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "parallel_tool_calls"

@@ -42,6 +42,30 @@ async def test_messages_hand_the_engine_max_tokens_and_stop_sequences(tokenizer:
     assert r.json()["stop_reason"] == "max_tokens" and r.json()["content"] == [{"type": "text", "text": "Hello,"}]
 
 
+def one_call_grammar(engine: FakeEngine) -> bool:
+    (params,) = engine.params.values()
+    return json.loads(params.grammar.spec.value).get("maxItems") == 1
+
+
+@pytest.mark.anyio
+async def test_responses_parallel_tool_calls_false_asks_for_one_call(tokenizer: Any) -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    engine = FakeEngine()
+    r = await post(engine, tokenizer, "/v1/responses", {"model": MODEL, "input": "Hi", "tools": [tool],
+                                                         "tool_choice": "required", "parallel_tool_calls": False})
+    assert r.status_code == 200 and r.json()["parallel_tool_calls"] is False and one_call_grammar(engine)
+
+
+@pytest.mark.anyio
+async def test_messages_disable_parallel_tool_use_asks_for_one_call(tokenizer: Any) -> None:
+    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}
+    engine = FakeEngine()
+    r = await post(engine, tokenizer, "/v1/messages", {
+        "model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}], "tools": [tool],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    assert r.status_code == 200 and one_call_grammar(engine)
+
+
 @pytest.mark.anyio
 async def test_a_responses_stream_that_fails_ends_failed_and_frees_the_request(tokenizer: Any) -> None:
     engine = FakeEngine(error_after=2)

@@ -18,7 +18,7 @@ import xgrammar as xgr
 from flashserve.message.sampling_params import InvalidParameter
 from flashserve.message.grammar_spec import GrammarSpec
 from flashserve.structured.compiler import (
-    GrammarCompiler, XGrammar, spec_from_request, tool_call_spec, unroll_bounded_strings,
+    GrammarCompiler, XGrammar, generic_tool_spec, spec_from_request, tool_call_spec, unroll_bounded_strings,
 )
 from flashserve.structured.grammar import bitmask_words, step_bitmask
 
@@ -354,6 +354,25 @@ def test_tool_call_required_output(compiler: GrammarCompiler, tokenizer: Any) ->
     bad = json.dumps([{"name": "get_weather", "parameters": {"city": "Rome"}}])
     assert drive(grammar, tokenizer, bad)[0] is not None
     assert drive(grammar, tokenizer, json.dumps([{"name": "get_news", "parameters": {}}]))[0] is not None
+
+
+def test_a_required_call_without_parallel_calls_is_an_array_of_one(compiler: GrammarCompiler, tokenizer: Any) -> None:
+    grammar = compiler.compile_sync(tool_call_spec([WEATHER, CLOCK], "required", parallel=False))
+    one = [{"name": "get_weather", "parameters": {"city": "Oslo"}}]
+    assert drive(grammar, tokenizer, json.dumps(one)) == (None, True)
+    assert drive(grammar, tokenizer, json.dumps(one + [{"name": "get_time", "parameters": {}}]))[0] is not None
+
+
+def test_the_auto_grammar_without_parallel_calls_ends_after_the_first_call(
+        compiler: GrammarCompiler, tokenizer: Any) -> None:
+    from flashserve.api.tools.render import call_text
+
+    call = call_text("get_weather", {"city": "Oslo"})
+    one, parallel = (compiler.compile_sync(generic_tool_spec([WEATHER], parallel=p)) for p in (False, True))
+    assert drive(one, tokenizer, "Let me look. " + call) == (None, True)
+    assert drive(one, tokenizer, call + "\n" + call)[0] is not None
+    assert drive(one, tokenizer, call + " Done.")[0] is not None
+    assert drive(parallel, tokenizer, call + "\n" + call) == (None, True)
 
 
 def test_step_bitmask_allows_exactly_the_grammar_tokens(compiler: GrammarCompiler, tokenizer: Any) -> None:

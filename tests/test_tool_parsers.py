@@ -253,6 +253,32 @@ def test_call_ids_are_unique_and_kept_within_a_stream():
     assert len(set(parsed_ids + ids)) == 10
 
 
+# One output of each format with two calls (and, in hermes, text around them); the content before
+# the first call.
+TWO_CALLS = [("hermes", "Checking.\n" + tagged(WEATHER) + "\nAnd the time:\n" + tagged(TIME) + "\nDone.",
+              "Checking.\n"),
+             ("llama3_json", call(WEATHER) + "; " + call(TIME), None),
+             ("mistral", "[TOOL_CALLS]" + json.dumps([json.loads(WEATHER), json.loads(TIME)]), None),
+             ("forced", json.dumps([json.loads(call(WEATHER)), json.loads(call(TIME))]), None)]
+
+
+@pytest.mark.parametrize("parser_name, text, before", TWO_CALLS, ids=[p for p, *_ in TWO_CALLS])
+def test_with_one_call_at_most_parse_ends_the_output_after_the_first_call(parser_name, text, before):
+    parsed = get_tool_parser(parser_name).parse(text, max_calls=1)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", W)]
+    assert parsed.content == before
+
+
+@pytest.mark.parametrize("parser_name, text, before", TWO_CALLS, ids=[p for p, *_ in TWO_CALLS])
+def test_with_one_call_at_most_a_stream_ends_after_the_first_call(parser_name, text, before):
+    streamer = get_tool_parser(parser_name).streamer(max_calls=1)
+    deltas = [d for c in text for d in streamer.feed(c)] + streamer.finish()
+    content, calls = reassemble(deltas)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", W)]
+    assert content == (before or "") and streamer.num_tool_calls == 1
+    assert {d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d} == {0}
+
+
 def test_forced_named_call_takes_the_whole_output_as_arguments():
     parsed = forced_named_call("get_weather", json.dumps(W))
     assert parsed.content is None

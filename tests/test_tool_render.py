@@ -10,7 +10,15 @@ from typing import Any
 from jinja2 import Template
 
 from flashserve.api.tools.parsers import get_tool_parser
-from flashserve.api.tools.render import TemplateSupport, call_text, render_messages, template_support, tools_block
+from flashserve.api.tools.render import (
+    ANSWER_AFTER_RESULT,
+    ANSWER_AFTER_RESULTS,
+    TemplateSupport,
+    call_text,
+    render_messages,
+    template_support,
+    tools_block,
+)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -41,9 +49,13 @@ def test_the_embedded_models_template_renders_neither_tools_nor_calls(smollm2_to
     assert not support.tools and not support.tool_calls and not support.developer
 
 
+def test_the_embedded_models_template_renders_a_tool_turn(smollm2_tokenizer: Any) -> None:
+    assert template_support(smollm2_tokenizer).tool_role
+
+
 def test_a_template_that_renders_tools_and_calls_is_recognised() -> None:
     assert template_support(JinjaTokenizer(TOOLS_AWARE)) == TemplateSupport(tools=True, tool_calls=True,
-                                                                             tool_results=True)
+                                                                             tool_results=True, tool_role=True)
 
 
 def test_a_template_that_raises_on_the_probes_renders_none_of_them() -> None:
@@ -97,3 +109,36 @@ def test_calls_and_results_stay_as_they_are_where_the_template_renders_them() ->
     messages = [{"role": "assistant", "content": "", "tool_calls": [CALL]},
                 {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}]
     assert render_messages(messages, TemplateSupport(tools=True, tool_calls=True, tool_results=True)) == messages
+
+
+QUESTION = {"role": "user", "content": "Weather in Paris and Rome?"}
+TWO_CALLS = {"role": "assistant", "content": "", "tool_calls": [CALL, {**CALL, "id": "call_2"}]}
+RESULTS = [{"role": "tool", "content": "18 C", "tool_call_id": "call_1"},
+           {"role": "tool", "content": "21 C", "tool_call_id": "call_2"}]
+
+
+def test_results_go_in_tool_turns_where_the_template_renders_that_role() -> None:
+    out = render_messages([QUESTION, TWO_CALLS, *RESULTS], TemplateSupport(tool_role=True))
+    assert [m["role"] for m in out] == ["user", "assistant", "tool", "tool"]
+    assert [m["content"] for m in out[2:]] == ["<tool_response>\n18 C\n</tool_response>",
+                                                "<tool_response>\n21 C\n</tool_response>"]
+
+
+def test_results_that_end_the_conversation_are_followed_by_a_request_to_answer() -> None:
+    one = render_messages([QUESTION, TWO_CALLS, RESULTS[0]], TemplateSupport(tool_role=True), ask_answer=True)
+    two = render_messages([QUESTION, TWO_CALLS, *RESULTS], TemplateSupport(tool_role=True), ask_answer=True)
+    assert one[-1] == {"role": "user", "content": ANSWER_AFTER_RESULT}
+    assert two[-1] == {"role": "user", "content": ANSWER_AFTER_RESULTS} and two[-2]["role"] == "tool"
+
+
+def test_without_a_tool_role_the_request_to_answer_ends_the_user_turn_of_the_results() -> None:
+    out = render_messages([QUESTION, TWO_CALLS, *RESULTS], TemplateSupport(), ask_answer=True)
+    assert [m["role"] for m in out] == ["user", "assistant", "user"]
+    assert out[-1]["content"].endswith("21 C\n</tool_response>\n" + ANSWER_AFTER_RESULTS)
+
+
+def test_results_already_answered_get_no_request_to_answer() -> None:
+    messages = [QUESTION, TWO_CALLS, *RESULTS, {"role": "assistant", "content": "18 C and 21 C."},
+                {"role": "user", "content": "Thanks!"}]
+    out = render_messages(messages, TemplateSupport(tool_role=True), ask_answer=True)
+    assert all(m["content"] not in (ANSWER_AFTER_RESULT, ANSWER_AFTER_RESULTS) for m in out)

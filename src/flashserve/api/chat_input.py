@@ -64,13 +64,15 @@ def tool_mode(body: p.ChatCompletionRequest, parser: str | None, tokenizer: Any,
     if choice == "none":
         return None
     names = tuple(t.function.name for t in body.tools)
+    parallel = body.parallel_tool_calls is not False
     if choice is None or choice == "auto":
         name = detect_tool_parser(getattr(tokenizer, "chat_template", None)) if parser == "auto" else parser
         if name in TOOL_PARSERS and support.tools:  # the model's own format, shown by its template
-            return ToolMode("auto", get_tool_parser(name), names=names)
-        return ToolMode("auto", get_tool_parser("hermes"), names=names, rendered=True)
+            return ToolMode("auto", get_tool_parser(name), names=names, parallel=parallel)
+        return ToolMode("auto", get_tool_parser("hermes"), names=names, rendered=True, parallel=parallel)
     if choice == "required":
-        return ToolMode("required", get_tool_parser("forced"), names=names, rendered=not support.tools)
+        return ToolMode("required", get_tool_parser("forced"), names=names, rendered=not support.tools,
+                        parallel=parallel)
     if isinstance(choice, dict):
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
@@ -84,7 +86,8 @@ def chat_conversation(body: p.ChatCompletionRequest, tools: ToolMode | None,
                       support: TemplateSupport) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the messages, the keyword arguments) to render with the chat template: the tools go to
     the template where it renders them for the model's own format, else into a system block of
-    ours (`tools.render`), as do earlier calls and tool results the template cannot render."""
+    ours (`tools.render`), as do earlier calls and tool results the template cannot render; in
+    `auto` mode there, results that end the conversation are followed by a request to answer."""
     messages = [template_message(m) for m in body.messages]
     kwargs: dict[str, Any] = {}
     block = None
@@ -94,7 +97,8 @@ def chat_conversation(body: p.ChatCompletionRequest, tools: ToolMode | None,
             block = tools_block(listed, tools.kind, tools.name)  # type: ignore[arg-type]
         else:
             kwargs["tools"] = listed
-    return render_messages(messages, support, block), kwargs
+    ask_answer = tools is not None and tools.rendered and tools.kind == "auto"
+    return render_messages(messages, support, block, ask_answer), kwargs
 
 
 def tool_grammar(body: p.ChatCompletionRequest, tools: ToolMode | None) -> GrammarSpec | None:
@@ -104,8 +108,8 @@ def tool_grammar(body: p.ChatCompletionRequest, tools: ToolMode | None) -> Gramm
         return None
     listed = [t.model_dump(exclude_none=True) for t in body.tools or []]
     if tools.kind == "auto":
-        return generic_tool_spec(listed) if tools.rendered else None
-    return tool_call_spec(listed, body.tool_choice)
+        return generic_tool_spec(listed, tools.parallel) if tools.rendered else None
+    return tool_call_spec(listed, body.tool_choice, tools.parallel)
 
 
 class Grammars:

@@ -35,6 +35,11 @@ class ToolMode:
     name: str | None = None  # named: the function
     names: tuple[str, ...] = ()  # the request's functions
     rendered: bool = False  # the tools reach the model as text of ours, not through its template
+    parallel: bool = True  # False (parallel_tool_calls): at most one call
+
+    @property
+    def max_calls(self) -> int | None:
+        return None if self.parallel else 1
 
 
 @dataclass
@@ -78,7 +83,8 @@ def chat_message(result: ChoiceResult, tools: ToolMode | None) -> tuple[dict[str
     cut = result.finish_reason == "length"  # a call under way keeps its arguments as far as they went
     if tools is not None:
         parsed = (forced_named_call(tools.name, result.text, cut) if tools.kind == "named" and tools.name
-                  else tools.parser.parse(result.text, tools.names, cut) if tools.parser is not None else None)
+                  else tools.parser.parse(result.text, tools.names, cut, tools.max_calls) if tools.parser is not None
+                  else None)
         if parsed is not None:
             content, calls = parsed.content, parsed.tool_calls
     reason = "tool_calls" if calls and not cut else result.finish_reason
@@ -144,7 +150,8 @@ class ChatChoiceStream:
         self._text_of = text_of
         self._tools = tools
         self._token_ids = token_ids  # each output's ids on its first chunk
-        self._streamer = tools.parser.streamer(tools.names) if tools is not None and tools.parser is not None else None
+        self._streamer = (tools.parser.streamer(tools.names, tools.max_calls)
+                          if tools is not None and tools.parser is not None else None)
         self._named_id = f"call_{uuid.uuid4().hex[:24]}" if tools is not None and tools.kind == "named" else None
         self._named_started = False
 

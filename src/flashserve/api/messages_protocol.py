@@ -179,5 +179,7 @@ def chat_fields(req: MessagesRequest) -> dict[str, Any]:
         "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
         "tools": chat_tools(req.tools), "tool_choice": chat_tool_choice(req.tool_choice), "stream": req.stream,
         "response_format": chat_response_format(req.output_config),
+        # Anthropic's switch for at most one tool_use block
+        "parallel_tool_calls": False if (req.tool_choice or {}).get("disable_parallel_tool_use") is True else None,
     }
     return {k: v for k, v in fields.items() if v is not None}

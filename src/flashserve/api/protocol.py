@@ -154,6 +154,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # None: true; false: at most one call
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None

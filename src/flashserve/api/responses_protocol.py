@@ -180,7 +180,7 @@ def chat_fields(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[s
     fields: dict[str, Any] = {
         "messages": messages, "model": req.model, "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "tools": chat_tools(req.tools),
-        "tool_choice": chat_tool_choice(req.tool_choice), "response_format": chat_response_format(req.text),
-        "stream": req.stream,
+        "tool_choice": chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": chat_response_format(req.text), "stream": req.stream,
     }
     return {k: v for k, v in fields.items() if v is not None}

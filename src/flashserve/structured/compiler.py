@@ -188,11 +188,11 @@ def _relocate_refs(schema: Any, base: str) -> Any:
     return out
 
 
-def tool_call_spec(tools: list[dict] | None, tool_choice: Any) -> GrammarSpec | None:
+def tool_call_spec(tools: list[dict] | None, tool_choice: Any, parallel: bool = True) -> GrammarSpec | None:
     """The grammar forced by `tool_choice`, or None when the model may answer freely.
 
-    "required": a non-empty JSON array of {"name": <a tool name>, "parameters": <its arguments>};
-    a named function: that function's arguments object alone.
+    "required": a non-empty JSON array of {"name": <a tool name>, "parameters": <its arguments>},
+    of one element where not `parallel`; a named function: that function's arguments object alone.
     """
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
@@ -207,7 +207,9 @@ def tool_call_spec(tools: list[dict] | None, tool_choice: Any) -> GrammarSpec | 
             properties = {"name": {"type": "string", "const": name}, "parameters": {"$ref": f"#/$defs/tool_{i}"}}
             calls.append({"type": "object", "properties": properties, "required": ["name", "parameters"],
                           "additionalProperties": False})
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
+        if not parallel:
+            schema["maxItems"] = 1
         return GrammarSpec("json", _schema_text(schema, "tools"), "tools")
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(fn, dict):
@@ -308,18 +310,19 @@ def json_grammar(ebnf: str) -> str:
     return bound_numbers(unroll_bounded_strings(json_string_characters(ebnf)))
 
 
-def generic_tool_spec(tools: list[dict]) -> GrammarSpec:
+def generic_tool_spec(tools: list[dict], parallel: bool = True) -> GrammarSpec:
     """The grammar of `tool_choice: "auto"` in the generic format (`tools.render`): any text, in
     which a `<tool_call>` must go on as a call of one of `tools` with arguments that follow its
-    schema, and close; any number of calls. The text never writes a tool result's tag: a small
-    model that has seen results in the conversation would otherwise make one up."""
+    schema, and close; any number of calls, or where not `parallel`, one, which ends the output.
+    The text never writes a tool result's tag: a small model that has seen results in the
+    conversation would otherwise make one up."""
     from flashserve.api.tools.render import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN  # imports this module
 
     tags = [{"begin": f'{CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
              "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1},
              "end": f"}}\n{CALL_CLOSE}"} for name, params in _tool_functions(tools).items()]
     tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
-                                                "at_least_one": False, "stop_after_first": False,
+                                                "at_least_one": False, "stop_after_first": not parallel,
                                                 "excludes": [RESULT_OPEN[:-1], RESULT_CLOSE[:-1], CALL_CLOSE[:-1]]}}
     return GrammarSpec("structural_tag", _schema_text(tag, "tools"), "tools")
 

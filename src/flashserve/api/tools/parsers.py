@@ -161,14 +161,15 @@ class ToolParser:
     name: ClassVar[str]
     _streamer: ClassVar[type[ToolCallStreamer]]
 
-    def parse(self, text: str, names: Sequence[str] = (), cut: bool = False) -> ParsedOutput:
+    def parse(self, text: str, names: Sequence[str] = (), cut: bool = False,
+              max_calls: int | None = None) -> ParsedOutput:
         """The calls and content of a whole output; `cut` (by max_tokens): a call under way is
         kept with its arguments as far as they went, where `names` (the request's functions) tell
-        which function it calls."""
-        return self._streamer(names).parse_whole(text, cut)
+        which function it calls. `max_calls`: the output ends after that many calls."""
+        return self._streamer(names, max_calls).parse_whole(text, cut)
 
-    def streamer(self, names: Sequence[str] = ()) -> ToolCallStreamer:
-        return self._streamer(names)
+    def streamer(self, names: Sequence[str] = (), max_calls: int | None = None) -> ToolCallStreamer:
+        return self._streamer(names, max_calls)
 
 
 class HermesToolParser(ToolParser):

@@ -9,7 +9,12 @@ the model can read:
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes format, which many
   models were trained on, and which `HermesToolParser` reads back);
 - an assistant's earlier calls, in that same format, after its content;
-- tool results, as a user turn of `<tool_response>...</tool_response>` blocks.
+- tool results, as `<tool_response>...</tool_response>` blocks: each in a `tool` turn where the
+  template renders that role's content after a plain assistant turn (SmolLM2's renders any role),
+  else in one user turn;
+- after the results that end a conversation in `auto` mode, a user turn that asks for the answer
+  (`ANSWER_AFTER_RESULT`): a small model shown only its own call and the result otherwise calls the
+  same function again, forever (SmolLM2-135M did on every such conversation tried).
 
 A template that renders tools and whose model's format is known keeps both (`--tool-call-parser`).
 """
@@ -22,6 +27,11 @@ from typing import Any, Literal, Sequence
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
+# What follows the results that end a conversation. Wordings that also offered another call ("...,
+# or call a function if you need more information") or named no length led SmolLM2-135M back into
+# calls or into repeating itself; docs/api.md lists what was tried.
+ANSWER_AFTER_RESULT = "Use this result to answer my question in one sentence."
+ANSWER_AFTER_RESULTS = "Use these results to answer my question in one sentence."
 
 _PROBE_NAME = "flashserve_probe_function"
 _PROBE_RESULT = "flashserve_probe_result"
@@ -34,12 +44,14 @@ _PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_NAME, "descriptio
 @dataclass(frozen=True)
 class TemplateSupport:
     """What a chat template renders: the `tools` argument, assistant `tool_calls`, the content of
-    `tool` messages, and whether it knows a `developer` role."""
+    `tool` messages (after a call; `tool_role`: after a plain assistant turn, as the generic format
+    sends them), and whether it knows a `developer` role."""
 
     tools: bool = False
     tool_calls: bool = False
     tool_results: bool = False
     developer: bool = False
+    tool_role: bool = False
 
 
 def _renders(tokenizer: Any, messages: list[dict[str, Any]], sign: str, **kwargs: Any) -> bool:
@@ -62,6 +74,7 @@ def template_support(tokenizer: Any) -> TemplateSupport:
         tools=_renders(tokenizer, [user], _PROBE_NAME, tools=[_PROBE_TOOL]),
         tool_calls=_renders(tokenizer, [user, call], _PROBE_NAME),
         tool_results=_renders(tokenizer, [user, call, result], _PROBE_RESULT),
+        tool_role=_renders(tokenizer, [user, {"role": "assistant", "content": "ok"}, result], _PROBE_RESULT),
         # A role name is no text a probe could look for in the output; a template that knows the
         # role names it.
         developer="developer" in str(template),
@@ -92,11 +105,14 @@ def call_text(name: str, arguments: Any) -> str:
 
 
 def render_messages(messages: list[dict[str, Any]], support: TemplateSupport,
-                         system_text: str | None = None) -> list[dict[str, Any]]:
+                    system_text: str | None = None, ask_answer: bool = False) -> list[dict[str, Any]]:
     """Template messages (as `template_message` makes them) with what the template cannot render
     turned into text: the `developer` role into `system`, assistant calls into call blocks, tool
-    results into user turns (consecutive ones in one), and `system_text` (the tools block) added
-    to the first system message or put in one of its own at the start."""
+    results into result blocks (in `tool` turns where the template renders them, else in one user
+    turn for consecutive ones), and `system_text` (the tools block) added to the first system
+    message or put in one of its own at the start. `ask_answer`: where the conversation ends with
+    results, a request to answer with them follows (in a user turn of its own, or at the end of the
+    user turn that holds them)."""
     out: list[dict[str, Any]] = []
     as_text = not (support.tool_calls and support.tool_results)
     for m in messages:
@@ -108,11 +124,21 @@ def render_messages(messages: list[dict[str, Any]], support: TemplateSupport,
             m["content"] = "\n".join([m["content"], *calls] if m.get("content") else calls)
         elif as_text and m["role"] == "tool":
             block = f"{RESULT_OPEN}\n{m['content']}\n{RESULT_CLOSE}"
-            if out and out[-1].get("tool_results"):
+            if support.tool_role:
+                m["content"] = block
+            elif out and out[-1].get("tool_results"):
                 out[-1]["content"] += "\n" + block
                 continue
-            m = {"role": "user", "content": block, "tool_results": True}
+            else:
+                m = {"role": "user", "content": block, "tool_results": True}
         out.append(m)
+    results = _trailing_results(messages)
+    if ask_answer and as_text and results:
+        ask = ANSWER_AFTER_RESULT if results == 1 else ANSWER_AFTER_RESULTS
+        if out[-1]["role"] == "tool":
+            out.append({"role": "user", "content": ask})
+        else:
+            out[-1]["content"] += "\n" + ask
     for m in out:
         m.pop("tool_results", None)
     if system_text:
@@ -121,3 +147,13 @@ def render_messages(messages: list[dict[str, Any]], support: TemplateSupport,
         else:
             out.insert(0, {"role": "system", "content": system_text})
     return out
+
+
+def _trailing_results(messages: list[dict[str, Any]]) -> int:
+    """How many tool results end the conversation."""
+    count = 0
+    for m in reversed(messages):
+        if m["role"] != "tool":
+            break
+        count += 1
+    return count

@@ -153,10 +153,12 @@ def _fragment(index: int, arguments: str) -> dict:
 
 class ToolCallStreamer:
     """Turns one output's text deltas into OpenAI chat `delta` dicts. A subclass scans one format
-    in `_step`; this class turns what it finds into deltas."""
+    in `_step`; this class turns what it finds into deltas. With `max_calls` (parallel_tool_calls
+    false: 1) the output ends after that many calls: what follows is dropped, calls and text."""
 
-    def __init__(self, names: Sequence[str] = ()) -> None:
+    def __init__(self, names: Sequence[str] = (), max_calls: int | None = None) -> None:
         self._names = tuple(names)  # the request's functions: an unfinished name may tell which
+        self._max_calls = max_calls
         self._cut = False  # the output was cut by max_tokens: an unfinished call goes out as it is
         self._buf = ""  # text seen, not decided yet
         self._raw = ""  # text taken for the call being read: content after all if it is malformed
@@ -187,7 +189,7 @@ class ToolCallStreamer:
     def parse_whole(self, text: str, cut: bool = False) -> ParsedOutput:
         """A fresh streamer's scan of a whole output at once: `ToolParser.parse`."""
         self._cut = cut
-        events = self._scan(text, final=True)
+        events = self._within_max_calls(self._scan(text, final=True), 0)
         calls = [ToolCall(new_call_id(), e.name, e.arguments) for e in events if isinstance(e, FoundCall)]
         content = "".join(e for e in events if isinstance(e, str))
         return ParsedOutput(None if calls and not content.strip() else content, calls)
@@ -203,10 +205,20 @@ class ToolCallStreamer:
         """Decide what can be decided at the start of the buffer; True to be called again."""
         raise NotImplementedError
 
+    def _within_max_calls(self, events: list[Event], made: int) -> list[Event]:
+        """`events` up to the call that reaches max_calls, counting the `made` calls before them."""
+        if self._max_calls is None:
+            return events
+        for i, event in enumerate(events):
+            if made >= self._max_calls:
+                return events[:i]
+            made += isinstance(event, FoundCall)
+        return events
+
     def _deltas(self, events: list[Event]) -> list[dict]:
         out: list[dict] = []
         text = ""
-        for event in events:
+        for event in self._within_max_calls(events, self._num_tool_calls):
             if isinstance(event, str):
                 text += event
                 continue
