@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from flashserve.message.grammar_spec import GrammarSpec
 from flashserve.message.sampling_params import InvalidParameter
+from flashserve.structured.tool_format import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -311,13 +312,11 @@ def json_grammar(ebnf: str) -> str:
 
 
 def generic_tool_spec(tools: list[dict], parallel: bool = True) -> GrammarSpec:
-    """The grammar of `tool_choice: "auto"` in the generic format (`tools.render`): any text, in
+    """The grammar of `tool_choice: "auto"` in the generic format (`tool_format.py`): any text, in
     which a `<tool_call>` must go on as a call of one of `tools` with arguments that follow its
     schema, and close; any number of calls, or where not `parallel`, one, which ends the output.
     The text never writes a tool result's tag: a small model that has seen results in the
     conversation would otherwise make one up."""
-    from flashserve.api.tools.render import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN  # imports this module
-
     tags = [{"begin": f'{CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
              "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1},
              "end": f"}}\n{CALL_CLOSE}"} for name, params in _tool_functions(tools).items()]

@@ -25,8 +25,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
+from flashserve.structured.tool_format import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN
+
 # What follows the results that end a conversation. Wordings that also offered another call ("...,
 # or call a function if you need more information") or named no length led SmolLM2-135M back into
 # calls or into repeating itself; docs/api.md lists what was tried.
