@@ -111,6 +111,35 @@ def test_langchain_bind_tools_runs_a_two_turn_tool_loop(server: str) -> None:
         first.response_metadata["token_usage"]["prompt_tokens"]
 
 
+# A first question, the model's call and its result: the model then answers in text (it used to call
+# get_weather again, and an agent loop never ended).
+PARIS_CALL = {"id": "call_paris", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+ANSWERABLE = [{"role": "user", "content": "What is the weather in Paris?"},
+              {"role": "assistant", "content": None, "tool_calls": [PARIS_CALL]},
+              {"role": "tool", "tool_call_id": "call_paris", "content": "18 C and sunny"}]
+
+
+def test_after_a_tool_result_auto_answers_in_text(server: str) -> None:
+    resp = client(server).chat.completions.create(model=MODEL, messages=ANSWERABLE, tools=[WEATHER],
+                                                  max_tokens=40, temperature=0)
+    choice = resp.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content.strip()
+    assert choice.finish_reason == "stop"
+
+
+def test_langchain_a_forced_call_and_its_tool_message_end_in_a_text_answer(server: str) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server}/v1", api_key="unused", temperature=0, max_tokens=40)
+    question = [HumanMessage("What is the weather in Paris?")]
+    first = llm.bind_tools([WEATHER], tool_choice="required").invoke(question)
+    (call,) = first.tool_calls
+    second = llm.bind_tools([WEATHER]).invoke([*question, first, ToolMessage("18 C and sunny", tool_call_id=call["id"])])
+    assert not second.tool_calls and second.content.strip()
+
+
 def test_litellm_with_tools_gets_a_call(server: str) -> None:
     import litellm
 
@@ -147,6 +176,20 @@ def test_a_streamed_required_call_cut_by_max_tokens_is_a_partial_call(server: st
     assert reasons == ["length"] and not content
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in whole]
+
+
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The current time",
+                                         "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_streamed_required_call_without_parallel_calls_is_one_call(server: str) -> None:
+    # With parallel calls this question gets get_time, then get_weather.
+    stream = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What time is it?"}], tools=[WEATHER, TIME],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True)
+    content, calls, reasons = reassemble(stream)
+    assert [c["name"] for c in calls.values()] == ["get_time"] and list(calls) == [0]
+    assert reasons == ["tool_calls"] and not content
 
 
 # ---- logprobs and echo with emoji and CJK ------------------------------------------------------
