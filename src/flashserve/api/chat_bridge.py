@@ -11,20 +11,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Mapping, Union
+from typing import Any, AsyncIterator, Iterator, Mapping, Union
 
 import orjson
 from fastapi import Request
 from pydantic import ValidationError
 
 from flashserve.api import protocol as p
+from flashserve.api.chat_plan import ChatEndpoint, ChatPlan
 from flashserve.api.choices import ChatChoiceStream, chat_message
 from flashserve.api.errors import APIError, invalid
 from flashserve.api.streaming import EngineStreams, unless_disconnected, usage
 from flashserve.message.sampling_params import InvalidParameter
-
-if TYPE_CHECKING:
-    from flashserve.api.server import ChatPlan, _OpenAIServing
 
 
 @dataclass(frozen=True)
@@ -95,16 +93,16 @@ class ChatRun:
     """The engine streams of one planned chat request, started: a failure before the first token
     has already been raised as an APIError (so it can still be an HTTP status)."""
 
-    def __init__(self, serving: _OpenAIServing, plan: ChatPlan, streams: EngineStreams) -> None:
+    def __init__(self, serving: ChatEndpoint, plan: ChatPlan, streams: EngineStreams) -> None:
         self._serving = serving
         self._plan = plan
         self._streams = streams
 
     @classmethod
-    async def start(cls, serving: _OpenAIServing, raw: Request, body: p.ChatCompletionRequest,
+    async def start(cls, serving: ChatEndpoint, raw: Request, body: p.ChatCompletionRequest,
                     plan: ChatPlan, arrival: float | None = None) -> ChatRun:
         """Raises APIError, or ClientGone if the client left first."""
-        streams = serving._open(body, plan.request_id, [plan.prompt], param="messages",
+        streams = serving.open_streams(body, plan.request_id, [plan.prompt], param="messages",
                                 arrival=time.monotonic() if arrival is None else arrival,
                                 x_request_id=raw.state.request_id, grammar=plan.grammar, headers=raw.headers)
         try:

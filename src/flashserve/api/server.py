@@ -12,7 +12,6 @@ import functools
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, Mapping, Sequence
 
 from fastapi import FastAPI, Request
@@ -24,6 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from flashserve.api import protocol as p
 from flashserve.api.chat_input import Grammars, as_ids, chat_conversation, tool_grammar, tool_mode
+from flashserve.api.chat_plan import ChatPlan
 from flashserve.api.choices import (
     ChatChoiceStream,
     CompletionChoiceStream,
@@ -66,17 +66,6 @@ def _model_not_found(model: str) -> APIError:
 # Inputs up to this many characters are tokenized on the event loop (faster than a thread hop);
 # longer ones in the tokenizer thread.
 TOKENIZE_INLINE_CHARS = 4096
-
-
-@dataclass(frozen=True)
-class ChatPlan:
-    """What one chat request hands the engine: its prompt ids, grammar and tool mode."""
-
-    request_id: str
-    model: str
-    prompt: list[int]
-    grammar: Any
-    tools: ToolMode | None
 
 
 class _OpenAIServing:
@@ -281,7 +270,7 @@ class _OpenAIServing:
         prompts: list[list[int]], chat: bool, arrival: float, grammar: Any = None, tools: ToolMode | None = None,
         echo: list[str] | None = None,
     ) -> Response:
-        streams = self._open(body, request_id, prompts, param="messages" if chat else "prompt", arrival=arrival,
+        streams = self.open_streams(body, request_id, prompts, param="messages" if chat else "prompt", arrival=arrival,
                              x_request_id=raw.state.request_id, grammar=grammar, headers=raw.headers)
         try:
             await unless_disconnected(raw, streams.start())
@@ -339,7 +328,7 @@ class _OpenAIServing:
                                             choices=[p.CompletionChoice(**c) for c in choices])
         return JSONResponse(response.model_dump(exclude_none=False))
 
-    def _open(
+    def open_streams(
         self, body: p.GenerationRequest, request_id: str, prompts: list[list[int]], param: str, arrival: float,
         x_request_id: str | None = None, grammar: Any = None, headers: Mapping[str, str] | None = None,
     ) -> EngineStreams:

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flashserve.api import chat_bridge as bridge
 from flashserve.api import messages_protocol as mp
+from flashserve.api.chat_plan import ChatEndpoint
 from flashserve.api.choices import json_arguments
 from flashserve.api.errors import unsupported
 from flashserve.api.streaming import CLIENT_CLOSED, ClientGone, SSEResponse
@@ -62,8 +63,8 @@ def _content(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class MessagesServing:
-    def __init__(self, serving: Any) -> None:
-        self.serving = serving  # the chat endpoint's `_OpenAIServing`
+    def __init__(self, serving: ChatEndpoint) -> None:
+        self.serving = serving
 
     async def create(self, body: mp.MessagesRequest, raw: Request) -> Response:
         arrival = time.monotonic()

@@ -18,6 +18,7 @@ from starlette.background import BackgroundTask
 
 from flashserve.api import chat_bridge as bridge
 from flashserve.api import responses_protocol as rp
+from flashserve.api.chat_plan import ChatEndpoint
 from flashserve.api.errors import APIError, unsupported
 from flashserve.api.response_store import MissingResponse, ResponseStore, StoredResponse
 from flashserve.api.streaming import CLIENT_CLOSED, ClientGone, SSEResponse
@@ -56,8 +57,8 @@ def _output(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
 
 
 class ResponsesServing:
-    def __init__(self, serving: Any, store: ResponseStore) -> None:
-        self.serving = serving  # the chat endpoint's `_OpenAIServing`
+    def __init__(self, serving: ChatEndpoint, store: ResponseStore) -> None:
+        self.serving = serving
         self.store = store
 
     async def create(self, body: rp.ResponsesRequest, raw: Request) -> Response:
