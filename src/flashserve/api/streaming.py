@@ -20,7 +20,7 @@ from flashserve.api.choices import ChoiceResult
 from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, engine_dead, invalid, overloaded
 from flashserve.client.protocol import EngineClient
 from flashserve.message.errors import EngineDead, EngineOverloaded
-from flashserve.message.outputs import RequestOutput
+from flashserve.message.outputs import RequestOutput, error_output
 from flashserve.message.sampling_params import InvalidParameter, SamplingParams
 from flashserve.metrics import RequestRecord
 
@@ -55,10 +55,6 @@ async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
     finally:
         task.cancel()
         watch.cancel()
-
-
-def _failed(request_id: str, message: str) -> RequestOutput:
-    return RequestOutput(request_id, [], "", True, "error", 0, 0, error=message)
 
 
 class EngineStreams:
@@ -112,7 +108,7 @@ class EngineStreams:
                 self._queue.put_nowait((index, out))
                 if finished:
                     return
-            self._queue.put_nowait((index, _failed(request_id, "the engine stream ended early")))
+            self._queue.put_nowait((index, error_output(request_id, 0, "the engine stream ended early")))
         except (EngineDead, EngineOverloaded, InvalidParameter) as exc:
             self._queue.put_nowait((index, exc))
         except Exception as exc:
@@ -137,11 +133,11 @@ class EngineStreams:
                 self._refusals[index] = engine_dead(message)
             elif isinstance(item, InvalidParameter):  # the engine refused a token id
                 self._refusals[index] = invalid(message, item.param)
-            item = _failed(self._ids[index], message)
+            item = error_output(self._ids[index], 0, message)
         if item.finished:
             self._finished[index] = True
         self.num_output_tokens[index] = max(self.num_output_tokens[index], item.num_output_tokens)
-        # max: a failure stand-in from _failed carries 0 and must not erase a count already seen.
+        # max: a failure stand-in (error_output) carries 0 and must not erase a count already seen.
         self.num_cached_tokens[index] = max(self.num_cached_tokens[index], item.num_cached_tokens)
         if self._record is not None:
             self._record.tokens(index, len(item.new_token_ids), item.num_output_tokens)

@@ -1,9 +1,13 @@
-"""The engine core's busy loop: an `LLMEngine` fed by one or more front ends over pipes.
+"""The engine core's busy loop, the only one that drives an `LLMEngine`: receive, admit, step.
 
-Each front end holds one end of a duplex pipe; the engine core reads what they sent between steps
-(new requests, aborts), runs a step, and sends each front end ONE message per step with the
-outputs of its own requests (`client/codec.py`). It sees token ids only: detokenizing and stop
-strings are the front ends' (a stop string found there comes back as an abort).
+Its clients are the server's front ends and run-batch's app, each over one end of a duplex pipe
+(`client/core_client.py`, in another process, or in this one: `client/async_engine.py` runs the
+core in a thread), and the offline `LLM`, which submits requests and runs the core's turns itself
+(`client/inproc.py`). The engine core reads what the front ends sent between steps (new requests,
+aborts), runs a step (`step`: the one turn of the cycle every client gets), and sends each front
+end ONE message per step with the outputs of its own requests (`message/codec.py`). It sees token
+ids only: detokenizing and stop strings are the front ends' (a stop string found there comes back
+as an abort).
 
 A request's grammar arrives as a spec; the engine core compiles it in the compiler's threads, and
 the request joins the engine once it is compiled, so that a compilation never stalls the step loop.
@@ -27,19 +31,18 @@ import selectors
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from flashserve.message.codec import (
-    PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, FrameQueue, Hello, StepOutputs, recv, send,
-)
-from flashserve.message.outputs import error_output
-from flashserve.message.requests import Abort
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.kv_events import KVEventPublisher
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
-from flashserve.message.outputs import RequestOutput
 from flashserve.engine.prefix_pins import GroupPins
+from flashserve.message.codec import (
+    PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, FrameQueue, Hello, StepOutputs, recv, send,
+)
+from flashserve.message.outputs import RequestOutput, error_output
+from flashserve.message.requests import Abort
 from flashserve.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -60,16 +63,17 @@ class EngineCore:
     def __init__(
         self,
         engine: LLMEngine,
-        setup: EngineSetup,
+        setup: EngineSetup | None = None,
         compile_grammar: Callable[[Any], Any] | None = None,
         metrics: Metrics | None = None,
         queue_timeout: float | None = None,
         pins: GroupPins | None = None,
         kv_events: KVEventPublisher | None = None,
     ) -> None:
-        """`pins`: an offline batch's prefix-sharing groups (run-batch), pinned as their requests
-        (`AddRequest.prefix_member`) come and go. `kv_events`: publishes each step's KV cache
-        events (`--kv-events-config`)."""
+        """`setup`: what `connect` sends each front end (None for a core only `submit` feeds).
+        `pins`: an offline batch's prefix-sharing groups (run-batch, `LLM`), pinned as their
+        requests (`AddRequest.prefix_member`) come and go. `kv_events`: publishes each step's KV
+        cache events (`--kv-events-config`)."""
         self.engine = engine
         self.setup = setup
         self.compile_grammar = compile_grammar
@@ -82,8 +86,8 @@ class EngineCore:
         self._recorder = StepRecorder(engine, metrics)
         self._recorder.record([], time.monotonic())  # every gauge at its value before any front end asks
         self._conns: list[Connection] = []
-        self._owner: dict[str, Connection] = {}  # request id -> the front end it answers
-        self._compiling: list[tuple[AddRequest, Connection, Any]] = []  # (request, front end, future)
+        self._owner: dict[str, Connection | None] = {}  # request id -> its front end (None: `submit`'s caller)
+        self._compiling: list[tuple[AddRequest, Connection | None, Any]] = []  # (request, front end, future)
         self._waiting_sent: dict[Connection, int] = {}  # the queue length each front end last heard
         self._out: dict[Connection, FrameQueue] = {}  # what each front end has yet to read
         # One selector for the whole run (multiprocessing's `wait` builds one per call): every
@@ -119,25 +123,45 @@ class EngineCore:
     def _run(self) -> str | None:
         with existing_objects_frozen():
             while self._conns:
-                outputs = self._receive(wait_for=self._idle_wait())
-                outputs += self._admit_compiled()
-                # After the requests that came in got their arrival times (a request that woke an
-                # idle loop arrived after the wait began): queue times are never negative.
-                start = time.monotonic()
-                outputs += expire(self.engine, self.queue_timeout, start)
-                generated = 0
-                if self.engine.has_unfinished:
-                    try:
-                        outputs += self.engine.step()
-                    except Exception as exc:  # the loop died: every front end hears it
-                        logger.exception("engine loop died")
-                        return self._die(f"engine loop died: {exc!r}")
-                    generated = self.engine.num_step_tokens
-                    if self.kv_events is not None:
-                        self.kv_events.publish(self.engine.scheduler.kv_cache.take_events())
-                self._recorder.record(outputs, start, generated)
+                received = self._receive(wait_for=self._idle_wait())
+                try:
+                    outputs = self.step(received)
+                except Exception as exc:  # the loop died: every front end hears it
+                    logger.exception("engine loop died")
+                    return self._die(f"engine loop died: {exc!r}")
                 self._deliver(outputs)
         return None
+
+    def submit(self, message: AddRequest | Abort) -> RequestOutput | None:
+        """A request, or an abort, from a client in this process that steps the core itself
+        (`client/inproc.py`); the output of a request refused at once, or of the one aborted. Its
+        other outputs come back from `step`."""
+        return self._apply(None, message)
+
+    def step(self, received: Sequence[RequestOutput] = ()) -> list[RequestOutput]:
+        """One turn of the cycle, after the messages that came in (`received`: the outputs they
+        made, of requests refused or aborted): admit the requests whose grammars compiled, end
+        those that waited too long, step the engine, publish the KV cache events and the turn's
+        numbers. Returns every output of the turn; raises what the engine's step raised."""
+        outputs = [*received, *self._admit_compiled()]
+        # After the requests that came in got their arrival times (a request that woke an idle
+        # loop arrived after the wait began): queue times are never negative.
+        start = time.monotonic()
+        outputs += expire(self.engine, self.queue_timeout, start)
+        generated = 0
+        if self.engine.has_unfinished:
+            outputs += self.engine.step()
+            generated = self.engine.num_step_tokens
+            if self.kv_events is not None:
+                self.kv_events.publish(self.engine.scheduler.kv_cache.take_events())
+        self._recorder.record(outputs, start, generated)
+        for out in outputs:
+            if out.finished:
+                if self._group_of and (group := self._group_of.pop(out.request_id, None)) is not None:
+                    self.pins.finished(group)  # type: ignore[union-attr]
+                if out.request_id in self._owner and self._owner[out.request_id] is None:  # submit()'s
+                    del self._owner[out.request_id]
+        return outputs
 
     def _idle_wait(self) -> float | None:
         if self.engine.has_unfinished:
@@ -195,7 +219,7 @@ class EngineCore:
         except OSError:
             self._drop(conn)
 
-    def _apply(self, conn: Connection, message: Any) -> RequestOutput | None:
+    def _apply(self, conn: Connection | None, message: Any) -> RequestOutput | None:
         if isinstance(message, Abort):
             out = apply_abort(self.engine, message)
             if out is None:  # unknown to the engine: finished already, or its grammar still compiles
@@ -228,10 +252,11 @@ class EngineCore:
         if not self._compiling:
             return []
         outputs: list[RequestOutput] = []
-        still: list[tuple[AddRequest, Connection, Any]] = []
+        still: list[tuple[AddRequest, Connection | None, Any]] = []
         for message, conn, future in self._compiling:
             add = message.add
-            if conn not in self._waiting_sent or add.request_id not in self._owner:  # gone, or aborted meanwhile
+            if (conn is not None and conn not in self._waiting_sent) or add.request_id not in self._owner:
+                # its front end is gone, or it was aborted meanwhile
                 continue
             if not future.done():
                 still.append((message, conn, future))
@@ -272,8 +297,6 @@ class EngineCore:
         by_conn: dict[Connection, list[RequestOutput]] = {}
         owner = self._owner
         for out in outputs:
-            if self._group_of and out.finished and (group := self._group_of.pop(out.request_id, None)) is not None:
-                self.pins.finished(group)  # type: ignore[union-attr]
             conn = owner.pop(out.request_id, None) if out.finished else owner.get(out.request_id)
             if conn is not None:
                 by_conn.setdefault(conn, []).append(out)

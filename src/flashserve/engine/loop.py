@@ -1,6 +1,6 @@
-"""What every engine loop does besides stepping, whether it runs in a thread of the server
-(`AsyncEngine`) or in a process of its own (`engine/core.py`): apply the inbox, end requests that
-waited too long for their first schedule, and publish each step's numbers to the metrics."""
+"""The parts of the engine core's turn besides the engine's step (`engine/core.py`): apply a new
+request or an abort, end requests that waited too long for their first schedule, and publish each
+step's numbers to the metrics."""
 
 from __future__ import annotations
 

@@ -8,15 +8,19 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from flashserve.client.inproc import InprocClient
 from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from flashserve.engine.core import EngineCore
 from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
-from flashserve.message.outputs import RequestOutput, merge_outputs
 from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 from flashserve.engine.prefix_pins import GroupPins
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.engine.scheduler import Scheduler
 from flashserve.kv_cache.manager import KVCacheManager
+from flashserve.message.codec import AddRequest
+from flashserve.message.outputs import RequestOutput, merge_outputs
+from flashserve.message.requests import Add
+from flashserve.message.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -192,13 +196,13 @@ class LLM:
 
 
 class _Feeder:
-    """Feeds an offline batch to the engine in plan order while stepping it.
+    """Feeds an offline batch to the engine core in plan order while stepping it (`InprocClient`).
 
     The engine holds at most `2 * max_num_seqs` unfinished requests: enough that every slot the
     scheduler frees is refilled at once, few enough that its waiting queue (which it scans every
     step for requests whose prefix another request is still computing) stays short and that pins
     are taken only as their groups start. Each group's prefix is pinned while the group runs
-    (`GroupPins`).
+    (`GroupPins`, which the core keeps as the requests come and go).
     """
 
     def __init__(self, engine: LLMEngine, plan: GroupPlan, ids: list[str], tokens: list[list[int]],
@@ -216,31 +220,29 @@ class _Feeder:
         return self.pins.num_pinned_groups
 
     def run(self) -> dict[str, list[RequestOutput]]:
+        client = InprocClient(EngineCore(self.engine, pins=self.pins))
         with existing_objects_frozen():
-            return self._feed()
+            try:
+                return self._feed(client)
+            finally:  # interrupted: leave the engine and the cache as they were
+                for rid in self.ids:
+                    client.abort(rid)
+                self.pins.release_all()
+                client.close()
 
-    def _feed(self) -> dict[str, list[RequestOutput]]:
-        engine, pins = self.engine, self.pins
+    def _feed(self, client: InprocClient) -> dict[str, list[RequestOutput]]:
         outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in self.ids}
         queue = [(g, i) for g, group in enumerate(self.plan.groups) for i in group.members]
-        group_of: dict[str, int] = {}
         next_up = 0
-        try:
-            while next_up < len(queue) or engine.has_unfinished:
-                while next_up < len(queue) and engine.num_live < self.max_live:
-                    g, i = queue[next_up]
-                    next_up += 1
-                    pins.submitted(g, i)
-                    group_of[self.ids[i]] = g
-                    engine.add_request(self.ids[i], self.tokens[i], self.params[i], stream=False)
-                for out in engine.step():
-                    outputs[out.request_id].append(out)
-                    if out.finished:
-                        pins.finished(group_of[out.request_id])
-        finally:  # interrupted: leave the engine and the cache as they were
-            for rid in group_of:
-                engine.abort(rid)
-            pins.release_all()
+        while next_up < len(queue) or client.has_unfinished:
+            while next_up < len(queue) and client.num_live < self.max_live:
+                g, i = queue[next_up]
+                next_up += 1
+                add = Add(self.ids[i], self.tokens[i], self.params[i], stream=False)
+                if (refused := client.submit(AddRequest(add, prefix_member=(g, i)))) is not None:
+                    outputs[refused.request_id].append(refused)
+            for out in client.step():
+                outputs[out.request_id].append(out)
         return outputs
 
 
