@@ -21,17 +21,20 @@ import socket
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashserve.message.codec import PROTOCOL_VERSION, Dead, EngineSetup, Hello, recv, send
 from flashserve.entrypoints.processes import FRONTEND_NAME, become_child
+
+if TYPE_CHECKING:
+    from flashserve.cli import ServeArgs
 
 logger = logging.getLogger("flashserve")
 
 EXIT_ENGINE_DIED = 1
 
 
-def main(index: int, conns: list[Connection], sock: socket.socket, args: Any) -> None:
+def main(index: int, conns: list[Connection], sock: socket.socket, args: ServeArgs) -> None:
     """The process's target: front end number `index` of a server started with `args` (ServeArgs),
     with a pipe to each engine core in `conns` (several under `--data-parallel-size`)."""
     become_child(FRONTEND_NAME.format(index), args.server.log_level)
@@ -92,7 +95,7 @@ def _in_thread(fn: Any, *args: Any) -> asyncio.Future[Any]:
     return future
 
 
-def engine_client(conns: list[Connection], setups: list[EngineSetup], args: Any) -> Any:
+def engine_client(conns: list[Connection], setups: list[EngineSetup], args: ServeArgs) -> Any:
     """One EngineCoreClient, or a DataParallelClient over one per engine core."""
     from flashserve.client.core_client import EngineCoreClient
 
@@ -108,7 +111,7 @@ def engine_client(conns: list[Connection], setups: list[EngineSetup], args: Any)
     return DataParallelClient(clients, router)
 
 
-async def serve(conns: list[Connection], sock: socket.socket, args: Any, index: int = 0) -> int:
+async def serve(conns: list[Connection], sock: socket.socket, args: ServeArgs, index: int = 0) -> int:
     import uvicorn
 
     from flashserve.api.startup import StartupGate
@@ -145,7 +148,7 @@ async def serve(conns: list[Connection], sock: socket.socket, args: Any, index: 
 
 
 async def _serve_app(server: Any, serving: asyncio.Future[None], gate: Any, conns: list[Connection],
-                     setups: list[EngineSetup], args: Any, ready: dict[str, Any]) -> int:
+                     setups: list[EngineSetup], args: ServeArgs, ready: dict[str, Any]) -> int:
     """The OpenAI app over the engine cores' setups, behind `gate` from now on, until the server stops."""
     from flashserve.api.options import ServerState
     from flashserve.api.server import build_app

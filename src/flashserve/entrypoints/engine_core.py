@@ -12,10 +12,13 @@ import signal
 import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from flashserve.message.codec import PROTOCOL_VERSION, Dead, EngineSetup, recv, send
 from flashserve.entrypoints.processes import ENGINE_CORE_NAME, become_child
+
+if TYPE_CHECKING:
+    from flashserve.cli import ServeArgs
 
 logger = logging.getLogger("flashserve")
 
@@ -48,8 +51,8 @@ def start_kv_events(parts: CoreParts, engine_index: int) -> Any:
     return KVEventPublisher(parts.kv_events, kv_cache.page_size, engine_index)
 
 
-def load_serve_core(args: Any) -> CoreParts:
-    """The engine of `flashserve serve` for `args` (a `cli.ServeArgs`)."""
+def load_serve_core(args: ServeArgs) -> CoreParts:
+    """The engine of `flashserve serve` for `args`."""
     from flashserve.entrypoints.stack import load_engine
 
     parts = core_parts(load_engine(args, detokenize=False))
