@@ -16,11 +16,12 @@ checkpoint's files or dummy weights (`model_loader.checkpoint.load_llama`), mapp
 
 Tensor parallelism: built with a `TPGroup` of N ranks (`from_hf(..., group=g)` or
 `load_llama`), a model holds its rank's shard (`model.shard`, see `distributed/sharding.py`)
-and every rank runs the same step with the same inputs. The rank's attention backend has
-`model.shard.num_heads` query and `model.shard.num_kv_heads` KV heads; o_proj and down_proj are
-followed by an all-reduce (NCCL, then the add + RMSNorm after it; or one FlashInfer kernel that
-does all three, `use_fused_allreduce`), and `compute_logits` gathers the vocabulary so that every
-rank returns the full [N, V] row. On one rank none of this runs: the forward is the single-process one.
+and every rank runs the same step with the same inputs through the same loop. The rank's
+attention backend has `model.shard.num_heads` query and `model.shard.num_kv_heads` KV heads; the
+outputs of o_proj and down_proj go through `reduce_add_norm`: the all-reduce (`all_reduce`, NCCL;
+the identity on one rank), then the add + RMSNorm after it, or one FlashInfer kernel that does all
+three (`use_fused_allreduce`). `compute_logits` gathers the vocabulary so that every rank returns
+the full [N, V] row.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ from torch import nn
 from flashserve.attention.base import AttentionBackend
 from flashserve.distributed.comm import FlashInferAllReduceNorm, FusedAllReduceNorm, SingleRankGroup, TPGroup
 from flashserve.distributed.sharding import ShardLayout
-from flashserve.layers.fp8 import UnscaledRows
-from flashserve.layers.linear import Linear, linear, pack_for_onednn, packs_for_onednn
+from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
+from flashserve.layers.linear import (
+    Linear, LinearArgs, add_rmsnorm_for, dense, linear, linear_unscaled, pack_for_onednn, packs_for_onednn,
+    takes_dynamic_fp8,
+)  # fmt: skip
 from flashserve.layers.ops import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.layers.quantization import Fp8Scheme, projection_loading
 from flashserve.models.llama_weights import (
@@ -45,11 +49,7 @@ from flashserve.models.llama_weights import (
     WeightMismatchError,
     convert_hf_state_dict,
 )
-from flashserve.models.llama_layers import (
-    LlamaDecoderLayer, attend, attention_input, attention_output, backend_rope, final_norm, gated_mlp, meta_param,
-    qkv_rope,
-)  # fmt: skip
-from flashserve.models.llama_sharded import forward_sharded
+from flashserve.models.llama_layers import LlamaDecoderLayer, attend, backend_rope, gated_mlp, meta_param, qkv_rope
 
 Tensor = torch.Tensor
 
@@ -80,7 +80,7 @@ class LlamaModel(nn.Module):
         self.shard = ShardLayout.for_spec(spec, self.group.rank, self.group.world_size)
         self.sharded = not self.shard.is_whole
         self.rank_spec: LlamaSpec = self.shard.rank_spec(spec)
-        pieces: list[Any] = [attention_input, attention_output, final_norm, qkv_rope, gated_mlp]
+        pieces: list[Any] = [add_rmsnorm_for, qkv_rope, gated_mlp]
         if compile:
             # Shapes start static and turn dynamic in the token dimension when it first changes;
             # one token is a graph of its own. Run every step size class once before capturing
@@ -88,7 +88,7 @@ class LlamaModel(nn.Module):
             # first layer or not) is a cache entry of the function's code, shared process-wide.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
             pieces = [torch.compile(p, fullgraph=True) for p in pieces]
-        self._attention_input, self._attention_output, self._final_norm, self._qkv_rope, self._gated_mlp = pieces
+        self._add_norm, self._qkv_rope, self._gated_mlp = pieces
         # The all-reduce of a row-parallel projection fused with the residual add and RMSNorm after
         # it, for steps of up to its `max_tokens` (`use_fused_allreduce`); None: NCCL, then the norm.
         self.fused_allreduce: FusedAllReduceNorm | None = None
@@ -210,28 +210,69 @@ class LlamaModel(nn.Module):
         """input_ids, positions: int64 [T] (the step's packed tokens; `backend.plan` already ran).
 
         Returns the final-normed hidden states [T, hidden_size] in the model dtype. No host sync,
-        so the whole call can be captured in a CUDA graph.
+        so the whole call can be captured in a CUDA graph. One loop for one rank or several: a
+        row-parallel projection's output (o_proj, down_proj) goes through `reduce_add_norm`, whose
+        all-reduce is the identity on one rank.
         """
         cos_sin = self.cos_sin_cache
         if cos_sin is None:
             raise RuntimeError("LlamaModel has no RoPE table: build it with LlamaModel.from_weights")
-        if self.sharded:
-            return forward_sharded(self, input_ids, positions, backend, cos_sin)
-        spec, ops = self.spec, self.ops
+        spec, ops = self.rank_spec, self.ops
         rope = backend_rope(backend, positions, cos_sin, spec.head_dim)
-        residual = F.embedding(input_ids, self.embed_tokens["weight"])
-        hidden: Tensor | UnscaledRows | None = None
+        # One rank leaves an FP8 projection's scales to the norm that reads its output; over several
+        # ranks the output is summed first, so its scales are applied before the all-reduce.
+        defer = not self.sharded
+        residual = self.embed(input_ids)
+        partial: Tensor | UnscaledRows | None = None
         for i, layer in enumerate(self.layers):
-            q, k, v, residual = self._attention_input(
-                spec, ops, hidden, residual, positions, cos_sin, layer.input_layernorm["weight"], layer.qkv_proj.args,
+            qkv, gate_up = layer.qkv_proj.args, layer.gate_up_proj.args
+            normed, residual = self.reduce_add_norm(partial, residual, layer.input_layernorm["weight"], qkv)
+            q, k, v = self._qkv_rope(
+                spec, ops, normed, positions, cos_sin, qkv,
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
                 rope is None,
             )  # fmt: skip
-            hidden, residual = self._attention_output(
-                spec, ops, attend(backend, i, q, k, v, rope), residual, layer.o_proj.args,
-                layer.post_attention_layernorm["weight"], layer.gate_up_proj.args, layer.down_proj.args,
-            )  # fmt: skip
-        return self._final_norm(spec, ops, hidden, residual, self.norm["weight"])
+            attn = attend(backend, i, q, k, v, rope).reshape(q.shape[0], spec.q_size)
+            partial = linear_unscaled(attn, *layer.o_proj.args, defer=defer)
+            normed, residual = self.reduce_add_norm(partial, residual, layer.post_attention_layernorm["weight"], gate_up)
+            partial = self._gated_mlp(ops, normed, gate_up, layer.down_proj.args, defer)
+        final, _ = self.reduce_add_norm(partial, residual, self.norm["weight"], None)
+        assert not isinstance(final, QuantizedRows)
+        return final
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The embedding rows of `input_ids`. Over several ranks each rank looks the ids up in its
+        rows of the vocabulary and zeros the others, and the all-reduce adds one row to zeros (exact)."""
+        if not self.sharded:
+            return F.embedding(input_ids, self.embed_tokens["weight"])
+        local = input_ids - self.shard.vocab_start
+        mine = (local >= 0) & (local < self.shard.vocab_stop - self.shard.vocab_start)
+        rows = F.embedding(torch.where(mine, local, 0), self.embed_tokens["weight"])
+        return self.all_reduce(rows.masked_fill_(~mine.unsqueeze(-1), 0))
+
+    def all_reduce(self, partial: Tensor | UnscaledRows) -> Tensor | UnscaledRows:
+        """A row-parallel output summed over the ranks (in place): the identity on one rank."""
+        if not self.sharded:
+            return partial
+        return self.group.all_reduce(dense(partial))
+
+    def reduce_add_norm(
+        self, partial: Tensor | UnscaledRows | None, residual: Tensor, norm_w: Tensor, proj: LinearArgs | None
+    ) -> tuple[Tensor | QuantizedRows, Tensor]:  # fmt: skip
+        """A row-parallel projection's `partial` output summed over the ranks (`all_reduce`), added
+        into `residual` and RMSNormed for projection `proj` (None: the final norm): (normed,
+        residual), normed quantized for an FP8 `proj` where its norm kernel does that. `partial`
+        None: nothing to add (the first layer, whose residual is the embedding).
+
+        Steps the fused all-reduce takes (`use_fused_allreduce`; the token count is the same on
+        every rank, so all ranks choose alike) run the sum, the add and the norm as one kernel,
+        which quantizes for an FP8 `proj` with dynamic activations too."""
+        fused = self.fused_allreduce
+        if partial is not None and fused is not None and partial.shape[0] <= fused.max_tokens:
+            assert isinstance(partial, Tensor)
+            return fused(partial, residual, norm_w, self.spec.rms_norm_eps, takes_dynamic_fp8(proj, residual))
+        reduced = None if partial is None else self.all_reduce(partial)
+        return self._add_norm(proj, self.ops, reduced, residual, norm_w, self.spec.rms_norm_eps)
 
     def use_fused_allreduce(self, max_tokens: int) -> None:
         """Runs each all-reduce with the add + RMSNorm after it as one FlashInfer kernel for steps

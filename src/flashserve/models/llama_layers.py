@@ -1,5 +1,5 @@
-"""The native Llama forward's pieces: one decoder layer's weights, and the forward between two
-attention calls as functions of tensors only, so that one compiled graph serves every layer
+"""The native Llama forward's pieces: one decoder layer's weights, and the pieces of the forward between
+two attention calls or all-reduces as functions of tensors only, so that one compiled graph serves every layer
 (`--torch-compile`): weights are arguments, never module attributes. `llama.LlamaModel` holds the
 layers and runs them."""
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from flashserve.attention.paged_append import Rope
 from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
-from flashserve.layers.linear import Linear, LinearArgs, add_rmsnorm_for, gate_up_silu_for, linear, linear_unscaled
+from flashserve.layers.linear import Linear, LinearArgs, gate_up_silu_for, linear, linear_unscaled
 from flashserve.layers.ops import Ops
 from flashserve.models.llama_weights import LlamaSpec
 
@@ -42,27 +42,13 @@ class LlamaDecoderLayer(nn.Module):
             self.k_norm = nn.ParameterDict({"weight": meta_param(spec.head_dim)})
 
 
-def attention_input(
-    spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows | None, residual: Tensor, positions: Tensor,
-    cos_sin: Tensor, norm_w: Tensor, qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None,
-    rotate: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """A layer up to attention: (add +) RMSNorm, fused qkv, the q/k norms, RoPE (unless not
-    `rotate`: the attention backend rotates, see `backend_rope`).
-
-    `hidden` is the previous layer's output, added into `residual` (None for the first layer,
-    whose `residual` is the embedding). Returns q, k, v as [T, heads, head_dim] and the residual.
-    """
-    normed, residual = add_rmsnorm_for(qkv, ops, hidden, residual, norm_w, spec.rms_norm_eps)
-    q, k, v = qkv_rope(spec, ops, normed, positions, cos_sin, qkv, q_norm_w, k_norm_w, rotate)
-    return q, k, v, residual
-
-
 def qkv_rope(
     spec: LlamaSpec, ops: Ops, normed: Tensor | QuantizedRows, positions: Tensor, cos_sin: Tensor,
     qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None, rotate: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """`attention_input` after the layer's input norm: fused qkv, the q/k norms, RoPE (if `rotate`)."""
+    """A layer from its input norm up to attention: fused qkv, the q/k norms, RoPE (unless not
+    `rotate`: the attention backend rotates, see `backend_rope`). Returns q, k, v as
+    [T, heads, head_dim]."""
     eps, d = spec.rms_norm_eps, spec.head_dim
     q, k, v = linear(normed, *qkv).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     t = q.shape[0]
@@ -85,37 +71,9 @@ def attend(backend: Any, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope
     return backend.forward(layer, q, k, v) if rope is None else backend.forward(layer, q, k, v, rope=rope)
 
 
-def attention_output(
-    spec: LlamaSpec, ops: Ops, attn: Tensor, residual: Tensor, o: LinearArgs, norm_w: Tensor,
-    gate_up: LinearArgs, down: LinearArgs,
-) -> tuple[Tensor | UnscaledRows, Tensor]:  # fmt: skip
-    """A layer from attention on: o_proj, add + RMSNorm, the SiLU MLP. Returns it and the residual;
-    an FP8 down_proj's output may come with its scales still to apply (`UnscaledRows`), which the
-    next layer's add + RMSNorm (or `final_norm`) applies."""
-    hidden = linear_unscaled(attn.reshape(attn.shape[0], spec.q_size), *o)
-    return mlp(spec, ops, hidden, residual, norm_w, gate_up, down)
-
-
-def mlp(
-    spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows, residual: Tensor, norm_w: Tensor,
-    gate_up: LinearArgs, down: LinearArgs,
-) -> tuple[Tensor | UnscaledRows, Tensor]:  # fmt: skip
-    """`attention_output` after o_proj: add + RMSNorm, the SiLU MLP."""
-    normed, residual = add_rmsnorm_for(gate_up, ops, hidden, residual, norm_w, spec.rms_norm_eps)
-    return gated_mlp(ops, normed, gate_up, down, unscaled=True), residual
-
-
 def gated_mlp(
     ops: Ops, normed: Tensor | QuantizedRows, gate_up: LinearArgs, down: LinearArgs, unscaled: bool = False,
 ) -> Tensor | UnscaledRows:  # fmt: skip
     """The SiLU MLP of a normed hidden state: gate_up, SiLU-and-mul, down. `unscaled`: an FP8
     down_proj may leave its scales to the reader (`linear_unscaled`)."""
     return linear_unscaled(gate_up_silu_for(down, ops, normed, gate_up), *down, defer=unscaled)
-
-
-def final_norm(
-    spec: LlamaSpec, ops: Ops, hidden: Tensor | UnscaledRows | None, residual: Tensor, norm_w: Tensor
-) -> Tensor:
-    normed = add_rmsnorm_for(None, ops, hidden, residual, norm_w, spec.rms_norm_eps)[0]
-    assert not isinstance(normed, QuantizedRows)
-    return normed
