@@ -86,7 +86,7 @@ def build_engine(step_ms: float, tokenizer: Any, detokenize: bool) -> tuple[Any,
     """The real scheduler and KV cache manager over `InstantExecutor`; the engine detokenizes only
     where the process model puts detokenizing in the engine's process."""
     from flashserve.config import SchedulerConfig
-    from flashserve.engine.engine import LLMEngine
+    from flashserve.engine.llm_engine import LLMEngine
     from flashserve.engine.scheduler import Scheduler
     from flashserve.kv_cache.manager import KVCacheManager
 
@@ -141,7 +141,7 @@ def load_instant_core(args: Any) -> Any:
     """`flashserve serve`'s engine core loader, with `InstantExecutor` for the model (runs in the
     engine core process; its settings come in FLASHSERVE_BENCH_* variables)."""
     from flashserve.message.codec import PROTOCOL_VERSION, EngineSetup
-    from flashserve.entrypoints.engine_core import CoreParts
+    from flashserve.entrypoints.core_process import CoreParts
 
     tokenizer = load_tokenizer(os.environ.get("FLASHSERVE_BENCH_TOKENIZER") or None)
     engine, executor = build_engine(float(os.environ["FLASHSERVE_BENCH_STEP_MS"]), tokenizer, detokenize=False)

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 from benchmark import LOCAL_RESULTS
 from flashserve.message.codec import AddRequest, StepOutputs, decode, encode
-from flashserve.message.requests import Add
 from flashserve.message.outputs import RequestOutput, TokenLogprob
+from flashserve.message.requests import Add
 from flashserve.message.sampling_params import SamplingParams
 
 

@@ -66,7 +66,7 @@ def main() -> None:
     import tempfile
     from pathlib import Path
 
-    from flashserve.engine.core import EngineCore
+    from flashserve.engine.engine_core import EngineCore
     from flashserve.entrypoints.llm import LLM
 
     from benchmark.batchllm_bench import group_prompts, offline, run_batch

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 
 from flashserve.api.server import build_app
+from flashserve.engine.llm_engine import check_token_ids
 from flashserve.message.errors import EngineDead
-from flashserve.engine.engine import check_token_ids
 from flashserve.message.outputs import RequestOutput, TokenLogprob
 from flashserve.message.sampling_params import SamplingParams
 

@@ -21,7 +21,7 @@ from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
 from flashserve.client.async_engine import AsyncEngine
 from flashserve.config import SchedulerConfig
-from flashserve.engine.engine import LLMEngine
+from flashserve.engine.llm_engine import LLMEngine
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.engine.scheduler import Scheduler
 from flashserve.kv_cache.manager import KVCacheManager

@@ -253,8 +253,8 @@ def test_killing_one_engine_core_fails_open_requests_and_exits_non_zero_leaving_
 EXITING_CORE = """
 import os, signal, sys, threading, time
 from test_engine import make_engine
-from flashserve.message.codec import PROTOCOL_VERSION, EngineSetup
-from flashserve.entrypoints import engine_core
+from flashserve.entrypoints import core_process
+from flashserve.message.codec import EngineSetup, PROTOCOL_VERSION
 
 def sigterm_in(seconds):
     time.sleep(seconds)
@@ -267,10 +267,10 @@ def load(_):
             sigterm_in(0)
         else:  # a thread the interpreter joins at exit (as a grammar compiler's pool is)
             threading.Thread(target=sigterm_in, args=(0.3,)).start()
-    return engine_core.CoreParts(make_engine([3]), EngineSetup(PROTOCOL_VERSION, None, "m", 512, (), 50_000),
+    return core_process.CoreParts(make_engine([3]), EngineSetup(PROTOCOL_VERSION, None, "m", 512, (), 50_000),
                                  None, close)
 
-engine_core.main(load, None, [], None, "info", 0, "flashserve-dp0")
+core_process.main(load, None, [], None, "info", 0, "flashserve-dp0")
 """
 
 

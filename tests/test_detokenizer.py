@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from flashserve.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
+from flashserve.detokenizer import IncrementalDetokenizer, MAX_HELD_TOKENS
 from flashserve.message.sampling_params import SamplingParams
 
 ENGLISH = (

@@ -7,13 +7,13 @@ import asyncio
 import pytest
 
 from flashserve.client.async_engine import AsyncEngine
-from flashserve.message.errors import EngineDead
 from flashserve.config import SchedulerConfig
-from flashserve.engine.engine import LLMEngine
+from flashserve.engine.llm_engine import LLMEngine
 from flashserve.engine.outputs import NOTHING, SampledTokens, SchedulerOutput, sampled
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.engine.scheduler import Scheduler
 from flashserve.kv_cache.manager import KVCacheManager
+from flashserve.message.errors import EngineDead
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.worker.input_batch import InputBatch
 
 

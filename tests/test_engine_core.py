@@ -14,18 +14,19 @@ import pytest
 
 from test_engine import VOCAB, make_engine
 
+from flashserve.client.core_client import EngineCoreClient
+from flashserve.client.inproc import InprocClient
+from flashserve.engine.engine_core import EngineCore
+from flashserve.engine.llm_engine import LLMEngine
 from flashserve.message.codec import (
     PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, FrameWriter, Hello, StepOutputs, decode, encode, recv, send,
 )
-from flashserve.client.core_client import EngineCoreClient
 from flashserve.message.errors import EngineDead, EngineOverloaded
-from flashserve.message.requests import Abort, Add
-from flashserve.engine.core import EngineCore
-from flashserve.engine.engine import LLMEngine
+from flashserve.message.grammar_spec import GrammarSpec
 from flashserve.message.outputs import RequestOutput, TokenLogprob
+from flashserve.message.requests import Abort, Add
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.metrics import Metrics, StepStats
-from flashserve.message.grammar_spec import GrammarSpec
 
 
 def test_a_steps_messages_round_trip_through_the_codec():
@@ -346,7 +347,7 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped_its_requests_freed_a
     """Past `MAX_UNREAD_BYTES` of outputs unread, the engine core takes the front end for stuck:
     its requests are aborted and free their pages, its pipe closes (when it reads again it finds
     the engine core gone and ends its streams with an error), and the other front end goes on."""
-    from flashserve.engine import core as core_module
+    from flashserve.engine import engine_core as core_module
 
     monkeypatch.setattr(core_module, "MAX_UNREAD_BYTES", 64 << 10)
 
@@ -440,3 +441,26 @@ def test_concurrent_requests_of_several_front_ends_have_queue_times_not_below_ze
         assert metrics.registry.get_sample_value("flashserve_request_queue_time_seconds_sum") >= 0
 
     asyncio.run(main())
+
+
+def test_a_client_in_the_callers_thread_submits_to_the_engine_core_and_runs_its_turns():
+    client = InprocClient(EngineCore(make_engine([3, 4])))
+    try:
+        assert client.submit(AddRequest(Add("a", [1, 2], SamplingParams(max_tokens=4)))) is None
+        outputs = []
+        while client.has_unfinished:
+            outputs += client.step()
+    finally:
+        client.close()
+    assert [t for out in outputs for t in out.new_token_ids] == [3, 4, 3, 4]
+    assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+
+
+def test_a_request_the_model_cannot_take_is_refused_at_submit_with_an_error_output():
+    client = InprocClient(EngineCore(make_engine([3])))
+    try:
+        refused = client.submit(AddRequest(Add("a", [VOCAB], SamplingParams())))
+    finally:
+        client.close()
+    assert refused is not None and refused.finish_reason == "error" and "out of range" in (refused.error or "")
+    assert not client.has_unfinished

@@ -14,9 +14,9 @@ from flashserve.attention.base import BatchLayout
 from flashserve.config import SchedulerConfig
 from flashserve.engine.outputs import NOTHING, SampledTokens, ScheduledRequest, SchedulerOutput, sampled
 from flashserve.engine.request import Request
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.engine.scheduler import Scheduler
 from flashserve.kv_cache.manager import KVCacheManager
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.worker.input_batch import BatchRow, InputBatch, append_sampled
 
 EOS = 2

@@ -19,8 +19,8 @@ import zmq
 from flashserve.config import KVEventsConfig
 from flashserve.engine.kv_events import KVEventPublisher
 from flashserve.engine.request import Request
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.engine.scheduler import Scheduler
+from flashserve.message.sampling_params import SamplingParams
 from kv_event_subscriber import BlockRemoved, BlockStored, Subscriber, documented_hash
 from live_server import free_port
 from test_scheduler import make, step

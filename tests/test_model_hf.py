@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import NOTHING, ScheduledRequest, SchedulerOutput, sample_error
+from flashserve.executor.build import build_runner
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.models import hf
-from flashserve.executor.build import build_runner
 from flashserve.worker.runner import ModelRunner
 
 PAGE = 16

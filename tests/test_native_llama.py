@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.layers.ops import apply_rope_torch
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader.loader import embedded_gguf_path
 from flashserve.models.llama import LlamaModel, UnsupportedModelError, WeightMismatchError
 

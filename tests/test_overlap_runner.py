@@ -11,8 +11,8 @@ import torch
 from test_model_hf import Requests, build_model, eager_logits, make_runner
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput, sample_error, sampled
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.worker.runner import LaunchedStep
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from test_scheduler import EOS, TOKEN, make, req, step
 
 from flashserve.engine.outputs import SampledTokens, sampled
-from flashserve.message.outputs import TokenLogprob
 from flashserve.engine.request import FinishReason
+from flashserve.message.outputs import TokenLogprob
 
 
 class AnyGrammar:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flashserve.config import ModelConfig
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader.loader import load_model
 
 pytestmark = pytest.mark.slow

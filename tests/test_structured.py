@@ -15,8 +15,8 @@ import pytest
 
 import xgrammar as xgr
 
-from flashserve.message.sampling_params import InvalidParameter
 from flashserve.message.grammar_spec import GrammarSpec
+from flashserve.message.sampling_params import InvalidParameter
 from flashserve.structured.compiler import (
     GrammarCompiler, XGrammar, generic_tool_spec, spec_from_request, tool_call_spec, unroll_bounded_strings,
 )

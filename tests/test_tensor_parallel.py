@@ -26,9 +26,9 @@ from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.distributed.comm import MULTICAST_OFF_ENV, close_tp_group, init_tp_group
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.executor.launch import RankFailed, RankProcesses
 from flashserve.layers.ops import torch_ops
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader.checkpoint import load_llama
 from flashserve.models.llama import LlamaModel
 

@@ -23,9 +23,9 @@ from typing import Any, Iterator
 import pytest
 
 from flashserve.cli import build_parser, to_configs
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
 from flashserve.executor.launch import RankFailed
+from flashserve.message.sampling_params import SamplingParams
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=211,

@@ -116,7 +116,7 @@ class SchedulerConfig:
     # budget left to the default, a lone prompt of up to 8,192 tokens prefills in one step.
     prefill_only_budget: int | None = None
     # Schedule and launch the next step while the device computes the last one; its decode tokens
-    # come from the last step's sampled ids on the device (`engine/engine.py`).
+    # come from the last step's sampled ids on the device (`engine/llm_engine.py`).
     overlap_scheduling: bool = True
 
 

@@ -16,8 +16,8 @@ from test_flashinfer_backend import KV_HEADS, NUM_LAYERS, PAGE, TOL, make_backen
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.cascade import CascadePolicy
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
+from flashserve.message.sampling_params import SamplingParams
 
 SHARED_A = [3, 7, 11, 15]  # 64 tokens, read by three requests
 SHARED_B = [20, 21]  # 32 tokens, read by two

@@ -9,8 +9,8 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.engine.outputs import ScheduledRequest
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.models.hf import HFCausalLM
 from flashserve.models.llama import NativeCausalLM
 

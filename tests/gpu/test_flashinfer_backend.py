@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from flashserve.attention.base import BatchLayout
 from flashserve.attention import flashinfer as flashinfer_backend
+from flashserve.attention.base import BatchLayout
 from flashserve.attention.flashinfer import FlashInferAttentionBackend
 from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.engine.outputs import ScheduledRequest

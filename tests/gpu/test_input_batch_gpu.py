@@ -12,8 +12,8 @@ import torch
 from test_engine_gpu import RecordingSampler, assert_sampled_from_teacher_forced_logits
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
+from flashserve.message.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ import torch
 from flashserve.attention.base import BatchLayout
 from flashserve.engine.outputs import ScheduledRequest
 from flashserve.message.sampling_params import SamplingParams
-from flashserve.model_loader.loader import dummy_hf_config
 from flashserve.model_loader.checkpoint import load_llama
+from flashserve.model_loader.loader import dummy_hf_config
 from flashserve.models.hf import HFCausalLM, model_shape
 from flashserve.models.llama import LlamaModel, NativeCausalLM
 

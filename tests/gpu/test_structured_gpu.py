@@ -15,8 +15,8 @@ import torch
 from test_engine_gpu import RecordingSampler
 
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
+from flashserve.message.sampling_params import SamplingParams
 from flashserve.sample.logprobs import compute_logprobs
 from flashserve.sample.sampler import Sampler
 from flashserve.structured.grammar import TokenBitmask, bitmask_words

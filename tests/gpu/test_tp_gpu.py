@@ -27,8 +27,8 @@ from test_tp_engine import gone, worker_pids
 
 from flashserve.distributed.comm import nvlink_gap
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
-from flashserve.message.sampling_params import SamplingParams
 from flashserve.entrypoints.llm import LLM
+from flashserve.message.sampling_params import SamplingParams
 
 
 

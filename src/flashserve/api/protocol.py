@@ -25,7 +25,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from flashserve.api.request_checks import check_stop, prompt_validator
-from flashserve.message.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
+from flashserve.message.sampling_params import InvalidParameter, MAX_LOGPROBS, SamplingParams
 
 # Upper bound on choices per request; each choice is a full engine request.
 MAX_N = 128

@@ -18,8 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flashserve.api import chat_bridge as bridge
-from flashserve.api import messages_protocol as mp
+from flashserve.api import chat_bridge as bridge, messages_protocol as mp
 from flashserve.api.chat_plan import ChatEndpoint
 from flashserve.api.choices import json_arguments
 from flashserve.api.errors import unsupported

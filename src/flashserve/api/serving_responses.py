@@ -16,8 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
-from flashserve.api import chat_bridge as bridge
-from flashserve.api import responses_protocol as rp
+from flashserve.api import chat_bridge as bridge, responses_protocol as rp
 from flashserve.api.chat_plan import ChatEndpoint
 from flashserve.api.errors import APIError, unsupported
 from flashserve.api.response_store import MissingResponse, ResponseStore, StoredResponse

@@ -17,7 +17,7 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 
 from flashserve.api.choices import ChoiceResult
-from flashserve.api.errors import SERVER_ERROR, UNAVAILABLE, APIError, engine_dead, invalid, overloaded
+from flashserve.api.errors import APIError, SERVER_ERROR, UNAVAILABLE, engine_dead, invalid, overloaded
 from flashserve.client.protocol import EngineClient
 from flashserve.message.errors import EngineDead, EngineOverloaded
 from flashserve.message.outputs import RequestOutput, error_output

@@ -1,6 +1,6 @@
 """`AsyncEngine`: the `EngineClient` of a server that runs its engine in this process.
 
-The engine runs as it does in an engine core process: an `EngineCore` busy loop (`engine/core.py`),
+The engine runs as it does in an engine core process: an `EngineCore` busy loop (`engine/engine_core.py`),
 here in a background thread, fed over one end of a pipe, while this client holds the other end on
 the event loop as a front end does (`EngineCoreClient`): admission (`max_waiting`, token ids the
 model cannot take), detokenizing and stop strings, the streams, and a dead engine all behave as
@@ -17,9 +17,9 @@ from multiprocessing import Pipe
 from typing import Callable
 
 from flashserve.client.core_client import EngineCoreClient
-from flashserve.engine.core import EngineCore
-from flashserve.engine.engine import LLMEngine
-from flashserve.message.codec import PROTOCOL_VERSION, EngineSetup, Hello, recv, send
+from flashserve.engine.engine_core import EngineCore
+from flashserve.engine.llm_engine import LLMEngine
+from flashserve.message.codec import EngineSetup, Hello, PROTOCOL_VERSION, recv, send
 from flashserve.metrics import Metrics
 
 logger = logging.getLogger(__name__)

@@ -16,12 +16,12 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from flashserve.message.codec import AddRequest, Dead, EngineSetup, FrameWriter, StepOutputs, recv
 from flashserve.client.output_processor import OutputProcessor
-from flashserve.message.errors import EngineDead, EngineOverloaded
 from flashserve.client.streams import OutputStreams
+from flashserve.engine.llm_engine import check_request
+from flashserve.message.codec import AddRequest, Dead, EngineSetup, FrameWriter, StepOutputs, recv
+from flashserve.message.errors import EngineDead, EngineOverloaded
 from flashserve.message.requests import Abort, Add
-from flashserve.engine.engine import check_request
 
 logger = logging.getLogger(__name__)
 

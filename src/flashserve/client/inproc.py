@@ -7,7 +7,7 @@ vLLM's in-process client does over its engine core.
 
 from __future__ import annotations
 
-from flashserve.engine.core import EngineCore
+from flashserve.engine.engine_core import EngineCore
 from flashserve.message.codec import AddRequest
 from flashserve.message.outputs import RequestOutput
 from flashserve.message.requests import Abort

@@ -4,7 +4,7 @@ Each request has an incremental detokenizer, which also finds its stop strings. 
 a stop string appears is turned into the request's last ("stop") output here, and the caller tells
 the engine core to abort the request, which frees its pages: the engine may run a step or two more
 for it meanwhile, and those outputs find no stream. The rules are the in-process engine's
-(`engine/engine.py`): the output keeps all its token ids, its text ends before the stop string, and
+(`engine/llm_engine.py`): the output keeps all its token ids, its text ends before the stop string, and
 a request that ends otherwise gets what its detokenizer still held.
 """
 

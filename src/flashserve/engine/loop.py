@@ -1,4 +1,4 @@
-"""The parts of the engine core's turn besides the engine's step (`engine/core.py`): apply a new
+"""The parts of the engine core's turn besides the engine's step (`engine/engine_core.py`): apply a new
 request or an abort, end requests that waited too long for their first schedule, and publish each
 step's numbers to the metrics."""
 
@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from flashserve.message.outputs import error_output
+from flashserve.engine.llm_engine import LLMEngine
+from flashserve.message.outputs import RequestOutput, error_output
 from flashserve.message.requests import Abort, Add
-from flashserve.engine.engine import LLMEngine
-from flashserve.message.outputs import RequestOutput
 from flashserve.metrics import Metrics, StepStats
 
 

@@ -23,8 +23,8 @@ import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from flashserve.message.codec import PROTOCOL_VERSION, Dead, EngineSetup, Hello, recv, send
 from flashserve.entrypoints.processes import FRONTEND_NAME, become_child
+from flashserve.message.codec import Dead, EngineSetup, Hello, PROTOCOL_VERSION, recv, send
 
 if TYPE_CHECKING:
     from flashserve.cli import ServeArgs

@@ -10,9 +10,9 @@ from typing import Any, Sequence
 
 from flashserve.client.inproc import InprocClient
 from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from flashserve.engine.core import EngineCore
-from flashserve.engine.engine import LLMEngine
+from flashserve.engine.engine_core import EngineCore
 from flashserve.engine.heap import existing_objects_frozen
+from flashserve.engine.llm_engine import LLMEngine
 from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 from flashserve.engine.prefix_pins import GroupPins
 from flashserve.engine.scheduler import Scheduler

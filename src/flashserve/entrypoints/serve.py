@@ -41,11 +41,14 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from flashserve.api.response_store import SharedResponseStore
-from flashserve.entrypoints import api_server, engine_core
+from flashserve.entrypoints import api_server, core_process
 from flashserve.entrypoints.processes import DP_ENGINE_CORE_NAME, ENGINE_CORE_NAME
+
+if TYPE_CHECKING:
+    from flashserve.cli import ServeArgs
 
 logger = logging.getLogger("flashserve")
 
@@ -90,7 +93,7 @@ class Supervisor:
     """`load(args)` builds the engine core's parts in its process (a module-level function: it is
     pickled by name): the model's engine for `flashserve serve`, a fake device for benchmarks."""
 
-    def __init__(self, args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.load_serve_core) -> None:
+    def __init__(self, args: ServeArgs, load: Callable[[ServeArgs], core_process.CoreParts] = core_process.load_serve_core) -> None:
         self.args = args
         self.load = load
         self.cores: list[BaseProcess] = []  # one per --data-parallel-size
@@ -108,7 +111,7 @@ class Supervisor:
         for e, row in enumerate(pipes):
             name = ENGINE_CORE_NAME if num_cores == 1 else DP_ENGINE_CORE_NAME.format(e)
             core = context.Process(
-                target=engine_core.main, name=name,
+                target=core_process.main, name=name,
                 args=(self.load, args, [a for a, _ in row], args.queue_timeout, args.server.log_level, e, name))
             with visible_devices(devices[e] if devices else None):  # a spawned child takes this environment
                 core.start()
@@ -217,7 +220,7 @@ def visible_devices(devices: str | None) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def is_launched_worker_rank(args: Any) -> bool:
+def is_launched_worker_rank(args: ServeArgs) -> bool:
     """Whether a launcher (torchrun) started this process as a tensor-parallel rank other than 0,
     which serves no HTTP: it runs rank 0's steps, here, until rank 0 ends them."""
     if args.model.tensor_parallel_size <= 1 or "WORLD_SIZE" not in os.environ:
@@ -253,7 +256,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.load_serve_core) -> int:
+def run(args: ServeArgs, load: Callable[[ServeArgs], core_process.CoreParts] = core_process.load_serve_core) -> int:
     """Serves until shutdown; returns the exit code."""
     if is_launched_worker_rank(args):
         from flashserve.entrypoints.stack import load_engine
@@ -280,7 +283,7 @@ def run(args: Any, load: Callable[[Any], engine_core.CoreParts] = engine_core.lo
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def main(args: Any) -> int:
+def main(args: ServeArgs) -> int:
     """`flashserve serve`: logging as `--log-level` says, then `run`."""
     logging.basicConfig(level=args.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run(args)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashserve.message.outputs import TokenLogprob
-from flashserve.structured.grammar import TokenBitmask
 from flashserve.pinned_staging import PinnedStaging
+from flashserve.structured.grammar import TokenBitmask
 
 if TYPE_CHECKING:
     from flashserve.worker.input_batch import BatchRow

@@ -14,9 +14,9 @@ from typing import Protocol
 import torch
 
 from flashserve.message.sampling_params import SamplingParams
+from flashserve.pinned_staging import PinnedStaging
 from flashserve.sample.logprobs import apply_token_bitmask
 from flashserve.structured.grammar import TokenBitmask
-from flashserve.pinned_staging import PinnedStaging
 
 _MASK64 = (1 << 64) - 1
 

@@ -27,11 +27,11 @@ from typing import IO, Any
 # grammar) while the engine process loads the model.
 from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
-from flashserve.message.codec import PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, Hello, StepOutputs, recv, send
 from flashserve.client.core_client import EngineCoreClient
-from flashserve.message.requests import Add
 from flashserve.entrypoints.run_batch.lines import BatchRequest, LineError, error_line, parse_line, post, result_line
 from flashserve.entrypoints.run_batch.pipes import Duplex
+from flashserve.message.codec import AddRequest, Dead, EngineSetup, Hello, PROTOCOL_VERSION, StepOutputs, recv, send
+from flashserve.message.requests import Add
 
 logger = logging.getLogger("flashserve")
 

@@ -5,7 +5,7 @@ the status code and body that `flashserve serve` would answer, errors included; 
 request at all (bad JSON, no custom_id, a method or url the batch API does not take) gets an error
 line instead, and the run goes on. The app runs in a process of its own (`app.py`), started
 while this one loads the model, so that its work for each line does not take turns with the engine
-loop for the GIL; this process runs an `EngineCore` (`engine/core.py`, as `flashserve serve`'s
+loop for the GIL; this process runs an `EngineCore` (`engine/engine_core.py`, as `flashserve serve`'s
 engine core process does) with the app process as its one front end. The two talk through a pipe
 each way (`pipes.py`), each message sent by the thread that makes it: a multiprocessing queue's
 feeder thread would wait its turn for the GIL behind the busy thread of its process (5 ms a turn),
@@ -33,15 +33,15 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from flashserve.cli import BatchArgs
-from flashserve.message.codec import send
-from flashserve.engine.core import EngineCore
+from flashserve.engine.engine_core import EngineCore
 from flashserve.engine.prefix_pins import GroupPins
-from flashserve.entrypoints.engine_core import core_parts
+from flashserve.entrypoints.core_process import core_parts
 from flashserve.entrypoints.run_batch import app as batch_app
 from flashserve.entrypoints.run_batch.lines import BatchRequest, LineError, parse_line, plan_requests
 from flashserve.entrypoints.run_batch.pipes import Duplex, pipe
 from flashserve.entrypoints.run_batch.resume import duplicate_ids, prepare_output, remaining
 from flashserve.entrypoints.stack import load_engine, served_names
+from flashserve.message.codec import send
 
 logger = logging.getLogger("flashserve")
 

@@ -33,9 +33,9 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
-from flashserve.engine.engine import LLMEngine
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.kv_events import KVEventPublisher
+from flashserve.engine.llm_engine import LLMEngine
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
 from flashserve.engine.prefix_pins import GroupPins
 from flashserve.message.codec import (

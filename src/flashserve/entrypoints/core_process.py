@@ -1,4 +1,4 @@
-"""The engine core process of `flashserve serve`: load the model, then run `engine.core.EngineCore`
+"""The engine core process of `flashserve serve`: load the model, then run `engine.engine_core.EngineCore`
 for the front ends at the other ends of its pipes until they are all gone.
 
 Exit codes: 0 once every front end is gone (or on SIGTERM); 1 when the model did not load or the
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable
 
-from flashserve.message.codec import PROTOCOL_VERSION, Dead, EngineSetup, recv, send
 from flashserve.entrypoints.processes import ENGINE_CORE_NAME, become_child
+from flashserve.message.codec import Dead, EngineSetup, PROTOCOL_VERSION, recv, send
 
 if TYPE_CHECKING:
     from flashserve.cli import ServeArgs
@@ -31,7 +31,7 @@ class CoreParts:
     what the front ends are told, a grammar compiler (spec -> grammar or a Future of one) and
     what to call at the end (stops tensor-parallel workers)."""
 
-    engine: Any  # engine.engine.LLMEngine
+    engine: Any  # engine.llm_engine.LLMEngine
     setup: EngineSetup
     compile_grammar: Callable[[Any], Any] | None
     close: Callable[[], None]
@@ -143,7 +143,7 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
 
 def serve_front_ends(parts: CoreParts, conns: list[Connection], queue_timeout: float | None,
                      engine_index: int = 0, kv_events: Any = None) -> int:
-    from flashserve.engine.core import EngineCore
+    from flashserve.engine.engine_core import EngineCore
     from flashserve.metrics import Metrics
 
     core = EngineCore(parts.engine, parts.setup, parts.compile_grammar, Metrics(str(engine_index)), queue_timeout,

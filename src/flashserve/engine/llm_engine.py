@@ -25,11 +25,11 @@ from typing import Any, Protocol, Sequence
 
 from flashserve.detokenizer import IncrementalDetokenizer, raw_decoder
 from flashserve.engine.outputs import SampledTokens, SchedulerOutput
-from flashserve.message.outputs import RequestOutput
 from flashserve.engine.request import FinishReason, Request
-from flashserve.message.sampling_params import InvalidParameter, SamplingParams
 from flashserve.engine.scheduler import Scheduler
 from flashserve.engine.stop import check_stop
+from flashserve.message.outputs import RequestOutput
+from flashserve.message.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 
