@@ -1,23 +1,32 @@
-"""One process's runner (no tensor parallelism): the model loaded (`model_loader.load`), the KV cache
-sized and allocated in the memory left, the backend, sampler and runner built around them, and on
-CUDA the kernels warmed up and decode graphs captured. `executor/worker.py` builds a tensor-parallel
-rank's runner from the same pieces (`worker/assembly.py`)."""
+"""One rank's runner, for one rank or any of N tensor-parallel ranks: the model (or the rank's
+shard) loaded (`model_loader.load`), the KV cache sized and allocated in the memory left (over
+several ranks, as many pages as the smallest rank holds, so that the page ids rank 0's scheduler
+hands out are valid everywhere), the backend, sampler and runner built around them, and on CUDA
+the kernels warmed up and decode graphs captured. Over several ranks every rank calls
+`build_runner` with the same arguments: its warm-up and graph capture run the same steps, whose
+collectives pair up. `executor/tensor_parallel.py` drives the ranks' runners."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
+
+import torch
 
 from flashserve.attention import get_backend_cls
 from flashserve.attention.cascade import cascade_policy
 from flashserve.attention.kv_quant import resolve_kv_cache_dtype
 from flashserve.config import CacheConfig, ModelConfig
+from flashserve.distributed.comm import SingleRankGroup, TPGroup
+from flashserve.executor.worker import FUSED_ALLREDUCE_MAX_TOKENS, rank_device, shared_kv_pages, take_fused_allreduce
 from flashserve.model_loader import LoadedModel, load
 from flashserve.models.llama import NativeCausalLM
+from flashserve.models.llama_weights import UnsupportedModelError
 from flashserve.worker.assembly import (
-    attention_dtype, backend_options, capture_decode_graphs, kv_page_bytes, num_kv_pages, pick_backend, pick_device,
-    pick_sampler, warm_up,
+    attention_dtype, backend_options, capture_decode_graphs, kv_page_bytes, num_kv_pages, pick_backend, pick_sampler,
+    warm_up,
 )  # fmt: skip
 from flashserve.worker.runner import ModelRunner
 
@@ -27,20 +36,42 @@ logger = logging.getLogger(__name__)
 def build_runner(
     model_config: ModelConfig,
     cache_config: CacheConfig,
+    group: TPGroup | None = None,
     seed: int | None = None,
     *,
     cuda_graph: bool = True,
     max_batch_size: int = 256,
 ) -> tuple[ModelRunner, LoadedModel, int]:
-    """Loads the model, sizes and allocates the KV cache, builds the backend, sampler and runner;
-    on CUDA warms the kernels up and captures decode graphs before returning.
+    """Loads the model (`group`'s rank's shard; default: one rank, the whole model), sizes and
+    allocates the KV cache, builds the backend, sampler and runner; on CUDA (or compiled) warms
+    the kernels up, and with FlashInfer captures decode graphs before returning. Collective over
+    several ranks: every rank calls it.
 
     Returns (runner, loaded model with max_model_len capped by the cache, number of pages).
     """
+    group = group if group is not None else SingleRankGroup()
+    several = group.world_size > 1
+    if several and model_config.model_impl == "hf":
+        raise ValueError("tensor parallelism needs the native model path (model_impl auto or native, not hf)")
     t0 = time.perf_counter()
-    device = pick_device(model_config.device)
-    loaded = load(model_config, device)
+    device = rank_device(model_config.device, several)
+    if several and device.type == "cpu":
+        # The ranks share the machine's cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
+    if several:
+        # A safetensors checkpoint or dummy weights: each rank reads (or draws) only its slices,
+        # and no rank builds the whole transformers model first.
+        try:
+            loaded = load(model_config, device, group)
+        except UnsupportedModelError as exc:
+            raise ValueError(f"tensor parallelism needs a model of the native Llama family: {exc}") from exc
+    else:
+        loaded = load(model_config, device)
     model, shape = loaded.model, loaded.attention
+    fused = several and take_fused_allreduce(model_config, group, device, loaded.dtype)
+    if fused:
+        assert isinstance(model, NativeCausalLM)
+        model.model.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
     backend_name = pick_backend(model_config.attention_backend, device)
     attn_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
     kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, attn_dtype)
@@ -48,6 +79,8 @@ def build_runner(
     t_loaded = time.perf_counter()
     page_bytes = kv_page_bytes(shape.num_layers, page_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
     num_pages = num_kv_pages(cache_config, page_bytes, device)
+    if several:
+        num_pages = shared_kv_pages(num_pages, page_bytes, device, group)
     backend = get_backend_cls(backend_name)(
         shape.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, attn_dtype, device, shape.sm_scale,
         num_qo_heads=shape.num_heads, kv_cache_dtype=kv_dtype, **backend_options(model_config, backend_name),
@@ -55,22 +88,36 @@ def build_runner(
     t_kv = time.perf_counter()
     capacity = (num_pages - 1) * page_size  # page 0 is the KV cache manager's scratch page
     if capacity < loaded.max_model_len:
-        logger.warning("KV cache holds %d tokens; max_model_len %d lowered to it", capacity, loaded.max_model_len)
+        if not several:
+            logger.warning("KV cache holds %d tokens; max_model_len %d lowered to it", capacity, loaded.max_model_len)
         loaded = replace(loaded, max_model_len=capacity)
-    logger.info(
-        "model %s on %s (%s, %s path), %s attention, KV cache %d pages x %d tokens = %d tokens (%s, %.2f GB); "
-        "start-up: model loaded in %.1f s, KV cache sized and allocated in %.1f s",
-        loaded.name, device, loaded.dtype, "native" if loaded.spec is not None else "HF", backend_name,
-        num_pages, page_size, num_pages * page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
-        t_kv - t_loaded,
-    )
+    if not several:
+        logger.info(
+            "model %s on %s (%s, %s path), %s attention, KV cache %d pages x %d tokens = %d tokens (%s, %.2f GB); "
+            "start-up: model loaded in %.1f s, KV cache sized and allocated in %.1f s",
+            loaded.name, device, loaded.dtype, "native" if loaded.spec is not None else "HF", backend_name,
+            num_pages, page_size, num_pages * page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
+            t_kv - t_loaded,
+        )
+    elif group.rank == 0:
+        logger.info(
+            "model %s on %d ranks (%s, %s, native path), rank 0: %d query / %d KV heads, %s attention, "
+            "%s, KV cache %d pages x %d tokens (%s, %.2f GB per rank); start-up: shard loaded in %.1f s, "
+            "KV cache sized and allocated in %.1f s",
+            loaded.name, group.world_size, device, loaded.dtype, shape.num_heads, shape.num_kv_heads, backend_name,
+            f"FlashInfer's fused all-reduce + RMSNorm (steps up to {FUSED_ALLREDUCE_MAX_TOKENS} tokens)" if fused
+            else "NCCL all-reduce", num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
+            t_kv - t_loaded,
+        )  # fmt: skip
     sampler = pick_sampler(device, model_config.seed if seed is None else seed)
-    runner = ModelRunner(model, device, backend, sampler, page_size, cascade_policy(model_config.cascade_attention))
+    # Cascade attention runs on one rank only.
+    cascade = None if several else cascade_policy(model_config.cascade_attention)
+    runner = ModelRunner(model, device, backend, sampler, page_size, cascade, group)
     compiled = isinstance(model, NativeCausalLM) and model.model.compiled
     if device.type == "cuda" or compiled:
         warm_up(runner, num_pages)
         if cuda_graph and backend_name == "flashinfer":
             capture_decode_graphs(runner, model, max_batch_size)
-        elif cuda_graph:
+        elif cuda_graph and group.rank == 0:
             logger.info("CUDA graphs need the FlashInfer backend; decoding eagerly")
     return runner, loaded, num_pages

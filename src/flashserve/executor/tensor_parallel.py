@@ -1,17 +1,18 @@
-"""Rank 0 of a tensor-parallel engine: starts the worker ranks and sends them every step.
+"""Tensor parallelism: an executor that drives N ranks' runners, rank 0's in this process.
 
 `start_tensor_parallel` makes the calling process rank 0: it spawns ranks 1..N-1
 (`RankProcesses`, loopback env:// rendezvous on a free port), joins the group with them, and
-builds its own shard's runner. Under a launcher that started every rank itself (torchrun;
-WORLD_SIZE set), rank 0 joins the launcher's group and serves, and every other rank runs
-`run_worker`. The engine drives the returned `TensorParallelRunner` exactly as it drives a
-`ModelRunner` (launch/collect): its `forward` first sends the step to the workers, then runs
-rank 0's shard; the model's collectives pair up with the workers'. Only rank 0 samples. The
-engine may launch step N+1 while step N runs (overlap scheduling): the tokens step N samples stay
-on rank 0's device, and the step's token ids reach the workers by a broadcast in the model's group
-(`RankRunner`). On CUDA every rank captures the same decode graphs, collectives inside, and a
-decode step replays the same graph on every rank. The step budget probe and the warm-up go
-through `forward` too, so the workers follow them as well.
+every rank builds its shard's runner with the same `build_runner` (its warm-up and decode graph
+capture run the same steps everywhere). Under a launcher that started every rank itself
+(torchrun; WORLD_SIZE set), rank 0 joins the launcher's group and serves, and every other rank
+runs `run_worker`. The engine drives the returned `TensorParallelExecutor` exactly as it drives a
+`ModelRunner` (launch/collect): before each forward of rank 0's runner it sends the step to the
+workers (`ModelRunner.before_forward`), which run the same forward; the model's collectives pair
+up. Only rank 0 samples. The engine may launch step N+1 while step N runs (overlap scheduling):
+the tokens step N samples stay on rank 0's device, and the step's token ids reach the workers by
+a broadcast in the model's group (`ModelRunner` over a group). On CUDA a decode step replays the
+same graph on every rank. The step budget probe goes through the executor too, so the workers
+follow it as well.
 
 Lifetime: `close()` (also registered with atexit) sends the end and reaps the workers; a worker
 that died makes the next step raise `RankFailed` (the engine loop dies with it, and a server
@@ -25,6 +26,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,18 +34,17 @@ import torch.distributed as dist
 
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.distributed.comm import DEFAULT_TIMEOUT, TPGroup, close_tp_group, init_tp_group
-from flashserve.engine.outputs import SchedulerOutput
+from flashserve.engine.outputs import SampledTokens, SchedulerOutput
+from flashserve.executor.build import build_runner
 from flashserve.executor.channel import GlooSteps, StepChannel
 from flashserve.executor.channel import available as channel_available
 from flashserve.executor.launch import RankFailed, RankProcesses, free_port, rank_env
 from flashserve.executor.worker import (
-    RankRunner, WireCapture, WireStep, build_rank_runner, capture_message, control_group, rank_device,
-    check_allreduce_fusion, release_before_group_end, run_worker,
+    WireStep, check_allreduce_fusion, control_group, rank_device, release_before_group_end,
 )  # fmt: skip
 from flashserve.model_loader import LoadedModel
-from flashserve.worker.assembly import capture_decode_graphs, pick_backend, pick_device, warm_up
-from flashserve.worker.input_batch import BatchRow
-from flashserve.worker.runner import LaunchedStep
+from flashserve.worker.assembly import pick_device
+from flashserve.worker.runner import LaunchedStep, ModelRunner, StepModel
 
 logger = logging.getLogger(__name__)
 
@@ -52,33 +53,65 @@ _MASTER_ADDR = "127.0.0.1"
 _CLOSE_TIMEOUT = 30.0
 
 
-class TensorParallelRunner(RankRunner):
-    """Rank 0's runner: every forward is first sent to the worker ranks."""
+class TensorParallelExecutor:
+    """Rank 0's runner, with every step it runs sent to the worker ranks first. It launches and
+    collects steps as a `ModelRunner` does; `runner` is rank 0's."""
 
-    def __init__(self, base: RankRunner, control: Any, workers: RankProcesses,
-                 steps: StepChannel | GlooSteps | None = None) -> None:
-        super().__init__(base.model, base.device, base.backend, base.sampler, base.page_size, base.group)
+    overlap_capable = True  # the engine may schedule a step behind one still running
+
+    def __init__(self, runner: ModelRunner, control: Any, workers: RankProcesses,
+                 steps: StepChannel | GlooSteps | None = None) -> None:  # fmt: skip
+        self.runner = runner
         self.control = control
         self.steps = steps if steps is not None else GlooSteps(control)
         self.workers = workers
         self.closed = False
         self.num_threads = torch.get_num_threads()  # this process's CPU threads to restore at close
+        runner.before_forward = self._send_step
 
-    def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
-                previous: LaunchedStep | None = None, rows: list[BatchRow] | None = None) -> torch.Tensor:
-        self._send((out.for_ranks(), list(prompt_rows)))  # every rank applies the same diffs
+    # What the engine, the step budget probe and callers read of a runner: rank 0's.
+    @property
+    def model(self) -> StepModel:
+        return self.runner.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def backend(self) -> Any:
+        return self.runner.backend
+
+    @property
+    def graphs(self) -> Any:
+        return self.runner.graphs
+
+    @property
+    def page_size(self) -> int:
+        return self.runner.page_size
+
+    @property
+    def group(self) -> TPGroup:
+        return self.runner.group
+
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         try:
-            return super().forward(out, prompt_rows, previous, rows)
+            return self.runner.launch(out, previous)
         except Exception:
             self.workers.check()  # a dead worker is the better explanation of a failed collective
             raise
 
-    def capture_graphs(self, max_batch_size: int) -> None:
-        """Captures decode CUDA graphs here and, at the same time, on every worker."""
-        self._send(capture_message(max_batch_size))
-        capture_decode_graphs(self, self.model, max_batch_size)
+    def collect(self, step: LaunchedStep) -> list[SampledTokens]:
+        return self.runner.collect(step)
 
-    def _send(self, step: WireStep | WireCapture) -> None:
+    def execute(self, out: SchedulerOutput) -> list[SampledTokens]:
+        """One result per `out.requests`, in order, as `ModelRunner.execute`."""
+        return self.collect(self.launch(out))
+
+    def _send_step(self, out: SchedulerOutput, prompt_rows: Sequence[int]) -> None:
+        self._send((out.for_ranks(), list(prompt_rows)))  # every rank applies the same diffs
+
+    def _send(self, step: WireStep) -> None:
         if self.closed:
             raise RuntimeError("the tensor-parallel workers were closed")
         self.workers.check()  # raises RankFailed when a worker has died since the last step
@@ -100,7 +133,7 @@ class TensorParallelRunner(RankRunner):
             # shuts down (a thread that wants the GIL then is killed, aborting the process).
             dist.barrier(group=self.control)
             self.closed = True
-            release_before_group_end(self)  # a graph holding NCCL's communicator stalls the group's end
+            release_before_group_end(self.runner)  # a graph holding NCCL's communicator stalls the group's end
             # Every rank leaves the group before rank 0 waits for the workers to exit: a worker's
             # NCCL teardown waits for its peers (on two H200s it did not exit in 30 s otherwise).
             close_tp_group(self.group)
@@ -114,6 +147,43 @@ class TensorParallelRunner(RankRunner):
             torch.set_num_threads(self.num_threads)
             with contextlib.suppress(Exception):
                 close_tp_group(self.group)
+
+
+def run_worker(model_config: ModelConfig, cache_config: CacheConfig, channel_path: str | None = None,
+               cuda_graph: bool = True, max_batch_size: int = 256) -> None:  # fmt: skip
+    """A worker rank (1..N-1): joins the group, builds its shard's runner (`build_runner`, as
+    rank 0 does, with the same warm-up and decode graphs), then runs steps until rank 0 sends the
+    end (or dies: the launcher's parent watch ends this process). Steps come through rank 0's
+    shared-memory channel at `channel_path` (mapped before the group forms, so that rank 0 may
+    unlink it once the group has), else over the gloo group."""
+    device = rank_device(model_config.device)
+    channel = None
+    if channel_path is not None:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        channel = StepChannel(Path(channel_path), rank, world_size, None, create=False)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a GPU that cannot be had fails here, before the arrival
+        channel.arrive()
+    group = init_tp_group(device)
+    control = control_group()
+    steps: StepChannel | GlooSteps = GlooSteps(control)
+    if channel is not None:
+        channel.control = control
+        steps = channel
+    try:
+        runner, _, _ = build_runner(model_config, cache_config, group, cuda_graph=cuda_graph,
+                                    max_batch_size=max_batch_size)  # fmt: skip
+        while True:
+            step = steps.receive()
+            if step is None:
+                dist.barrier(group=control)  # rank 0's last collective: see TensorParallelExecutor.close
+                release_before_group_end(runner)  # as rank 0 does
+                break
+            out, prompt_rows = step
+            runner.forward(out, prompt_rows)
+    finally:
+        steps.close()
+        close_tp_group(group)
 
 
 @contextlib.contextmanager
@@ -158,8 +228,9 @@ def check_visible_gpus(device: str, world_size: int) -> None:
 
 def start_tensor_parallel(
     model_config: ModelConfig, cache_config: CacheConfig, *, cuda_graph: bool = True, max_batch_size: int = 256,
-) -> tuple[TensorParallelRunner, LoadedModel, int]:
-    """Builds rank 0's runner in this process, as `build_runner` returns, with ranks 1..N-1 beside
+) -> tuple[TensorParallelExecutor, LoadedModel, int]:
+    """Builds rank 0's runner in this process (`build_runner`) and the executor that drives it and
+    ranks 1..N-1 beside
     it: started here (child processes on this node), or already started by a launcher such as
     torchrun, on this node or others (`launched_rank`). On CUDA with FlashInfer every rank
     captures the same decode graphs after the warm-up (`cuda_graph`). In a launched rank other
@@ -173,9 +244,9 @@ def start_tensor_parallel(
     rank = launched_rank(world_size)
     if rank is not None and rank != 0:
         logger.info("rank %d of %d: running rank 0's steps until it ends them", rank, world_size)
-        run_worker(model_config, cache_config)
+        run_worker(model_config, cache_config, None, cuda_graph, max_batch_size)
         raise SystemExit(0)
-    threads = torch.get_num_threads()  # build_rank_runner shares the cores out on a CPU; close restores it
+    threads = torch.get_num_threads()  # build_runner shares the cores out on a CPU; close restores it
     channel = None
     if rank is None:
         check_visible_gpus(model_config.device, world_size)
@@ -185,7 +256,8 @@ def start_tensor_parallel(
         channel = StepChannel.create(world_size) if channel_available(world_size) else None
         port = free_port(_MASTER_ADDR)
         env = rank_env(0, world_size, _MASTER_ADDR, port)
-        args = (model_config, cache_config, str(channel.path) if channel is not None else None)
+        args = (model_config, cache_config, str(channel.path) if channel is not None else None, cuda_graph,
+                max_batch_size)
         try:
             workers = RankProcesses.start(run_worker, args, world_size=world_size, ranks=range(1, world_size),
                                           master_addr=_MASTER_ADDR, master_port=port)  # fmt: skip
@@ -204,7 +276,8 @@ def start_tensor_parallel(
         if channel is not None:
             channel.unlink()
         control = control_group()
-        base, loaded, num_pages = build_rank_runner(model_config, cache_config, group)
+        runner, loaded, num_pages = build_runner(model_config, cache_config, group, cuda_graph=cuda_graph,
+                                                 max_batch_size=max_batch_size)  # fmt: skip
     except BaseException as exc:
         try:
             workers.check()
@@ -221,17 +294,7 @@ def start_tensor_parallel(
         raise
     if channel is not None:
         channel.control = control
-    runner = TensorParallelRunner(base, control, workers, channel)
-    runner.num_threads = threads
-    atexit.register(runner.close)
-    try:
-        compiled = base.model.model.compiled  # type: ignore[attr-defined]
-        if loaded.device.type == "cuda" or compiled:
-            warm_up(runner, num_pages)
-        if loaded.device.type == "cuda" and cuda_graph and pick_backend(model_config.attention_backend,
-                                                                        loaded.device) == "flashinfer":
-            runner.capture_graphs(max_batch_size)
-    except BaseException:
-        runner.close()
-        raise
-    return runner, loaded, num_pages
+    executor = TensorParallelExecutor(runner, control, workers, channel)
+    executor.num_threads = threads
+    atexit.register(executor.close)
+    return executor, loaded, num_pages

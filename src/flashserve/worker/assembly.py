@@ -1,7 +1,6 @@
 """The pieces a runner builder puts together around a loaded model: the device, the attention
 backend and its KV cache's size, the sampler, and before serving the warm-up and decode CUDA graphs
-(`executor/build.py` builds one rank's runner from them, `executor/worker.py` a tensor-parallel
-rank's)."""
+(`executor/build.py` builds a runner from them, for one rank or any of several)."""
 
 from __future__ import annotations
 

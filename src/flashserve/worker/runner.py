@@ -15,6 +15,7 @@ import torch
 
 from flashserve.attention.base import AttentionBackend
 from flashserve.attention.cascade import CascadePolicy
+from flashserve.distributed.comm import SingleRankGroup, TPGroup
 from flashserve.engine.outputs import NOTHING, SampledTokens, SchedulerOutput, sample_error
 from flashserve.sample.logprobs import PromptLogprobs, compute_logprobs
 from flashserve.structured.grammar import TokenBitmask
@@ -53,6 +54,13 @@ class ModelRunner:
 
     A step may be launched while the one before it is still on the device (`launch(out,
     previous)`): rows whose last token is in flight take it from `previous`'s sampled ids there.
+
+    group: the tensor-parallel ranks whose shard `model` is (default: one rank, the whole model).
+    Every rank's runner takes the same steps; a request's last token, sampled on rank 0's device
+    and never on the host, reaches the other ranks by a broadcast of the step's token ids (rank 0
+    fills them in from the step before, the others receive them), so that every rank embeds the
+    same tokens. `before_forward(out, prompt_rows)`, when set, runs before each forward: rank 0's
+    executor sends the step to the other ranks there.
     """
 
     overlap_capable = True  # the engine may schedule a step behind one still running
@@ -65,8 +73,11 @@ class ModelRunner:
         sampler: TokenSampler,
         page_size: int,
         cascade: CascadePolicy | None = None,
+        group: TPGroup | None = None,
     ) -> None:
         self.model = model
+        self.group: TPGroup = group if group is not None else SingleRankGroup()
+        self.before_forward: Callable[[SchedulerOutput, Sequence[int]], None] | None = None
         self.device = device
         self.backend = backend
         self.sampler = sampler
@@ -82,6 +93,8 @@ class ModelRunner:
         token rows `prompt_rows` (indices into the step's tokens) for prompt logprobs.
         `previous`: the step before, for the rows whose last token it samples. `rows`: the step's
         rows when the caller applied its diffs to the batch already."""
+        if self.before_forward is not None:
+            self.before_forward(out, prompt_rows)
         with torch.inference_mode():
             if rows is None:
                 rows = self.batch.update(out)
@@ -93,7 +106,12 @@ class ModelRunner:
             return self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.logits_indices)
 
     def _step_inputs(self, rows: list[BatchRow], prompt_rows: Sequence[int], previous: LaunchedStep | None) -> StepInputs:
-        return self.inputs.build(rows, prompt_rows, self.cascade, previous)
+        if self.group.world_size == 1:
+            return self.inputs.build(rows, prompt_rows, self.cascade, previous)
+        inputs = self.inputs.build(rows, prompt_rows, self.cascade, previous, fill_in_flight=self.group.rank == 0)
+        if inputs.has_in_flight:  # rank 0's ids, tokens in flight filled in, replace the placeholders
+            inputs.input_ids = self.group.broadcast(inputs.input_ids)
+        return inputs
 
     def execute(self, out: SchedulerOutput) -> list[SampledTokens]:
         """One result per `out.requests`, in order (no tokens for a chunk that does not sample)."""
