@@ -234,7 +234,8 @@ class LlamaModel(nn.Module):
             )  # fmt: skip
             attn = attend(backend, i, q, k, v, rope).reshape(q.shape[0], spec.q_size)
             partial = linear_unscaled(attn, *layer.o_proj.args, defer=defer)
-            normed, residual = self.reduce_add_norm(partial, residual, layer.post_attention_layernorm["weight"], gate_up)
+            post_norm = layer.post_attention_layernorm["weight"]
+            normed, residual = self.reduce_add_norm(partial, residual, post_norm, gate_up)
             partial = self._gated_mlp(ops, normed, gate_up, layer.down_proj.args, defer)
         final, _ = self.reduce_add_norm(partial, residual, self.norm["weight"], None)
         assert not isinstance(final, QuantizedRows)
@@ -269,8 +270,7 @@ class LlamaModel(nn.Module):
         which quantizes for an FP8 `proj` with dynamic activations too."""
         fused = self.fused_allreduce
         if partial is not None and fused is not None and partial.shape[0] <= fused.max_tokens:
-            assert isinstance(partial, Tensor)
-            return fused(partial, residual, norm_w, self.spec.rms_norm_eps, takes_dynamic_fp8(proj, residual))
+            return fused(dense(partial), residual, norm_w, self.spec.rms_norm_eps, takes_dynamic_fp8(proj, residual))
         reduced = None if partial is None else self.all_reduce(partial)
         return self._add_norm(proj, self.ops, reduced, residual, norm_w, self.spec.rms_norm_eps)
 
