@@ -104,6 +104,16 @@ class TensorParallelExecutor:
     def collect(self, step: LaunchedStep) -> list[SampledTokens]:
         return self.runner.collect(step)
 
+    def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
+                previous: LaunchedStep | None = None) -> torch.Tensor:
+        """Rank 0's float32 logits of one step, the step sent to the workers first, as
+        `ModelRunner.forward` (the GPU tests and the TP benchmarks time and compare it)."""
+        try:
+            return self.runner.forward(out, prompt_rows, previous)
+        except Exception:
+            self.workers.check()
+            raise
+
     def execute(self, out: SchedulerOutput) -> list[SampledTokens]:
         """One result per `out.requests`, in order, as `ModelRunner.execute`."""
         return self.collect(self.launch(out))
