@@ -6,7 +6,8 @@ first /health 200, for two source trees, runs interleaved (this machine's speed 
 Each tree runs as `python -m flashserve serve` with PYTHONPATH set to it and the same virtual
 environment, so both read the same converted GGUF (`model_loader/gguf_cache.py`); one unmeasured
 start per tree first makes sure that copy exists and the files are in the page cache. Prints a
-table (median, min, max, every run) and writes JSON to benchmark/results/cpu/startup.json.
+table (median, min, max, every run) and writes JSON to `--out` (default: the git-ignored
+benchmark/results/local/cpu/startup.json; the committed figures are benchmark/results/cpu/startup.json).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+from benchmark import LOCAL_RESULTS
 from benchmark.server_process import free_port, stop
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "benchmark" / "results" / "cpu" / "startup.json"
+OUT = LOCAL_RESULTS / "cpu" / "startup.json"
 
 
 def start_to_healthy_s(src: str, timeout_s: float = 180.0) -> float:

@@ -3,7 +3,8 @@ only once the file named by FLASHSERVE_TEST_LOAD_GATE exists, so that a test see
 it starts. Only tests start it.
 
 The patch is made at import, not under `__main__`: the engine core is a spawned process, which
-imports this module (as `__mp_main__`) before it loads the model."""
+imports this module (as `__mp_main__`) before it loads the model. It is made only where the
+variable is set, so that a test process importing GATE_ENV from here loads models as usual."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _gated(load_engine: Any) -> Any:
     return load_when_open
 
 
-stack.load_engine = _gated(stack.load_engine)  # type: ignore[assignment]
+if GATE_ENV in os.environ:
+    stack.load_engine = _gated(stack.load_engine)  # type: ignore[assignment]
 
 if __name__ == "__main__":
     sys.exit(main())

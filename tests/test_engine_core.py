@@ -349,11 +349,13 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped_its_requests_freed_a
     the engine core gone and ends its streams with an error), and the other front end goes on."""
     from flashserve.engine import engine_core as core_module
 
-    monkeypatch.setattr(core_module, "MAX_UNREAD_BYTES", 64 << 10)
-
     async def main() -> None:
         core = CoreThread(_long_scheduler_engine(), n=2)
         stuck, served, held = _stall_first_of_two(core)
+        # The bound falls once every stream is submitted: the engine core steps in its own thread
+        # meanwhile, and a front end dropped before its last submissions would see those refused.
+        assert await soon(lambda: stuck.num_streams == len(held), 30)
+        monkeypatch.setattr(core_module, "MAX_UNREAD_BYTES", 64 << 10)
         assert await soon(lambda: len(core.core._conns) == 1, 60)  # dropped
         assert await soon(lambda: core.engine.scheduler.kv_cache.num_used_pages == 0)
         outs = await asyncio.wait_for(_collect(served, "other", [5], SamplingParams(max_tokens=50)), 30)
