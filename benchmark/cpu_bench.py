@@ -43,14 +43,16 @@ def random_prompt(n: int, gen: torch.Generator) -> list[int]:
     return torch.randint(100, 49000, (n,), generator=gen).tolist()
 
 
-def serve_startup_s(timeout_s: float = 120.0) -> float | None:
-    """Seconds from starting `flashserve serve` to its first /health 200 (None: it never came)."""
+def serve_startup_s(timeout_s: float = 120.0, env: dict[str, str] | None = None, poll_s: float = 0.1) -> float | None:
+    """Seconds from starting `flashserve serve` (in `env`, default this process's) to its first
+    /health 200, polled every `poll_s` (None: it never came)."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "flashserve", "serve", "--port", str(port), "--log-level", "warning"]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
         while time.perf_counter() - t0 < timeout_s and proc.poll() is None:
             try:
@@ -58,7 +60,7 @@ def serve_startup_s(timeout_s: float = 120.0) -> float | None:
                     return time.perf_counter() - t0
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)
+            time.sleep(poll_s)
         return None
     finally:
         stop(proc)

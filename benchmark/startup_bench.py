@@ -19,11 +19,10 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmark import LOCAL_RESULTS
-from benchmark.server_process import free_port, stop
+from benchmark.cpu_bench import serve_startup_s
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = LOCAL_RESULTS / "cpu" / "startup.json"
@@ -31,25 +30,10 @@ OUT = LOCAL_RESULTS / "cpu" / "startup.json"
 
 def start_to_healthy_s(src: str, timeout_s: float = 180.0) -> float:
     """Seconds from the process start to the first /health 200 of a server from the tree `src`."""
-    import httpx
-
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": src}
-    cmd = [sys.executable, "-m", "flashserve", "serve", "--port", str(port), "--log-level", "warning"]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        while time.perf_counter() - t0 < timeout_s and proc.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"the server of {src} did not become healthy (exit code {proc.poll()})")
-    finally:
-        stop(proc)
+    seconds = serve_startup_s(timeout_s, env={**os.environ, "PYTHONPATH": src}, poll_s=0.05)
+    if seconds is None:
+        raise RuntimeError(f"the server of {src} did not become healthy within {timeout_s:.0f} s")
+    return seconds
 
 
 def tree_of(src: str) -> str:
