@@ -59,9 +59,10 @@ class StepRecorder:
 
     def record(self, outputs: Sequence[RequestOutput], step_start: float, generation_tokens: int = 0) -> None:
         """`step_start`: when the step began, on the monotonic clock of the requests' arrival times
-        and after every request it may schedule arrived (a request's queue time is the time from
-        its arrival to the start of the first step that schedules it). `generation_tokens`: the
-        step's output tokens, those held for requests not streamed included."""
+        and after every request it may schedule arrived. A request's queue time runs from its
+        arrival to when the scheduler first admitted it (`first_scheduled_time`, the time a span
+        reports too). `generation_tokens`: the step's output tokens, those held for requests not
+        streamed included."""
         if self.metrics is None:
             return
         scheduler = self.engine.scheduler
@@ -69,7 +70,7 @@ class StepRecorder:
         for request in scheduler.running:
             if request.request_id not in self._scheduled:
                 self._scheduled.add(request.request_id)
-                queue_times.append(step_start - request.arrival_time)
+                queue_times.append((request.first_scheduled_time or step_start) - request.arrival_time)
         prompt_tokens = 0
         for out in outputs:
             n = len(out.new_token_ids)
@@ -77,7 +78,7 @@ class StepRecorder:
                 prompt_tokens += out.num_prompt_tokens
             if out.finished:
                 if n and out.request_id not in self._scheduled:  # scheduled and done in one step
-                    queue_times.append(step_start - out.arrival_time)
+                    queue_times.append((out.scheduled_time or step_start) - out.arrival_time)
                 self._scheduled.discard(out.request_id)
         kv_cache, prefix = scheduler.kv_cache, scheduler.prefix_cache
         counters = (scheduler.num_preemptions, prefix.num_queries, prefix.num_hits)
