@@ -55,7 +55,8 @@ def timed(fn: Callable[[], Any], rounds: int = 5) -> float:
 def manager_workload(record: bool, publish: Callable[[list], None] | None, num_requests: int = 400) -> tuple[float, int]:
     """(CPU s, pages registered) of a prefix-sharing workload through the manager, as the scheduler
     drives it: each request allocates (evicting), registers its pages and is freed; one request a step."""
-    from flashserve.kv_cache.manager import KVCacheManager, PageHasher
+    from flashserve.kv_cache.hashing import PageHasher
+    from flashserve.kv_cache.manager import KVCacheManager
 
     rng = random.Random(0)
     prefixes = [[rng.randrange(49000) for _ in range(1024)] for _ in range(8)]
@@ -94,7 +95,8 @@ def micro(rows: list[dict[str, Any]]) -> None:
     from flashserve.config import KVEventsConfig
     from flashserve.engine.kv_events import KVEventBatch, KVEventPublisher, to_wire
     from flashserve.kv_cache.events import PagesRemoved, PagesStored
-    from flashserve.kv_cache.manager import KVCacheManager, PageHasher
+    from flashserve.kv_cache.hashing import PageHasher
+    from flashserve.kv_cache.manager import KVCacheManager
 
     off_s, pages = manager_workload(False, None)
     on_s, _ = manager_workload(True, None)

@@ -8,13 +8,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from flashserve.kv_cache.manager import (
-    SCRATCH_PAGE,
-    KVCacheManager,
-    KVCacheManagerError,
-    PageHash,
-    PageHasher,
-)
+from flashserve.kv_cache.hashing import PageHash, PageHasher
+from flashserve.kv_cache.manager import SCRATCH_PAGE, KVCacheManager, KVCacheManagerError
 
 SEED = b"0123456789abcdef"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from flashserve.engine.prefix_groups import GroupPlan, PrefixGroup
 from flashserve.engine.prefix_pins import GroupPins
-from flashserve.kv_cache.manager import KVCacheManager, PageHasher
+from flashserve.kv_cache.hashing import PageHasher
+from flashserve.kv_cache.manager import KVCacheManager
 
 PAGE = 4
 PREFIX = list(range(100, 108))  # two full pages

@@ -2,7 +2,7 @@
 prefix for it, then the least loaded.
 
 The KV cache names a full page by a chained hash of every token up to its end, its root salted by
-the request's `cache_salt` (`kv_cache/manager.py`, PageHasher). The front end hashes each
+the request's `cache_salt` (`kv_cache/hashing.py`, PageHasher). The front end hashes each
 prompt the same way and keeps, per engine, a bounded LRU record of the page hashes it sent there:
 an approximation of what that engine has cached, as SGLang's cache-aware router keeps a radix tree
 per worker. The alternative, engines reporting the hashes they register and evict, would be exact
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from flashserve.kv_cache.manager import PageHash, PageHasher
+from flashserve.kv_cache.hashing import PageHash, PageHasher
 
 # Open requests by which an engine may exceed the least loaded and still win on its cached prefix.
 BALANCE_SLACK = 32

@@ -14,7 +14,8 @@ Pure Python, called only from the scheduler (the engine loop).
 from __future__ import annotations
 
 from flashserve.engine.request import Request
-from flashserve.kv_cache.manager import KVCacheManager, PageHash, PageHasher
+from flashserve.kv_cache.hashing import PageHash, PageHasher
+from flashserve.kv_cache.manager import KVCacheManager
 
 
 class PrefixCache:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from flashserve.engine.prefix_groups import GroupPlan
-from flashserve.kv_cache.manager import KVCacheManager, PageHasher
+from flashserve.kv_cache.hashing import PageHasher
+from flashserve.kv_cache.manager import KVCacheManager
 
 
 class GroupPins:

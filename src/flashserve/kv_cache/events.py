@@ -10,6 +10,7 @@ stays reusable.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -36,3 +37,14 @@ class PagesRemoved:
 
 
 KVCacheEvent = PagesStored | PagesRemoved
+
+
+def pages_stored(runs: list[list[int]], hashes: Sequence[bytes], token_ids: Sequence[int], page_size: int,
+                 cache_salt: str | None) -> list[PagesStored]:
+    """One `PagesStored` per run `[first, end)` of a request's newly registered pages; `hashes` and
+    `token_ids`: the request's chain and tokens, covering at least the last run."""
+    if len(token_ids) < runs[-1][1] * page_size:
+        raise ValueError(f"events need the tokens of {runs[-1][1]} pages, got {len(token_ids)} tokens")
+    return [PagesStored(list(hashes[first:end]), hashes[first - 1] if first else None,
+                        list(token_ids[first * page_size : end * page_size]), cache_salt)
+            for first, end in runs]

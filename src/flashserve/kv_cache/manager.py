@@ -3,7 +3,7 @@
 Pure Python. The pages themselves (the K/V tensors) belong to the attention backend; this module
 decides which page ids a request owns and which full pages can be shared between requests.
 
-A full page is named by a chained hash of every token up to its end (PageHasher). Once a request
+A full page is named by a chained hash of every token up to its end (`kv_cache/hashing.py`). Once a request
 has computed a page's K/V it registers the hash; a later request whose prefix hashes equal finds the
 page with match() and takes a reference instead of recomputing it. When its last reference goes the
 page keeps its hash and waits in the free queue, still reusable, until allocate() needs a fresh page
@@ -26,84 +26,19 @@ registered hashes (`kv_cache/events.py`), which the engine core drains once a st
 
 from __future__ import annotations
 
-import hashlib
-import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from flashserve.kv_cache.events import KVCacheEvent, PagesRemoved, PagesStored
+from flashserve.kv_cache.events import KVCacheEvent, PagesRemoved, pages_stored
+from flashserve.kv_cache.hashing import DEFAULT_HASH_SEED, PageHash
 
 SCRATCH_PAGE: Final = 0
-# The chain's seed when none is configured (`--prefix-caching-hash-seed`): fixed, so that a page's
-# hash is the same in every process and after every restart, as vLLM's default for sha256.
-DEFAULT_HASH_SEED: Final = "flashserve"
-
-PageHash = bytes
-
-# sha256 rather than blake2b: for one page (32-byte parent + 16 int64 ids = 160 bytes) sha256 took
-# ~630 ns here (OpenSSL uses SHA-NI), blake2b ~615-755 ns and blake2b cut to 32 bytes ~750-840 ns
-# (two shared cores, noisy), so blake2b buys nothing. A whole chain step, id conversion included,
-# costs ~1.2 us per page; array('q') once per extend() and struct.pack per page measured alike.
-_HASH = hashlib.sha256
-_ID_BYTES: Final = array("q").itemsize
-_BIG_ENDIAN: Final = sys.byteorder == "big"
 
 
 class KVCacheManagerError(RuntimeError):
     """The page bookkeeping is inconsistent (a bug, never a normal condition such as a full cache)."""
-
-
-class PageHasher:
-    """Chained hashes of full pages, sha256 throughout (documented in docs/production.md, so that a
-    router can compute them itself):
-
-        seed_digest = sha256(seed as UTF-8)
-        root(salt)  = sha256(b"flashserve-kv-root\\x00" + seed_digest + key)
-                      key = b"\\x00" without a salt, b"\\x01" + salt as UTF-8 with one
-        hash_i      = sha256(hash_{i-1} (root(salt) for the first page)
-                             + page i's token ids as little-endian int64)
-
-    The seed (`--prefix-caching-hash-seed`, DEFAULT_HASH_SEED when unset) is fixed, so hashes
-    are equal across processes and restarts; the salt (a request's `cache_salt`) enters only the
-    root, so two salts never produce equal hashes.
-    """
-
-    def __init__(self, page_size: int, seed: str | bytes = DEFAULT_HASH_SEED) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be positive, got {page_size}")
-        self.page_size = page_size
-        raw = seed.encode("utf-8", "surrogatepass") if isinstance(seed, str) else bytes(seed)
-        self._seed = _HASH(raw).digest()
-
-    def _root(self, extra_key: str | None) -> PageHash:
-        # The tag byte keeps None apart from "" (and any salt apart from any other): the seed's
-        # digest has a fixed length, so digest + tag + salt is unambiguous.
-        key = b"\x00" if extra_key is None else b"\x01" + extra_key.encode("utf-8", "surrogatepass")
-        return _HASH(b"flashserve-kv-root\x00" + self._seed + key).digest()
-
-    def extend(self, hashes: list[PageHash], token_ids: Sequence[int], extra_key: str | None = None) -> None:
-        """Append to `hashes` (in place) the hash of every FULL page of `token_ids` not yet hashed
-        (pages len(hashes) .. len(token_ids)//page_size - 1). A partial last page gets no hash.
-
-        `extra_key` only enters the chain's root, so it matters only while `hashes` is empty; the
-        caller keeps using one key per request.
-        """
-        size = self.page_size
-        start, end = len(hashes), len(token_ids) // size
-        if start >= end:
-            return
-        ids = array("q", token_ids[start * size : end * size])
-        if _BIG_ENDIAN:  # the documented byte order, wherever the hashes are computed
-            ids.byteswap()
-        data = ids.tobytes()
-        width = size * _ID_BYTES
-        parent = hashes[-1] if hashes else self._root(extra_key)
-        # The parent has a fixed length (one digest) and so has a page, so parent + page is unambiguous.
-        for offset in range(0, len(data), width):
-            parent = _HASH(parent + data[offset : offset + width]).digest()
-            hashes.append(parent)
 
 
 class KVCacheManager:
@@ -319,19 +254,8 @@ class KVCacheManager:
                         runs.append([i, i + 1])
         self._registered_upto[request_id] = num_pages
         if runs:
-            self._log_stored(runs, hashes, token_ids, cache_salt)
-
-    def _log_stored(self, runs: list[list[int]], hashes: Sequence[PageHash],
-                    token_ids: Sequence[int] | Callable[[], Sequence[int]], cache_salt: str | None) -> None:
-        size = self.page_size
-        if callable(token_ids):
-            token_ids = token_ids()
-        if len(token_ids) < runs[-1][1] * size:
-            raise ValueError(f"events need the tokens of {runs[-1][1]} pages, got {len(token_ids)} tokens")
-        for first, end in runs:
-            parent = hashes[first - 1] if first else None
-            self._events.append(  # type: ignore[union-attr]
-                PagesStored(list(hashes[first:end]), parent, list(token_ids[first * size : end * size]), cache_salt))
+            self._events.extend(  # type: ignore[union-attr]
+                pages_stored(runs, hashes, token_ids() if callable(token_ids) else token_ids, self.page_size, cache_salt))
 
     def free(self, request_id: str) -> None:
         """Drop the request's references; an unknown or already freed id is a no-op.
