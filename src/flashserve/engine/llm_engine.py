@@ -113,17 +113,19 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, group: str | None = None,
-        cache_salt: str | None = None, stream: bool = True,
+        cache_salt: str | None = None, stream: bool = True, lora_int_id: int = 0,
     ) -> None:
         """Queue a request; raises InvalidParameter for ids the model cannot take. Requests with the
         same `group` (the choices and prompts of one API request) share the scheduler's fair share;
-        requests with different `cache_salt`s never share cached KV pages. A request not streamed
+        requests with different `cache_salt`s never share cached KV pages. `lora_int_id`: the LoRA
+        adapter it runs with, loaded in the executor already (0: the base model). A request not streamed
         gets two outputs, not one per step: its first tokens at once (the time to first token),
         then everything after them when it finishes (or is aborted)."""
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_request(prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, group=group, cache_salt=cache_salt)
+        request = Request(request_id, list(prompt_token_ids), params, group=group, cache_salt=cache_salt,
+                          lora_int_id=lora_int_id)
         if params.grammar is not None:
             request.matcher = params.grammar.new_matcher()
         detok = None

@@ -40,6 +40,8 @@ class ScheduledRequest:
     # on the device) samples for this request; the runner takes it from that step's ids. Only a
     # decode row has one.
     last_token_in_flight: bool = False
+    # The LoRA adapter of the request (`LoRARequest.lora_int_id`), on every row; 0: the base model.
+    lora_int_id: int = 0
 
     @property
     def is_new(self) -> bool:

@@ -36,6 +36,7 @@ class Request:
     # running slots one group may hold. None: a request of its own, uncapped.
     group: str | None = None
     cache_salt: str | None = None  # requests with different salts never share cached pages
+    lora_int_id: int = 0  # the LoRA adapter it runs with; 0: the base model
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -39,7 +39,7 @@ from flashserve.message.outputs import RequestOutput
 from flashserve.message.requests import Abort, Add
 
 # Bump whenever a message below changes shape.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,11 @@ class AddRequest:
     add: Add
     grammar_spec: GrammarSpec | None = None
     prefix_member: tuple[int, int] | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        """The request's LoRA adapter (`add.lora_request`), 0 for the base model."""
+        return self.add.lora_int_id
 
 
 @dataclass(frozen=True)
