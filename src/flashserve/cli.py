@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 from flashserve.api.options import APIOptions
 from flashserve.attention.cascade import CASCADE_MODES
 from flashserve.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, ServerConfig
+from flashserve.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,13 @@ def _kv_events_config(text: str) -> KVEventsConfig:
     try:
         return KVEventsConfig.from_json(text)
     except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -132,6 +140,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "GPUs; on a CPU as many as one step computes in about 0.4 s, measured at start-up)"),
     Option("--overlap-scheduling", _bool, True, "schedule and launch each step while the device computes "
            "the one before (--no-overlap-scheduling: one after the other)"),
+    Option("--speculative-config", _speculative_config, None, "speculative decoding, as vLLM's option (JSON): "
+           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+           "\"prompt_lookup_max\": 4}' proposes draft tokens by looking the request's last tokens up in its own "
+           "prompt and output, verified in one forward; \"disable_by_batch_size\": N turns it off in steps of "
+           "more than N requests (default: off)"),
     Option("--cuda-graph", _bool, True, "capture decode steps in CUDA graphs (--no-cuda-graph or --enforce-eager to disable)"),
     Option("--seed", int, 0, "seed of the sampler for requests without a seed"),
     Option("--log-level", str, "info", "log level", ["debug", "info", "warning", "error"]),
@@ -285,7 +298,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
                         prefix_caching_hash_seed=ns.prefix_caching_hash_seed,
                         kv_events=ns.kv_events_config if ns.kv_events_config and ns.kv_events_config.enabled else None)
     scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-                                overlap_scheduling=ns.overlap_scheduling)
+                                overlap_scheduling=ns.overlap_scheduling, speculative=ns.speculative_config)
     api_keys = tuple(ns.api_key or ())
     server = ServerConfig(host=ns.host, port=ns.port, log_level=ns.log_level, api_keys=api_keys)
     api = APIOptions(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
+from flashserve.spec_decode.config import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -118,6 +120,8 @@ class SchedulerConfig:
     # Schedule and launch the next step while the device computes the last one; its decode tokens
     # come from the last step's sampled ids on the device (`engine/llm_engine.py`).
     overlap_scheduling: bool = True
+    # `--speculative-config`: draft tokens verified in each decode step (`spec_decode/`); None: off.
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)

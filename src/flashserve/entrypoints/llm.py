@@ -21,6 +21,7 @@ from flashserve.message.codec import AddRequest
 from flashserve.message.outputs import RequestOutput, merge_outputs
 from flashserve.message.requests import Add
 from flashserve.message.sampling_params import SamplingParams
+from flashserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,10 @@ def build_engine(
     from flashserve.executor.build import build_runner  # torch is imported here, not at package import
     from flashserve.worker.step_budget import default_max_num_seqs, large_gpu
 
+    if scheduler.speculative is not None:
+        from flashserve.spec_decode.startup import check_speculative
+
+        check_speculative(scheduler.speculative, model)  # before anything loads
     large = large_gpu(model.device)
     if scheduler.max_num_seqs is None:
         scheduler = replace(scheduler, max_num_seqs=default_max_num_seqs(large))
@@ -85,6 +90,12 @@ def build_engine(
     tokenizer = loaded.tokenizer if detokenize else None
     engine = LLMEngine(sched, runner, tokenizer, vocab_size=loaded.vocab_size, overlap=overlap)
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
+
+
+def _speculative_config(value: Any) -> SpeculativeConfig:
+    if isinstance(value, SpeculativeConfig):
+        return value
+    return SpeculativeConfig.from_json(value) if isinstance(value, str) else SpeculativeConfig.from_dict(value)
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,9 @@ class LLM:
                              "`flashserve serve --data-parallel-size N` (or run one LLM per GPU)")
         cache_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
         sched_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
+        speculative = kwargs.pop("speculative_config", None)  # vLLM's name: a dict, JSON or SpeculativeConfig
+        if speculative is not None:
+            sched_kw["speculative"] = _speculative_config(speculative)
         cuda_graph = kwargs.pop("cuda_graph", True)
         self.stack = build_engine(ModelConfig(model=model, **kwargs), CacheConfig(**cache_kw),
                                   SchedulerConfig(**sched_kw), cuda_graph=cuda_graph)
