@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from fake_engine import EOS, MODEL, FakeEngine, api_client, ask, chat, complete, post
-from flashserve.api import protocol
+from flashserve.api import protocol, sampling
 from flashserve.api.server import TOKENIZE_INLINE_CHARS, build_app
 
 pytestmark = pytest.mark.anyio
@@ -41,14 +41,14 @@ def test_schema_ignores_unknown_fields() -> None:
 
 
 def test_sampling_params_take_openai_defaults() -> None:
-    params = protocol.to_sampling_params(protocol.CompletionRequest(prompt="x"), 7, EOS)
+    params = sampling.to_sampling_params(protocol.CompletionRequest(prompt="x"), 7, EOS)
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (7, 1.0, 1.0, -1)
     assert params.eos_token_ids == EOS and params.seed is None
 
 
 def test_seeded_choice_i_uses_seed_plus_i() -> None:
-    base = protocol.to_sampling_params(protocol.CompletionRequest(prompt="x", seed=10), 4, ())
-    assert [protocol.for_choice(base, i).seed for i in range(3)] == [10, 11, 12]
+    base = sampling.to_sampling_params(protocol.CompletionRequest(prompt="x", seed=10), 4, ())
+    assert [sampling.for_choice(base, i).seed for i in range(3)] == [10, 11, 12]
 
 
 # ---- shapes ------------------------------------------------------------------------------------

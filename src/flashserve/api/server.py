@@ -37,6 +37,7 @@ from flashserve.api.logprobs import TokenTexts
 from flashserve.api.middleware import GuardMiddleware, RequestIdMiddleware
 from flashserve.api.options import APIOptions, ServerState
 from flashserve.api.response_store import ResponseStore, SharedResponseStore
+from flashserve.api.sampling import for_choice, to_sampling_params
 from flashserve.api.serving_messages import AnthropicErrors, MessagesServing
 from flashserve.api.serving_responses import ResponsesServing
 from flashserve.api.serving_tokenize import TokenizeServing
@@ -339,12 +340,12 @@ class _OpenAIServing:
         params: list[SamplingParams] = []
         for prompt in prompts:
             max_tokens = self._max_tokens(len(prompt), body.requested_max_tokens, param, body.default_max_tokens)
-            base = p.to_sampling_params(body, max_tokens, self.eos_token_ids, grammar)
+            base = to_sampling_params(body, max_tokens, self.eos_token_ids, grammar)
             for _ in range(body.n):
                 index = len(ids)
                 ids.append(f"{request_id}-{index}")
                 choice_prompts.append(prompt)
-                params.append(p.for_choice(base, index))
+                params.append(for_choice(base, index))
         if not self.engine.is_healthy():
             raise engine_dead()
         record = RequestRecord(self.metrics, request_id, sum(len(x) for x in prompts), len(ids), arrival,
