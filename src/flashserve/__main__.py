@@ -9,15 +9,20 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from flashserve.cli import build_parser, to_batch_args, to_configs
 
-    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:  # options that do not go together: the parser's error and exit status 2, before anything starts
+        args = to_configs(ns) if ns.command == "serve" else to_batch_args(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
     if ns.command == "serve":
         from flashserve.entrypoints.serve import main as serve
 
-        return serve(to_configs(ns))
+        return serve(args)
     elif ns.command == "run-batch":
         from flashserve.entrypoints.run_batch.main import main as run_batch
 
-        return run_batch(to_batch_args(ns))
+        return run_batch(args)
     return 0
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from flashserve.api.options import APIOptions
 from flashserve.attention.cascade import CASCADE_MODES
-from flashserve.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, ServerConfig
+from flashserve.config import CacheConfig, KVEventsConfig, LoRAConfig, ModelConfig, SchedulerConfig, ServerConfig
+from flashserve.message.lora import LoRARequest
 from flashserve.spec_decode.config import SpeculativeConfig
 
 
@@ -21,6 +23,10 @@ class Option:
     help: str
     choices: Sequence[str] | None = None
     multiple: bool = False  # several values: space-separated on the command line, comma-separated in env
+    # Other environment variables read when FLASHSERVE_<FLAG> is not set (vLLM's names), in order.
+    env_aliases: tuple[str, ...] = ()
+    # How the environment variable of a `multiple` option splits into values (default: at commas).
+    env_split: Callable[[str], list[str]] | None = None
 
     @property
     def dest(self) -> str:
@@ -75,6 +81,47 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _lora_module(text: str) -> dict[str, Any]:
+    """One `--lora-modules` entry, as vLLM takes it: `name=path`, or a JSON object with "name",
+    "path" and optionally "base_model_name"."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({exc})") from None
+        if not isinstance(raw, dict):
+            raise argparse.ArgumentTypeError(f"expected a JSON object: {text!r}")
+        unknown = sorted(set(raw) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown field(s) {unknown} in {text!r}; known: name, path, "
+                                             "base_model_name")
+        name, path, base = raw.get("name"), raw.get("path"), raw.get("base_model_name")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise argparse.ArgumentTypeError(f"{text!r} needs a non-empty \"name\" and \"path\"")
+        if base is not None and not isinstance(base, str):
+            raise argparse.ArgumentTypeError(f"base_model_name must be a string in {text!r}")
+        return {"name": name, "path": path, "base_model_name": base}
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
+    return {"name": name.strip(), "path": path.strip(), "base_model_name": None}
+
+
+def _lora_modules_env(raw: str) -> list[str]:
+    """FLASHSERVE_LORA_MODULES: a JSON list of objects, or name=path entries separated by commas."""
+    raw = raw.strip()
+    if raw.startswith("["):
+        try:
+            entries = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"FLASHSERVE_LORA_MODULES is not JSON: {exc}") from None
+        if not isinstance(entries, list):
+            raise argparse.ArgumentTypeError("FLASHSERVE_LORA_MODULES: expected a JSON list")
+        return [json.dumps(e) if isinstance(e, dict) else str(e) for e in entries]
+    return raw.split(",")
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -120,6 +167,20 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "scale 1.0: half the KV memory and reads of bfloat16)", ["auto", "fp8", "fp8_e4m3"]),
     Option("--cascade-attention", str, "auto", "attend a prefix shared by a group of requests once for the group "
            "(on: every such group; auto: in a step whose groups save >= 512k KV token reads)", list(CASCADE_MODES)),
+    Option("--enable-lora", _bool, False, "serve LoRA adapters of the model (PEFT's format): a request names "
+           "an adapter as its model"),
+    Option("--lora-modules", _lora_module, None, "adapters served from the start, as name=path or JSON "
+           "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (a local folder, or an HF id found in "
+           "the local HF cache); the environment variable takes name=path entries separated by commas or a "
+           "JSON list", multiple=True, env_split=_lora_modules_env),
+    Option("--max-loras", _positive_int, 1, "most adapters one step uses (the device holds this many); "
+           "requests of more adapters wait for a step with room"),
+    Option("--max-lora-rank", _positive_int, 16, "largest adapter rank; an adapter of a larger rank is refused"),
+    Option("--max-cpu-loras", _positive_int, None, "most adapters loaded at once, in host memory; loading one "
+           "more is refused (default: --max-loras, or the number of --lora-modules when larger)"),
+    Option("--allow-runtime-lora-updating", _bool, False, "serve POST /v1/load_lora_adapter and "
+           "/v1/unload_lora_adapter, which load and unload adapters while serving (behind --api-key when set)",
+           env_aliases=("VLLM_ALLOW_RUNTIME_LORA_UPDATING",)),
     Option("--page-size", int, 16, "tokens per KV cache page"),
     Option("--num-pages", int, None, "KV cache pages (default: sized from memory)"),
     Option("--gpu-memory-utilization", float, 0.9, "fraction of GPU memory for weights, activations and KV cache"),
@@ -202,6 +263,7 @@ SERVER_ONLY_FLAGS = frozenset({
     "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials", "--shutdown-timeout",
     "--ui", "--api-server-count", "--data-parallel-size", "--data-parallel-routing", "--kv-events-config",
     "--responses-store-max-entries", "--responses-store-max-age", "--otlp-traces-endpoint",
+    "--allow-runtime-lora-updating",
 })
 
 RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag not in SERVER_ONLY_FLAGS) + (
@@ -218,14 +280,20 @@ RUN_BATCH_OPTIONS: tuple[Option, ...] = tuple(o for o in SERVE_OPTIONS if o.flag
 def add_options(parser: argparse.ArgumentParser, options: Sequence[Option], environ: dict[str, str]) -> None:
     for opt in options:
         default = opt.default
-        if opt.env in environ:
-            raw = environ[opt.env]
-            if opt.multiple:
-                default = [opt.type(v) if opt.type else v for v in raw.split(",") if v.strip()]
-            else:
-                default = opt.type(raw) if opt.type else raw
+        env = next((name for name in (opt.env, *opt.env_aliases) if name in environ), None)
+        if env is not None:
+            raw = environ[env]
+            try:
+                if opt.multiple:
+                    values = opt.env_split(raw) if opt.env_split is not None else raw.split(",")
+                    default = [opt.type(v) if opt.type else v for v in values if v.strip()]
+                else:
+                    default = opt.type(raw) if opt.type else raw
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                parser.error(f"{env}: {exc}")
         shown = "" if opt.default is None else f" (default: {opt.default})"
-        help_text = f"{opt.help}{shown} [env: {opt.env}]"
+        envs = " or ".join((opt.env, *opt.env_aliases))
+        help_text = f"{opt.help}{shown} [env: {envs}]"
         if opt.type is _bool:
             parser.add_argument(opt.flag, dest=opt.dest, action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
@@ -276,9 +344,43 @@ class ServeArgs:
     api_server_count: int = 1
     data_parallel_size: int = 1  # engine cores, each on GPUs of its own
     data_parallel_routing: str = "prefix"  # prefix | load
+    # `--lora-modules`, with the ids the engine core loads them under (1, 2, ...).
+    lora_modules: tuple[LoRARequest, ...] = ()
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+
+
+def lora_options(ns: argparse.Namespace) -> tuple[LoRAConfig | None, tuple[LoRARequest, ...]]:
+    """The LoRA limits (None without --enable-lora) and the adapters to serve from the start.
+    Raises ValueError for options that do not go together."""
+    modules = list(ns.lora_modules or ())
+    if not ns.enable_lora:
+        if modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None, ()
+    max_cpu_loras = ns.max_cpu_loras
+    if max_cpu_loras is not None and max_cpu_loras < ns.max_loras:
+        raise ValueError(f"--max-cpu-loras ({max_cpu_loras}) must be at least --max-loras ({ns.max_loras})")
+    if max_cpu_loras is None and len(modules) > ns.max_loras:
+        max_cpu_loras = len(modules)  # room for every adapter named at start
+    config = LoRAConfig(max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=max_cpu_loras)
+    names = [m["name"] for m in modules]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"--lora-modules names each adapter once; given more than once: {', '.join(duplicates)}")
+    served = set(ns.served_model_name or ()) | ({ns.model} if ns.model else set())
+    clashing = sorted(served.intersection(names))
+    if clashing:
+        raise ValueError(f"--lora-modules: {', '.join(clashing)} is the base model's name; name the adapter otherwise")
+    if len(modules) > config.cpu_capacity:
+        raise ValueError(f"--lora-modules names {len(modules)} adapters, more than --max-cpu-loras "
+                         f"({config.cpu_capacity}) holds")
+    loras = tuple(LoRARequest(m["name"], i, m["path"], m["base_model_name"]) for i, m in enumerate(modules, 1))
+    return config, loras
 
 
 def to_configs(ns: argparse.Namespace) -> ServeArgs:
+    """Raises ValueError for options that do not go together (the parser reports it)."""
+    lora_config, lora_modules = lora_options(ns)
     model = ModelConfig(
         model=ns.model, tokenizer=ns.tokenizer, served_model_names=tuple(ns.served_model_name or ()),
         dtype=ns.dtype, attention_dtype=ns.attention_dtype, load_format=ns.load_format,
@@ -291,6 +393,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         tensor_parallel_size=ns.tensor_parallel_size,
         enable_flashinfer_allreduce_fusion=ns.enable_flashinfer_allreduce_fusion,
         quantization=ns.quantization,
+        lora=lora_config,
     )
     cache = CacheConfig(page_size=ns.page_size, num_pages=ns.num_pages,
                         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
@@ -314,7 +417,8 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
     return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
                      queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,
                      access_log=ns.access_log, api_server_count=ns.api_server_count,
-                     data_parallel_size=ns.data_parallel_size, data_parallel_routing=ns.data_parallel_routing)
+                     data_parallel_size=ns.data_parallel_size, data_parallel_routing=ns.data_parallel_routing,
+                     lora_modules=lora_modules, allow_runtime_lora_updating=ns.allow_runtime_lora_updating)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,33 @@ class ModelConfig:
     # "fp8": quantize a high-precision checkpoint's projections at load (per-channel weights,
     # per-token activations). FP8 checkpoints (config.json's quantization_config) need no flag.
     quantization: str | None = None
+    # `--enable-lora`: the adapters' limits, which the runner sizes its slots by; None: no LoRA.
+    lora: LoRAConfig | None = None
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """`--enable-lora`'s limits, as the runner takes them (None on the model config when LoRA is
+    off: then the runner has no LoRA cost). `max_loras`: adapters one step may use (the device's
+    slots); `max_lora_rank`: the largest rank an adapter may have; `max_cpu_loras`: adapters kept
+    loaded in host memory (None: `max_loras`)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        """Adapters kept loaded on the host."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -93,8 +94,11 @@ def int_hashes_from_env() -> bool:
     return os.environ.get(INT_HASHES_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def to_wire(events: list[KVCacheEvent], page_size: int, int_hashes: bool = False) -> list[BlockStored | BlockRemoved]:
-    """The manager's records as vLLM's events, in order."""
+def to_wire(events: list[KVCacheEvent], page_size: int, int_hashes: bool = False,
+            lora_names: Mapping[int, str] | None = None) -> list[BlockStored | BlockRemoved]:
+    """The manager's records as vLLM's events, in order. `lora_names`: adapter id -> name, for the
+    `lora_name` of pages an adapter's request stored (their `lora_id` is the id; both None for
+    the base model's, as vLLM sends them)."""
 
     def external(page_hash: bytes) -> bytes | int:
         return int.from_bytes(page_hash[-8:], "big") if int_hashes else page_hash
@@ -108,7 +112,8 @@ def to_wire(events: list[KVCacheEvent], page_size: int, int_hashes: bool = False
             parent = None if event.parent_hash is None else external(event.parent_hash)
             out.append(BlockStored(
                 block_hashes=[external(h) for h in event.page_hashes], parent_block_hash=parent,
-                token_ids=event.token_ids, block_size=page_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None,
+                token_ids=event.token_ids, block_size=page_size, lora_id=event.lora_id or None, medium=MEDIUM_GPU,
+                lora_name=(lora_names or {}).get(event.lora_id) if event.lora_id else None,
                 extra_keys=extra, group_idx=0))
         elif isinstance(event, PagesRemoved):
             out.append(BlockRemoved(block_hashes=[external(h) for h in event.page_hashes], medium=MEDIUM_GPU,
@@ -154,6 +159,9 @@ class KVEventPublisher:
         self.endpoint = offset_endpoint(config.endpoint, data_parallel_rank)
         self.replay_endpoint = offset_endpoint(config.replay_endpoint, data_parallel_rank)
         self.num_dropped = 0
+        # LoRA adapter id -> name, filled by the engine core as adapters load (ids are never reused,
+        # so a name stays right for events of pages stored before its adapter was unloaded).
+        self.lora_names: dict[int, str] = {}
         self._topic = config.topic.encode("utf-8")
         self._max_pending = config.max_queue_size
         self._pending: deque[tuple[float, list[KVCacheEvent]] | None] = deque()
@@ -260,7 +268,7 @@ class KVEventPublisher:
                 events += item[1]
             if events:
                 try:
-                    batch = KVEventBatch(ts=ts, events=to_wire(events, self.page_size, self.int_hashes),
+                    batch = KVEventBatch(ts=ts, events=to_wire(events, self.page_size, self.int_hashes, self.lora_names),
                                          data_parallel_rank=self.rank)
                     payload = encoder.encode(batch)
                     self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))

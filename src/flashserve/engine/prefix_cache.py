@@ -2,7 +2,8 @@
 are being computed by someone else, and when its computed pages become shareable.
 
 The KV cache manager knows pages and their hashes; this module knows requests. It keeps each
-request's chain of page hashes (prompt and output so far, salted with its `cache_salt`), looks a
+request's chain of page hashes (prompt and output so far, salted with its `cache_salt` and keyed
+by its LoRA adapter, so two adapters never share K/V for the same tokens), looks a
 new request's pages up when it is admitted, registers its pages once their K/V is computed, and
 remembers which uncached pages running requests are computing, so that requests that arrive
 together with the same prefix compute it once: the first computes, the others wait until its
@@ -33,7 +34,7 @@ class PrefixCache:
     def add(self, request: Request) -> None:
         """A new request: hash its prompt's full pages."""
         if self.enabled:
-            self.hasher.extend(request.page_hashes, request.prompt_token_ids, request.cache_salt)
+            self.hasher.extend(request.page_hashes, request.prompt_token_ids, request.cache_salt, lora_key(request))
 
     def lookup(self, request: Request) -> list[int] | None:
         """Cached pages that start the request's tokens (never all of them: the last token is always
@@ -78,7 +79,7 @@ class PrefixCache:
         # The tokens only for the events, and only when a page is new: concatenating them every
         # step would cost what the step's bookkeeping costs.
         self.kv_cache.register(request.request_id, request.page_hashes, full, lambda: request.all_token_ids,
-                               request.cache_salt)
+                               request.cache_salt, request.lora_int_id)
         start, end = self._computing_range.get(request.request_id, (0, 0))
         if start < min(full, end):
             self._forget(request, start, min(full, end))
@@ -97,4 +98,11 @@ class PrefixCache:
 
     def _extend(self, request: Request) -> None:
         if len(request.page_hashes) < request.num_tokens // self.page_size:
-            self.hasher.extend(request.page_hashes, request.all_token_ids, request.cache_salt)
+            self.hasher.extend(request.page_hashes, request.all_token_ids, request.cache_salt, lora_key(request))
+
+
+def lora_key(request: Request) -> str | None:
+    """The request's adapter in its chain's root (`PageHasher`): its id; None for the base model.
+    The engine core never gives an id to a second adapter, so pages of an unloaded adapter never
+    answer for another."""
+    return str(request.lora_int_id) if request.lora_int_id else None

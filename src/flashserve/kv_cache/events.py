@@ -20,13 +20,16 @@ class PagesStored:
 
     `parent_hash`: the hash of the page before the first one (None when the first page starts the
     chain); `token_ids`: the pages' tokens, page_size per page; `cache_salt`: the chain's salt,
-    which entered its root (so it matters to a consumer only when `parent_hash` is None).
+    which entered its root (so it matters to a consumer only when `parent_hash` is None);
+    `lora_id`: the LoRA adapter whose K/V the pages hold (0: the base model), which entered the
+    root too.
     """
 
     page_hashes: list[bytes]
     parent_hash: bytes | None
     token_ids: list[int]
     cache_salt: str | None
+    lora_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +43,11 @@ KVCacheEvent = PagesStored | PagesRemoved
 
 
 def pages_stored(runs: list[list[int]], hashes: Sequence[bytes], token_ids: Sequence[int], page_size: int,
-                 cache_salt: str | None) -> list[PagesStored]:
+                 cache_salt: str | None, lora_id: int = 0) -> list[PagesStored]:
     """One `PagesStored` per run `[first, end)` of a request's newly registered pages; `hashes` and
     `token_ids`: the request's chain and tokens, covering at least the last run."""
     if len(token_ids) < runs[-1][1] * page_size:
         raise ValueError(f"events need the tokens of {runs[-1][1]} pages, got {len(token_ids)} tokens")
     return [PagesStored(list(hashes[first:end]), hashes[first - 1] if first else None,
-                        list(token_ids[first * page_size : end * page_size]), cache_salt)
+                        list(token_ids[first * page_size : end * page_size]), cache_salt, lora_id)
             for first, end in runs]

@@ -212,13 +212,14 @@ class KVCacheManager:
         return True
 
     def register(self, request_id: str, hashes: Sequence[PageHash], num_pages: int | None = None,
-                 token_ids: Sequence[int] | Callable[[], Sequence[int]] = (), cache_salt: str | None = None) -> None:
+                 token_ids: Sequence[int] | Callable[[], Sequence[int]] = (), cache_salt: str | None = None,
+                 lora_id: int = 0) -> None:
         """The request's first `num_pages` pages (default: len(hashes)) now hold computed K/V for
         `hashes[:num_pages]` (full pages only): record hash -> page for those not registered yet.
         Idempotent, and O(1) when nothing is new, so a caller may pass a request's whole (growing)
         hash list every step. `token_ids` (the request's tokens, at least its first `num_pages`
         pages, or a function that returns them, called only when a new page goes into the events)
-        and `cache_salt` (its salt) only go into the events (record_events).
+        `cache_salt` (its salt) and `lora_id` (its LoRA adapter) only go into the events (record_events).
 
         If a different page already holds an equal hash (two requests computed the same prefix),
         the existing mapping stays and this page stays unregistered. Pages looked at by an earlier
@@ -255,7 +256,8 @@ class KVCacheManager:
         self._registered_upto[request_id] = num_pages
         if runs:
             self._events.extend(  # type: ignore[union-attr]
-                pages_stored(runs, hashes, token_ids() if callable(token_ids) else token_ids, self.page_size, cache_salt))
+                pages_stored(runs, hashes, token_ids() if callable(token_ids) else token_ids, self.page_size, cache_salt,
+                             lora_id))
 
     def free(self, request_id: str) -> None:
         """Drop the request's references; an unknown or already freed id is a no-op.
