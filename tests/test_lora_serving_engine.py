@@ -10,10 +10,10 @@ import pytest
 
 from flashserve.config import LoRAConfig
 from flashserve.engine.kv_events import to_wire
-from flashserve.engine.lora_registry import LoRAInUse, LoRANotFound, LoRARegistry
+from flashserve.engine.lora_registry import LoRARegistry
 from flashserve.engine.request import Request
 from flashserve.kv_cache.events import PagesStored
-from flashserve.message.lora import LoRAAdapterError, LoRARequest
+from flashserve.message.lora import LoRAAdapterError, LoRAInUse, LoRANotFound, LoRARequest
 from flashserve.message.sampling_params import SamplingParams
 from test_scheduler import make, run, step
 
@@ -101,8 +101,8 @@ class FakeExecutor:
         return self.loaded.pop(lora_int_id, None) is not None
 
 
-def registry(max_cpu_loras: int = 2, executor: FakeExecutor | None = None) -> LoRARegistry:
-    return LoRARegistry(executor or FakeExecutor(), LoRAConfig(max_loras=1, max_cpu_loras=max_cpu_loras))
+def registry(executor: FakeExecutor | None = None) -> LoRARegistry:
+    return LoRARegistry(executor or FakeExecutor(), LoRAConfig(max_loras=1))
 
 
 def test_a_loaded_adapter_gets_a_fresh_id_and_reaches_the_executor() -> None:
@@ -147,22 +147,21 @@ def test_unloading_an_adapter_with_requests_is_refused_and_keeps_it() -> None:
     assert r.adapters == (a,)
 
 
-def test_loading_past_max_cpu_loras_is_refused() -> None:
-    r = registry(max_cpu_loras=1)
-    r.load("a", "/a")
-    with pytest.raises(LoRAAdapterError, match="max-cpu-loras"):
-        r.load("b", "/b")
-
-
-def test_a_requests_own_adapter_loads_on_the_way_in_and_makes_room_from_unused_ones() -> None:
+def test_a_requests_own_adapter_loads_on_the_way_in_and_keeps_its_name() -> None:
     executor = FakeExecutor()
-    r = registry(max_cpu_loras=1, executor=executor)
-    first = r.for_request(LoRARequest("x", 7, "/x"), Counter())
-    assert first == 7 and r.for_request(LoRARequest("x", 7, "/x"), Counter()) == 7
-    second = r.for_request(LoRARequest("y", 8, "/y"), Counter())  # x has no request: it makes room
-    assert second == 8 and set(executor.loaded) == {8}
-    with pytest.raises(LoRAAdapterError, match="max-cpu-loras"):
-        r.for_request(LoRARequest("z", 9, "/z"), Counter({8: 1}))  # y is in use
+    r = registry(executor=executor)
+    assert r.for_request(LoRARequest("x", 7, "/x")) == 7
+    assert r.for_request(LoRARequest("x", 7, "/x")) == 7  # loaded once
+    assert set(executor.loaded) == {7}
+    with pytest.raises(LoRAAdapterError, match="is loaded from '/x'"):
+        r.for_request(LoRARequest("x", 7, "/elsewhere"))
+
+
+def test_an_id_given_before_goes_to_no_other_adapter() -> None:
+    r = registry()
+    r.load("a", "/a")  # id 1
+    r.unload("a", Counter())
+    assert r.for_request(LoRARequest("b", 1, "/b")) != 1
 
 
 def test_without_enable_lora_every_load_is_refused() -> None:

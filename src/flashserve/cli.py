@@ -176,8 +176,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--max-loras", _positive_int, 1, "most adapters one step uses (the device holds this many); "
            "requests of more adapters wait for a step with room"),
     Option("--max-lora-rank", _positive_int, 16, "largest adapter rank; an adapter of a larger rank is refused"),
-    Option("--max-cpu-loras", _positive_int, None, "most adapters loaded at once, in host memory; loading one "
-           "more is refused (default: --max-loras, or the number of --lora-modules when larger)"),
+    Option("--max-cpu-loras", _positive_int, None, "adapters whose weights stay in host memory; the others "
+           "are read again from their folder when a step needs them (default: --max-loras)"),
     Option("--allow-runtime-lora-updating", _bool, False, "serve POST /v1/load_lora_adapter and "
            "/v1/unload_lora_adapter, which load and unload adapters while serving (behind --api-key when set)",
            env_aliases=("VLLM_ALLOW_RUNTIME_LORA_UPDATING",)),
@@ -357,12 +357,9 @@ def lora_options(ns: argparse.Namespace) -> tuple[LoRAConfig | None, tuple[LoRAR
         if modules:
             raise ValueError("--lora-modules needs --enable-lora")
         return None, ()
-    max_cpu_loras = ns.max_cpu_loras
-    if max_cpu_loras is not None and max_cpu_loras < ns.max_loras:
-        raise ValueError(f"--max-cpu-loras ({max_cpu_loras}) must be at least --max-loras ({ns.max_loras})")
-    if max_cpu_loras is None and len(modules) > ns.max_loras:
-        max_cpu_loras = len(modules)  # room for every adapter named at start
-    config = LoRAConfig(max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=max_cpu_loras)
+    if ns.max_cpu_loras is not None and ns.max_cpu_loras < ns.max_loras:
+        raise ValueError(f"--max-cpu-loras ({ns.max_cpu_loras}) must be at least --max-loras ({ns.max_loras})")
+    config = LoRAConfig(max_loras=ns.max_loras, max_lora_rank=ns.max_lora_rank, max_cpu_loras=ns.max_cpu_loras)
     names = [m["name"] for m in modules]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -371,9 +368,6 @@ def lora_options(ns: argparse.Namespace) -> tuple[LoRAConfig | None, tuple[LoRAR
     clashing = sorted(served.intersection(names))
     if clashing:
         raise ValueError(f"--lora-modules: {', '.join(clashing)} is the base model's name; name the adapter otherwise")
-    if len(modules) > config.cpu_capacity:
-        raise ValueError(f"--lora-modules names {len(modules)} adapters, more than --max-cpu-loras "
-                         f"({config.cpu_capacity}) holds")
     loras = tuple(LoRARequest(m["name"], i, m["path"], m["base_model_name"]) for i, m in enumerate(modules, 1))
     return config, loras
 

@@ -101,6 +101,15 @@ class Metrics:
         self.errors = Counter("flashserve_request_errors", "Error responses and error events by OpenAI error type",
                               ["type", "code"], registry=r)
         self._step_gauge_values: tuple[int | None, ...] = (None,) * 5  # as last written by record_step
+        # vLLM's LoRA gauge (`vllm:lora_requests_info`), which the Gateway API Inference Extension's
+        # endpoint picker reads to route by adapter: the adapters running and waiting as labels,
+        # the time they became so as its value. The picker takes the series of the latest time.
+        self._engine = engine
+        self.lora_info = Gauge("flashserve_lora_requests_info", "LoRA adapters of the running and waiting "
+                               "requests (labels) since the time that is the value", registry=r,
+                               labelnames=["engine", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                               multiprocess_mode="mostrecent")
+        self._lora_labels: tuple[str, str, str] | None = None
 
     def record_step(self, stats: StepStats) -> None:
         # A gauge is written only when its value changed: under `flashserve serve` each write is a
@@ -126,6 +135,14 @@ class Metrics:
             self.generation_tokens.inc(stats.num_generation_tokens)
         for seconds in stats.queue_times:
             self.queue_time.observe(seconds)
+
+    def record_loras(self, running: Sequence[str], waiting: Sequence[str], max_lora: int) -> None:
+        """The LoRA adapters (names) of the running and of the waiting requests; written when they
+        change, stamped with the time (seconds since the epoch)."""
+        labels = (",".join(sorted(running)), ",".join(sorted(waiting)), str(max_lora))
+        if labels != self._lora_labels:
+            self.lora_info.labels(self._engine, *labels).set(time.time())
+            self._lora_labels = labels
 
     def record_error(self, type: str, code: str | None) -> None:
         self.errors.labels(type, code or "").inc()

@@ -1,7 +1,8 @@
 """The server's metrics again under vLLM's names, beside its own on every `/metrics`.
 
 Routers and autoscalers written for vLLM read these names: the Kubernetes Gateway API Inference
-Extension's endpoint picker (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`), vLLM's
+Extension's endpoint picker (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`,
+`vllm:lora_requests_info`), vLLM's
 production-stack router and its Grafana dashboards. Served always, not behind a flag: they cost a
 few lines of text per scrape, and a flag would be one more thing to get wrong when deploying.
 
@@ -31,6 +32,7 @@ RENAMED = {
     "flashserve_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "flashserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "flashserve_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "flashserve_lora_requests_info": "vllm:lora_requests_info",
 }
 # vLLM's labels where ours are named otherwise.
 LABELS = {"finish_reason": "finished_reason"}

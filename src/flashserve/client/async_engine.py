@@ -50,7 +50,7 @@ class AsyncEngine(EngineCoreClient):
         if queue_timeout is not None and queue_timeout <= 0:
             raise ValueError(f"queue_timeout must be positive, got {queue_timeout}")
         setup = EngineSetup(PROTOCOL_VERSION, engine.tokenizer, "", max_model_len, (), engine.vocab_size,
-                            engine.scheduler.config.max_num_seqs)
+                            engine.scheduler.config.max_num_seqs, engine.loras.enabled, engine.loras.adapters)
         ours, theirs = Pipe()
         super().__init__(ours, setup, max_waiting, on_dead)
         engine.set_tokenizer(None)

@@ -6,6 +6,11 @@ they arrive (`add_reader`: a reader thread would wait for the GIL behind this lo
 detokenized and checked for stop strings here (`OutputProcessor`) before they reach the streams.
 When the engine core dies, or its pipe closes, every open request ends with an error and
 `on_dead(reason)` runs, so that the server stops and exits non-zero.
+
+LoRA adapters: the engine core owns them (`engine/lora_registry.py`). This client keeps the list
+it last heard (the setup's, then every `LoRAAdapters` the core sends to all front ends after a
+change) and sends load and unload calls (`LoRAUpdate`), whose answers come back in order behind
+that list, so that a request sent after a load returns names the new adapter.
 """
 
 from __future__ import annotations
@@ -14,13 +19,16 @@ import asyncio
 import logging
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from flashserve.client.output_processor import OutputProcessor
 from flashserve.client.streams import OutputStreams
 from flashserve.engine.llm_engine import check_request
-from flashserve.message.codec import AddRequest, Dead, EngineSetup, FrameWriter, StepOutputs, recv
+from flashserve.message.codec import (
+    AddRequest, Dead, EngineSetup, FrameWriter, LoRAAdapters, LoRAUpdate, LoRAUpdateDone, StepOutputs, recv,
+)
 from flashserve.message.errors import EngineDead, EngineOverloaded
+from flashserve.message.lora import LORA_ERRORS, LoRAAdapterError, LoRARequest
 from flashserve.message.requests import Abort, Add
 
 logger = logging.getLogger(__name__)
@@ -42,6 +50,35 @@ class EngineCoreClient(OutputStreams):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer: FrameWriter | None = None
         self._dead: str | None = None
+        self.lora_enabled = setup.lora_enabled
+        self._loras = {lora.lora_name: lora for lora in setup.lora_adapters}
+        self._lora_calls: dict[int, asyncio.Future[LoRAUpdateDone]] = {}
+        self._next_call = 0
+
+    @property
+    def lora_adapters(self) -> Mapping[str, LoRARequest]:
+        return self._loras
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: str | None = None) -> None:
+        await self._lora_call(lora_name, lora_path, base_model_name)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self._lora_call(lora_name, None, None)
+
+    async def _lora_call(self, lora_name: str, lora_path: str | None, base_model_name: str | None) -> None:
+        if not self.is_healthy():
+            raise EngineDead(self._dead or "the engine is not running")
+        self._next_call += 1
+        call_id = self._next_call
+        answer: asyncio.Future[LoRAUpdateDone] = asyncio.get_running_loop().create_future()
+        self._lora_calls[call_id] = answer
+        try:
+            self._put(LoRAUpdate(call_id, lora_name, lora_path, base_model_name))
+            done = await answer
+        finally:
+            self._lora_calls.pop(call_id, None)
+        if done.error is not None:
+            raise LORA_ERRORS.get(done.error_kind or "", LoRAAdapterError)(done.error)
 
     def start(self) -> None:
         """Starts reading the engine core's messages on the running event loop, and writing to it
@@ -53,6 +90,9 @@ class EngineCoreClient(OutputStreams):
     def shutdown(self) -> None:
         self._stop_reading()
         self._fail_all("the server is shutting down")
+        for answer in self._lora_calls.values():
+            if not answer.done():
+                answer.set_exception(EngineDead("the server is shutting down"))
         if self._writer is not None:
             self._writer.close()
         self._conn.close()
@@ -115,10 +155,19 @@ class EngineCoreClient(OutputStreams):
                 if self._outputs.process(out):  # a stop string ended it: free its pages now
                     self._send(Abort(out.request_id))
             self._dispatch(message.outputs)
+        elif isinstance(message, LoRAAdapters):
+            self._loras = {lora.lora_name: lora for lora in message.adapters}
+        elif isinstance(message, LoRAUpdateDone):
+            answer = self._lora_calls.get(message.call_id)
+            if answer is not None and not answer.done():
+                answer.set_result(message)
         elif isinstance(message, Dead) and self._dead is None:
             logger.error("%s", message.reason)
             self._dead = message.reason
             self._fail_all(message.reason)
+            for answer in self._lora_calls.values():
+                if not answer.done():
+                    answer.set_exception(EngineDead(message.reason))
             if self.on_dead is not None:
                 self.on_dead(message.reason)
 

@@ -2,7 +2,8 @@
 prefix for it, then the least loaded.
 
 The KV cache names a full page by a chained hash of every token up to its end, its root salted by
-the request's `cache_salt` (`kv_cache/hashing.py`, PageHasher). The front end hashes each
+the request's `cache_salt` and keyed by its LoRA adapter (`kv_cache/hashing.py`, PageHasher;
+here the adapter's name, which every engine core knows it by). The front end hashes each
 prompt the same way and keeps, per engine, a bounded LRU record of the page hashes it sent there:
 an approximation of what that engine has cached, as SGLang's cache-aware router keeps a radix tree
 per worker. The alternative, engines reporting the hashes they register and evict, would be exact
@@ -48,11 +49,14 @@ class PrefixRouter:
         self._records: list[OrderedDict[PageHash, None]] = [OrderedDict() for _ in range(num_engines)]
         self._next = 0  # where the round-robin among equals starts
 
-    def choose(self, prompt_token_ids: Sequence[int], cache_salt: str | None, loads: Sequence[int]) -> int:
-        """The engine for a request, given each engine's load; remembers the prompt's pages there."""
+    def choose(self, prompt_token_ids: Sequence[int], cache_salt: str | None, loads: Sequence[int],
+               lora_name: str | None = None) -> int:
+        """The engine for a request, given each engine's load; remembers the prompt's pages there.
+        `lora_name`: the request's LoRA adapter, whose pages never serve another adapter's prompt
+        (nor the base model's), so it keys the prompt's pages here too."""
         hashes: list[PageHash] = []
         if self.prefix_routing:
-            self._hasher.extend(hashes, prompt_token_ids, cache_salt)
+            self._hasher.extend(hashes, prompt_token_ids, cache_salt, lora_name)
         least = min(loads)
         # An engine at its slots would queue the request: passed over while the least loaded has a free one.
         free_slot = self.slots is not None and least < self.slots

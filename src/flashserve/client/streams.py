@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from flashserve.message.errors import EngineDead
+from flashserve.message.lora import LoRARequest
 from flashserve.message.outputs import RequestOutput, error_output
 from flashserve.message.requests import Abort, Add
 from flashserve.message.sampling_params import SamplingParams
@@ -49,7 +50,7 @@ class OutputStreams:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None,
-        cache_salt: str | None = None, stream: bool = True,
+        cache_salt: str | None = None, stream: bool = True, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         # From the health check to the registration nothing awaits, so an engine that dies meanwhile
         # finds this stream in _streams when its _fail_all runs on this event loop.
@@ -57,7 +58,7 @@ class OutputStreams:
             raise EngineDead(self.dead_reason or "the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._admit(Add(request_id, list(prompt_token_ids), params, group, cache_salt, stream))
+        self._admit(Add(request_id, list(prompt_token_ids), params, group, cache_salt, stream, lora_request))
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False

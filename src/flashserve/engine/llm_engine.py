@@ -20,10 +20,12 @@ the offline API); nothing in it is thread-safe and nothing in it needs to be.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from flashserve.detokenizer import IncrementalDetokenizer, raw_decoder
+from flashserve.engine.lora_registry import LoRARegistry
 from flashserve.engine.outputs import SampledTokens, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request
 from flashserve.engine.scheduler import Scheduler
@@ -77,10 +79,11 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab
 class LLMEngine:
     def __init__(
         self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None, *, vocab_size: int,
-        overlap: bool = False,
+        overlap: bool = False, loras: LoRARegistry | None = None,
     ) -> None:
         """overlap: schedule and launch each step before collecting the one before (the executor
-        fills tokens in flight from `previous`)."""
+        fills tokens in flight from `previous`). loras: the LoRA adapters the executor has loaded
+        (default: none, and none can be)."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.scheduler = scheduler
@@ -88,6 +91,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's embedding rows; never changes, so any thread may read it
         self.overlap = overlap
+        self.loras = loras if loras is not None else LoRARegistry(executor, None)
         self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
@@ -106,6 +110,10 @@ class LLMEngine:
     @property
     def num_live(self) -> int:
         return len(self._live)
+
+    def lora_requests(self) -> Counter[int]:
+        """Unfinished requests per LoRA adapter id (the base model's not counted)."""
+        return Counter(live.request.lora_int_id for live in self._live.values() if live.request.lora_int_id)
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raises InvalidParameter for token ids the model cannot take (prompt, stop ids, logit_bias)."""

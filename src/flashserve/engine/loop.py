@@ -17,7 +17,7 @@ def apply_add(engine: LLMEngine, add: Add, params: Any = None) -> RequestOutput 
     refuses it (that request fails alone)."""
     try:
         engine.add_request(add.request_id, add.prompt_token_ids, params if params is not None else add.params,
-                           add.group, add.cache_salt, add.stream)
+                           add.group, add.cache_salt, add.stream, add.lora_int_id)
     except Exception as exc:
         return error_output(add.request_id, len(add.prompt_token_ids), str(exc))
     return None
@@ -91,4 +91,11 @@ class StepRecorder:
             prefix_cache_queries=queries, prefix_cache_hits=hits, num_prompt_tokens=prompt_tokens,
             num_generation_tokens=generation_tokens, queue_times=queue_times,
         ))
+        loras = self.engine.loras
+        if loras.enabled:
+            assert loras.config is not None
+            running = {r.lora_int_id for r in scheduler.running if r.lora_int_id}
+            waiting = {r.lora_int_id for r in scheduler.waiting if r.lora_int_id}
+            self.metrics.record_loras([n for i in running if (n := loras.name_of(i))],
+                                      [n for i in waiting if (n := loras.name_of(i))], loras.config.max_loras)
 

@@ -1,13 +1,13 @@
 """The engine core's LoRA adapters: which are loaded, under which ids, and the executor's
 `add_lora` / `remove_lora` behind them.
 
-Adapters come three ways: `--lora-modules` at start, `POST /v1/load_lora_adapter` while serving
-(both *pinned*: they stay until unloaded), and a request that names an adapter not loaded yet
-(`LLM.generate(lora_request=...)`), which loads it on the way in. At most `max_cpu_loras` are
-loaded at once: past it a request's adapter takes the place of the least recently used unpinned
-one that no request holds, and a load that finds no such place is refused. An adapter is unloaded
-only when no request (running or waiting) uses it: unloading one in use is refused, so a running
-stream never loses its adapter."""
+Adapters come three ways: `--lora-modules` at start, `POST /v1/load_lora_adapter` while serving,
+and a request that names an adapter not loaded yet (`LLM.generate(lora_request=...)`), which loads
+it on the way in; each stays until unloaded. The runner keeps the weights of `max_cpu_loras` of
+them in host memory and reads the others again when a step needs them (`lora/manager.py`). An
+adapter is unloaded only when no request (running or waiting) uses it: unloading one in use is
+refused, so a running stream never loses its adapter. Ids are never given twice, so the prefix
+cache's pages of an unloaded adapter never answer for another (`engine/prefix_cache.py`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any, Protocol
 
 from flashserve.config import LoRAConfig
-from flashserve.message.lora import LoRAAdapterError, LoRARequest
+from flashserve.message.lora import LoRAAdapterError, LoRAInUse, LoRANotFound, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +29,6 @@ class LoRAExecutor(Protocol):
     def remove_lora(self, lora_int_id: int) -> bool: ...
 
 
-class LoRANotFound(LoRAAdapterError):
-    """No adapter of that name is loaded (HTTP 404)."""
-
-
-class LoRAInUse(LoRAAdapterError):
-    """The adapter has running or waiting requests (HTTP 409)."""
-
-
 NOT_ENABLED = "LoRA adapters are not enabled: start the server with --enable-lora"
 
 
@@ -45,8 +37,7 @@ class LoRARegistry:
         """`config`: None when LoRA is off (every load is refused then)."""
         self.executor = executor
         self.config = config
-        self._by_name: dict[str, LoRARequest] = {}  # least recently used first
-        self._pinned: set[str] = set()
+        self._by_name: dict[str, LoRARequest] = {}
         self._next_id = 1
 
     @property
@@ -55,23 +46,20 @@ class LoRARegistry:
 
     @property
     def adapters(self) -> tuple[LoRARequest, ...]:
-        """The loaded adapters, pinned and not."""
+        """The loaded adapters, in the order they loaded."""
         return tuple(self._by_name.values())
 
     def name_of(self, lora_int_id: int) -> str | None:
         return next((lora.lora_name for lora in self._by_name.values() if lora.lora_int_id == lora_int_id), None)
 
-    def load(self, name: str, path: str, base_model_name: str | None = None,
-             in_use: Counter[int] | None = None) -> LoRARequest:
-        """Loads an adapter that stays until unloaded, under a new id; raises LoRAAdapterError (a
-        name loaded already, no room, an adapter the runner refuses)."""
+    def load(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Loads an adapter under a new id; raises LoRAAdapterError (a name loaded already, an
+        adapter the runner refuses)."""
         if self.config is None:
             raise LoRAAdapterError(NOT_ENABLED)
         if name in self._by_name:
             raise LoRAAdapterError(f"The lora adapter '{name}' has already been loaded.")
-        lora = self._add(LoRARequest(name, self._new_id(), path, base_model_name), in_use or Counter())
-        self._pinned.add(name)
-        return lora
+        return self._add(LoRARequest(name, self._new_id(), path, base_model_name))
 
     def unload(self, name: str, in_use: Counter[int]) -> LoRARequest:
         """Unloads an adapter no request uses; raises LoRANotFound, or LoRAInUse (nothing changes)."""
@@ -86,9 +74,9 @@ class LoRARegistry:
         self._remove(lora)
         return lora
 
-    def for_request(self, lora: LoRARequest, in_use: Counter[int]) -> int:
+    def for_request(self, lora: LoRARequest) -> int:
         """The id a request naming `lora` runs with: the loaded adapter of that name, else `lora`
-        loaded now (not pinned). Raises LoRAAdapterError."""
+        loaded now (under its own id, or a new one where that is taken). Raises LoRAAdapterError."""
         if self.config is None:
             raise LoRAAdapterError(NOT_ENABLED)
         loaded = self._by_name.get(lora.lora_name)
@@ -96,23 +84,12 @@ class LoRARegistry:
             if loaded.lora_path != lora.lora_path:
                 raise LoRAAdapterError(f"the lora adapter '{lora.lora_name}' is loaded from {loaded.lora_path!r}, "
                                        f"not {lora.lora_path!r}")
-            self._by_name[lora.lora_name] = self._by_name.pop(lora.lora_name)  # most recently used
             return loaded.lora_int_id
-        taken = {a.lora_int_id for a in self._by_name.values()}
-        if lora.lora_int_id in taken:
+        if lora.lora_int_id < self._next_id:  # possibly given before: never reused
             lora = LoRARequest(lora.lora_name, self._new_id(), lora.lora_path, lora.base_model_name)
-        return self._add(lora, in_use).lora_int_id
+        return self._add(lora).lora_int_id
 
-    def _add(self, lora: LoRARequest, in_use: Counter[int]) -> LoRARequest:
-        assert self.config is not None
-        if len(self._by_name) >= self.config.cpu_capacity:
-            victim = next((a for a in self._by_name.values()
-                           if a.lora_name not in self._pinned and not in_use[a.lora_int_id]), None)
-            if victim is None:
-                raise LoRAAdapterError(
-                    f"cannot load the lora adapter '{lora.lora_name}': {len(self._by_name)} adapters are loaded, "
-                    f"as many as --max-cpu-loras ({self.config.cpu_capacity}) allows; unload one first")
-            self._remove(victim)
+    def _add(self, lora: LoRARequest) -> LoRARequest:
         add = getattr(self.executor, "add_lora", None)
         if add is None:
             raise LoRAAdapterError("this engine's model runner cannot load LoRA adapters")
@@ -130,14 +107,11 @@ class LoRARegistry:
 
     def _remove(self, lora: LoRARequest) -> None:
         del self._by_name[lora.lora_name]
-        self._pinned.discard(lora.lora_name)
         remove = getattr(self.executor, "remove_lora", None)
         if remove is not None:
             remove(lora.lora_int_id)
         logger.info("unloaded the lora adapter %r (id %d)", lora.lora_name, lora.lora_int_id)
 
     def _new_id(self) -> int:
-        taken = {a.lora_int_id for a in self._by_name.values()}
-        while self._next_id in taken:
-            self._next_id += 1
+        """Above every id given so far (`_add` moves `_next_id` past each)."""
         return self._next_id

@@ -20,13 +20,15 @@ from flashserve.kv_cache.manager import KVCacheManager
 class GroupPins:
     def __init__(self, kv_cache: KVCacheManager, hasher: PageHasher, plan: GroupPlan,
                  prompts: Sequence[Sequence[int]], largest_request_tokens: int,
-                 salts: Sequence[str | None] | None = None) -> None:
-        """prompts[i]: the token ids of the plan's member i; salts[i]: its cache_salt (one per group)."""
+                 salts: Sequence[str | None] | None = None, lora_keys: Sequence[str | None] | None = None) -> None:
+        """prompts[i]: the token ids of the plan's member i; salts[i]: its cache_salt, lora_keys[i]
+        its LoRA adapter's key in the page hashes (`prefix_cache.lora_key`) (one of each per group)."""
         self.kv_cache = kv_cache
         self.hasher = hasher
         self.plan = plan
         self.prompts = prompts
         self.salts = salts
+        self.lora_keys = lora_keys
         self.budget = kv_cache.capacity - kv_cache.num_pages_needed(largest_request_tokens)
         self._unseen = [set(group.members) for group in plan.groups]  # members with nothing submitted yet
         self._live = [0] * len(plan.groups)  # requests submitted and not ended
@@ -43,7 +45,8 @@ class GroupPins:
         if pages and group not in self._pins and self.pinned_pages + pages <= self.budget:
             hashes: list[bytes] = []
             salt = self.salts[member] if self.salts is not None else None
-            self.hasher.extend(hashes, self.prompts[member][:prefix_len], salt)
+            lora_key = self.lora_keys[member] if self.lora_keys is not None else None
+            self.hasher.extend(hashes, self.prompts[member][:prefix_len], salt, lora_key)
             self._pins[group] = (self.kv_cache.pin(hashes), pages)
             self.pinned_pages += pages
             self.num_pinned_groups += 1

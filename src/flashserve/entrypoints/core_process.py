@@ -74,8 +74,10 @@ def core_parts(stack: Any) -> CoreParts:
             compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         return compiler.submit(spec)
 
+    loras = stack.engine.loras
     setup = EngineSetup(PROTOCOL_VERSION, loaded.tokenizer, loaded.name, stack.max_model_len,
-                        tuple(loaded.eos_token_ids), loaded.vocab_size, stack.engine.scheduler.config.max_num_seqs)
+                        tuple(loaded.eos_token_ids), loaded.vocab_size, stack.engine.scheduler.config.max_num_seqs,
+                        loras.enabled, loras.adapters)
     return CoreParts(stack.engine, setup, compile_grammar, stack.close)
 
 

@@ -43,6 +43,7 @@ def load_engine(args: ServeArgs, detokenize: bool = True) -> EngineStack:
 
     t0 = time.perf_counter()
     stack = build_engine(args.model, args.cache, args.scheduler, cuda_graph=args.cuda_graph, detokenize=detokenize)
+    load_lora_modules(stack, args)
     loaded = stack.loaded
     logger.info(
         "model %s ready in %.1f s: %s on %s, max_model_len %d, KV cache %d pages x %d tokens, step budget %d tokens",
@@ -50,6 +51,19 @@ def load_engine(args: ServeArgs, detokenize: bool = True) -> EngineStack:
         stack.num_pages, stack.page_size, stack.max_num_batched_tokens,
     )
     return stack
+
+
+def load_lora_modules(stack: EngineStack, args: ServeArgs) -> None:
+    """Loads every `--lora-modules` adapter; an adapter that does not load stops the start (a
+    LoRAAdapterError that names it, after what was started is closed)."""
+    from flashserve.message.lora import LoRAAdapterError
+
+    for lora in args.lora_modules:
+        try:
+            stack.engine.loras.load(lora.lora_name, lora.lora_path, lora.base_model_name)
+        except LoRAAdapterError as exc:
+            stack.close()
+            raise LoRAAdapterError(f"--lora-modules {lora.lora_name}={lora.lora_path}: {exc}") from None
 
 
 def served_names(args: ServeArgs, loaded_name: str) -> list[str]:

@@ -5,7 +5,7 @@ request's grammar travels as its spec, which the engine core compiles). A messag
 through a pipe (`multiprocessing.connection`, a Unix socket pair, which frames it): one byte that
 names its kind, then its body. The messages of every step and request (`StepOutputs`,
 `AddRequest`, `Abort`) are MessagePack by msgspec, decoded straight into their classes; the rare
-ones (`Hello`, `EngineSetup` with its tokenizer, `Dead`) are pickled. msgspec, not pickle, for the
+ones (`Hello`, `EngineSetup` with its tokenizer, the LoRA adapter updates, `Dead`) are pickled. msgspec, not pickle, for the
 hot ones: the engine core encodes a step's outputs once per front end every step, and for 512
 streams msgspec encodes them in 44 us against pickle's 517 (`benchmark/codec_bench.py`). Each
 output (`RequestOutput`, a msgspec Struct) travels as an array, not a map of its twelve field
@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 
 from flashserve.message.grammar_spec import GrammarSpec
+from flashserve.message.lora import LoRARequest
 from flashserve.message.outputs import RequestOutput
 from flashserve.message.requests import Abort, Add
 
@@ -61,6 +62,8 @@ class EngineSetup:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     max_num_seqs: int = 256  # requests one step holds, as resolved for the engine core's device
+    lora_enabled: bool = False  # --enable-lora
+    lora_adapters: tuple[LoRARequest, ...] = ()  # the LoRA adapters loaded (--lora-modules at start)
 
 
 @dataclass(frozen=True)
@@ -89,13 +92,41 @@ class StepOutputs:
 
 
 @dataclass(frozen=True)
+class LoRAUpdate:
+    """A front end asks the engine core to load an adapter (`lora_path` set) or unload one (None);
+    the core answers the asking front end with a `LoRAUpdateDone` of the same `call_id`."""
+
+    call_id: int
+    lora_name: str
+    lora_path: str | None = None
+    base_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class LoRAUpdateDone:
+    """The answer to a `LoRAUpdate`: `error` None when it was done, else why not, with `error_kind`
+    the name of the `message.lora` error class (LoRAAdapterError, LoRANotFound, LoRAInUse)."""
+
+    call_id: int
+    error: str | None = None
+    error_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class LoRAAdapters:
+    """The engine core's adapters after a change, sent to every front end."""
+
+    adapters: tuple[LoRARequest, ...]
+
+
+@dataclass(frozen=True)
 class Dead:
     """The engine core is gone, or cannot serve this front end: every open request fails."""
 
     reason: str
 
 
-Message = Hello | EngineSetup | AddRequest | Abort | StepOutputs | Dead
+Message = Hello | EngineSetup | AddRequest | Abort | StepOutputs | LoRAUpdate | LoRAUpdateDone | LoRAAdapters | Dead
 
 # The first byte of a message: its kind. Kinds not listed are pickled.
 _TYPED: tuple[type, ...] = (StepOutputs, AddRequest, Abort)

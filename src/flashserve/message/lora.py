@@ -33,3 +33,16 @@ class LoRAAdapterError(ValueError):
     """An adapter cannot be loaded or served; the message says which adapter and what is wrong
     (missing or corrupt files, a rank over --max-lora-rank, shapes or target modules that do not
     fit the base model), in words a user can act on."""
+
+
+class LoRANotFound(LoRAAdapterError):
+    """No adapter of that name is loaded (HTTP 404)."""
+
+
+class LoRAInUse(LoRAAdapterError):
+    """The adapter has running or waiting requests, so it stays loaded (HTTP 409)."""
+
+
+LORA_ERRORS: dict[str, type[LoRAAdapterError]] = {
+    cls.__name__: cls for cls in (LoRAAdapterError, LoRANotFound, LoRAInUse)
+}  # by name, as an engine core's answer names them
