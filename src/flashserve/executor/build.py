@@ -21,6 +21,7 @@ from flashserve.attention.kv_quant import resolve_kv_cache_dtype
 from flashserve.config import CacheConfig, ModelConfig
 from flashserve.distributed.comm import SingleRankGroup, TPGroup
 from flashserve.executor.worker import FUSED_ALLREDUCE_MAX_TOKENS, rank_device, shared_kv_pages, take_fused_allreduce
+from flashserve.lora.manager import enable_lora
 from flashserve.model_loader import LoadedModel, load
 from flashserve.models.llama import NativeCausalLM
 from flashserve.models.llama_weights import UnsupportedModelError
@@ -72,6 +73,8 @@ def build_runner(
     if fused:
         assert isinstance(model, NativeCausalLM)
         model.model.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
+    # The adapters' device slots, before the KV cache takes the memory left too.
+    lora = enable_lora(model, model_config.lora) if model_config.lora is not None else None
     backend_name = pick_backend(model_config.attention_backend, device)
     attn_dtype = attention_dtype(model_config, loaded.dtype, device, backend_name)
     kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, attn_dtype)
@@ -113,6 +116,7 @@ def build_runner(
     # Cascade attention runs on one rank only.
     cascade = None if several else cascade_policy(model_config.cascade_attention)
     runner = ModelRunner(model, device, backend, sampler, page_size, cascade, group)
+    runner.lora = lora
     compiled = isinstance(model, NativeCausalLM) and model.model.compiled
     if device.type == "cuda" or compiled:
         warm_up(runner, num_pages)

@@ -42,6 +42,7 @@ from flashserve.layers.linear import (
 )  # fmt: skip
 from flashserve.layers.ops import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.layers.quantization import Fp8Scheme, projection_loading
+from flashserve.lora.layers import LoRAStack
 from flashserve.models.llama_weights import (
     SUPPORTED_ARCHITECTURES,
     LlamaSpec,
@@ -105,6 +106,9 @@ class LlamaModel(nn.Module):
         # float32 [max_positions, head_dim], set by from_hf; a buffer so that .to(device) moves it.
         self.cos_sin_cache: torch.Tensor | None
         self.register_buffer("cos_sin_cache", None, persistent=False)
+        # The LoRA adapters' device slots (`lora/layers.py`), when LoRA is enabled; None: the
+        # forward is the base model's alone.
+        self.lora: LoRAStack | None = None
         # A tied LM head packed for oneDNN on a CPU (`packs_for_onednn`), beside the embedding.
         self.packed_lm_head: torch.Tensor | None
         self.register_buffer("packed_lm_head", None, persistent=False)
@@ -224,19 +228,32 @@ class LlamaModel(nn.Module):
         defer = not self.sharded
         residual = self.embed(input_ids)
         partial: Tensor | UnscaledRows | None = None
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        if lora is not None:
+            lora.begin(input_ids.shape[0])
         for i, layer in enumerate(self.layers):
             qkv, gate_up = layer.qkv_proj.args, layer.gate_up_proj.args
-            normed, residual = self.reduce_add_norm(partial, residual, layer.input_layernorm["weight"], qkv)
+            # With adapters the norms write plain rows (the adapters read them; an FP8 projection
+            # quantizes them itself).
+            normed, residual = self.reduce_add_norm(partial, residual, layer.input_layernorm["weight"],
+                                                    qkv if lora is None else None)  # fmt: skip
             q, k, v = self._qkv_rope(
                 spec, ops, normed, positions, cos_sin, qkv,
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
-                rope is None,
+                rope is None, None if lora is None else lora.delta(i, "qkv", normed),
             )  # fmt: skip
             attn = attend(backend, i, q, k, v, rope).reshape(q.shape[0], spec.q_size)
             partial = linear_unscaled(attn, *layer.o_proj.args, defer=defer)
+            if lora is not None:  # a row-parallel partial delta joins the partial output before the all-reduce
+                partial = dense(partial) + lora.delta(i, "o", attn)
             post_norm = layer.post_attention_layernorm["weight"]
-            normed, residual = self.reduce_add_norm(partial, residual, post_norm, gate_up)
-            partial = self._gated_mlp(ops, normed, gate_up, layer.down_proj.args, defer)
+            normed, residual = self.reduce_add_norm(partial, residual, post_norm, gate_up if lora is None else None)
+            if lora is None:
+                partial = self._gated_mlp(ops, normed, gate_up, layer.down_proj.args, defer)
+            else:
+                assert isinstance(normed, Tensor)
+                act = ops.silu_and_mul(dense(linear_unscaled(normed, *gate_up)) + lora.delta(i, "gate_up", normed))
+                partial = dense(linear_unscaled(act, *layer.down_proj.args)) + lora.delta(i, "down", act)
         final, _ = self.reduce_add_norm(partial, residual, self.norm["weight"], None)
         assert not isinstance(final, QuantizedRows)
         return final
@@ -317,4 +334,14 @@ class NativeCausalLM:
         return self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
 
     def decode_logits(self, backend: AttentionBackend) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        return lambda ids, pos: self.model.compute_logits(self.model(ids, pos, backend))
+        model = self.model
+        if model.lora is None:
+            return lambda ids, pos: model.compute_logits(model(ids, pos, backend))
+        lora = model.lora
+
+        def with_adapters(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            # A captured graph holds the adapters' GEMMs, replayed with any step's slots.
+            lora.active = True
+            return model.compute_logits(model(ids, pos, backend))
+
+        return with_adapters

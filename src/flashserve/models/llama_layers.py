@@ -45,12 +45,16 @@ class LlamaDecoderLayer(nn.Module):
 def qkv_rope(
     spec: LlamaSpec, ops: Ops, normed: Tensor | QuantizedRows, positions: Tensor, cos_sin: Tensor,
     qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None, rotate: bool = True,
+    lora_delta: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """A layer from its input norm up to attention: fused qkv, the q/k norms, RoPE (unless not
-    `rotate`: the attention backend rotates, see `backend_rope`). Returns q, k, v as
-    [T, heads, head_dim]."""
+    """A layer from its input norm up to attention: fused qkv (plus `lora_delta`, the LoRA
+    adapters' [T, q + 2 kv], if any), the q/k norms, RoPE (unless not `rotate`: the attention
+    backend rotates, see `backend_rope`). Returns q, k, v as [T, heads, head_dim]."""
     eps, d = spec.rms_norm_eps, spec.head_dim
-    q, k, v = linear(normed, *qkv).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    fused = linear(normed, *qkv)
+    if lora_delta is not None:
+        fused = fused + lora_delta
+    q, k, v = fused.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     t = q.shape[0]
     if q_norm_w is not None and k_norm_w is not None:
         q = ops.rmsnorm(q.view(t, spec.num_heads, d), q_norm_w, eps).view(t, spec.q_size)

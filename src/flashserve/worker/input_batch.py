@@ -38,6 +38,7 @@ class BatchRow:
     num_computed_tokens: int = 0
     sample: bool = False
     last_token_in_flight: bool = False
+    lora_int_id: int = 0  # the request's LoRA adapter (0: the base model), set with the new row
 
     @property
     def num_new_tokens(self) -> int:
@@ -75,7 +76,7 @@ class InputBatch:
             if r.params is not None:  # new (again, after a preemption): the state is rebuilt
                 row = rows[r.request_id] = BatchRow(
                     r.request_id, r.params, array("i", r.prompt_token_ids), array("i", r.output_token_ids),
-                    array("i", r.page_ids))
+                    array("i", r.page_ids), lora_int_id=r.lora_int_id)
             else:
                 row = rows.get(r.request_id)  # type: ignore[assignment]
                 if row is None:

@@ -17,6 +17,8 @@ from flashserve.attention.base import AttentionBackend
 from flashserve.attention.cascade import CascadePolicy
 from flashserve.distributed.comm import SingleRankGroup, TPGroup
 from flashserve.engine.outputs import NOTHING, SampledTokens, SchedulerOutput, sample_error
+from flashserve.lora.manager import LoRAManager
+from flashserve.message.lora import LoRAAdapterError, LoRARequest
 from flashserve.sample.logprobs import PromptLogprobs, compute_logprobs
 from flashserve.structured.grammar import TokenBitmask
 from flashserve.worker.input_batch import BatchRow, InputBatch, append_sampled
@@ -86,6 +88,22 @@ class ModelRunner:
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
         self.batch = InputBatch()  # the running requests, kept across steps
         self.inputs = StepInputBuilder(self.device, page_size)
+        # With --enable-lora (`lora.manager.enable_lora`): the adapters and the model's device slots.
+        self.lora: LoRAManager | None = None
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Loads and checks an adapter into the host cache (raises LoRAAdapterError); steps whose
+        rows name its `lora_int_id` apply it."""
+        if self.lora is None:
+            raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r}: LoRA is not enabled (start with --enable-lora)")
+        self.lora.add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter; False when it was not loaded."""
+        return self.lora.remove(lora_int_id) if self.lora is not None else False
+
+    def list_loras(self) -> set[int]:
+        return self.lora.ids() if self.lora is not None else set()
 
     def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
                 previous: LaunchedStep | None = None, rows: list[BatchRow] | None = None) -> torch.Tensor:
@@ -106,11 +124,20 @@ class ModelRunner:
             return self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.logits_indices)
 
     def _step_inputs(self, rows: list[BatchRow], prompt_rows: Sequence[int], previous: LaunchedStep | None) -> StepInputs:
+        row_slots = None
+        if self.lora is not None:  # the step's adapters into device slots; each row's slot + 1 (0: none)
+            placed = self.lora.slots_for(r.lora_int_id for r in rows)
+            row_slots = [placed[r.lora_int_id] + 1 if r.lora_int_id else 0 for r in rows]
         if self.group.world_size == 1:
-            return self.inputs.build(rows, prompt_rows, self.cascade, previous)
-        inputs = self.inputs.build(rows, prompt_rows, self.cascade, previous, fill_in_flight=self.group.rank == 0)
-        if inputs.has_in_flight:  # rank 0's ids, tokens in flight filled in, replace the placeholders
-            inputs.input_ids = self.group.broadcast(inputs.input_ids)
+            inputs = self.inputs.build(rows, prompt_rows, self.cascade, previous, row_lora_slots=row_slots)
+        else:
+            inputs = self.inputs.build(rows, prompt_rows, self.cascade, previous, fill_in_flight=self.group.rank == 0,
+                                       row_lora_slots=row_slots)  # fmt: skip
+            if inputs.has_in_flight:  # rank 0's ids, tokens in flight filled in, replace the placeholders
+                inputs.input_ids = self.group.broadcast(inputs.input_ids)
+        if self.lora is not None:
+            assert inputs.lora_slots is not None
+            self.lora.stack.set_step(inputs.lora_slots, bool(placed))
         return inputs
 
     def execute(self, out: SchedulerOutput) -> list[SampledTokens]:

@@ -34,6 +34,8 @@ class StepInputs:
     # None: every row, in a decode step where each samples (what a decode graph computes).
     logits_indices: torch.Tensor | None
     has_in_flight: bool  # some rows' last token is in flight (tensor-parallel ranks share them)
+    # With LoRA: each token's adapter slot + 1 (0: the base model), long [T]; None without LoRA.
+    lora_slots: torch.Tensor | None = None
 
 
 class StepInputBuilder:
@@ -45,16 +47,23 @@ class StepInputBuilder:
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
 
     def build(self, rows: Sequence[BatchRow], prompt_rows: Sequence[int], cascade: CascadePolicy | None,
-              previous: LaunchedStep | None, fill_in_flight: bool = True) -> StepInputs:
+              previous: LaunchedStep | None, fill_in_flight: bool = True,
+              row_lora_slots: Sequence[int] | None = None) -> StepInputs:
         """`fill_in_flight`: this rank has `previous` (rank 0); another rank's placeholders stay
-        and get rank 0's ids by a broadcast."""
+        and get rank 0's ids by a broadcast. `row_lora_slots`: with LoRA, each row's adapter
+        slot + 1 (0: none), uploaded per token with the rest."""
         layout = BatchLayout.build(rows, self.page_size, cascade)
         qo = layout.qo_indptr
         token_ids = [t for r in rows for t in r.new_token_ids]
         every_row = layout.is_decode_only and not prompt_rows and all(r.sample for r in rows)
         arrays: list[Sequence[int]] = [token_ids, layout.positions]
         if not every_row:
-            arrays.append([qo[i + 1] - 1 for i, r in enumerate(rows) if r.sample] + list(prompt_rows))
+            # A row with draft tokens needs logits at each of them and at the token before.
+            arrays.append([j for i, r in enumerate(rows) if r.sample for j in range(qo[i + 1] - 1 - r.num_draft_tokens,
+                                                                                    qo[i + 1])] + list(prompt_rows))
+        if row_lora_slots is not None:
+            lora_at = len(arrays)
+            arrays.append([s for r, s in zip(rows, row_lora_slots) for _ in range(len(r.new_token_ids))])
         dst = [qo[i + 1] - 1 for i, r in enumerate(rows) if r.last_token_in_flight]
         steady, src = False, None
         if dst and fill_in_flight:
@@ -83,7 +92,8 @@ class StepInputBuilder:
             assert previous is not None and previous.ids is not None
             dst_d, src_d = dev[-2].long(), dev[-1].long()
             input_ids.index_copy_(0, dst_d, previous.ids.index_select(0, src_d).long())
-        return StepInputs(layout, input_ids, positions, logits_indices, bool(dst))
+        lora_slots = None if row_lora_slots is None else dev[lora_at].long()
+        return StepInputs(layout, input_ids, positions, logits_indices, bool(dst), lora_slots)
 
     def _upload(self, arrays: list[Sequence[int]]) -> list[torch.Tensor]:
         if self._staging is None:
