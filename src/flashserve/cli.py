@@ -407,6 +407,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         responses_store_max_entries=ns.responses_store_max_entries,
         responses_store_max_age_s=ns.responses_store_max_age,
         otlp_traces_endpoint=ns.otlp_traces_endpoint,
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
     )
     return ServeArgs(model, cache, scheduler, server, ns.cuda_graph, api=api, max_waiting=ns.max_waiting,
                      queue_timeout=ns.queue_timeout, shutdown_timeout=ns.shutdown_timeout,

@@ -39,6 +39,8 @@ class APIOptions:
     # OTLP endpoint that each front end sends a span per request to (flashserve/tracing.py); None:
     # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT if set, else no tracing.
     otlp_traces_endpoint: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating).
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.max_sequences_per_request < 1:

@@ -296,6 +296,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "flashserve"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's path (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model; None for a base model
 
 
 class ModelList(BaseModel):

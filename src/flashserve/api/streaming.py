@@ -20,6 +20,7 @@ from flashserve.api.choices import ChoiceResult
 from flashserve.api.errors import APIError, SERVER_ERROR, UNAVAILABLE, engine_dead, invalid, overloaded
 from flashserve.client.protocol import EngineClient
 from flashserve.message.errors import EngineDead, EngineOverloaded
+from flashserve.message.lora import LoRARequest
 from flashserve.message.outputs import RequestOutput, error_output
 from flashserve.message.sampling_params import InvalidParameter, SamplingParams
 from flashserve.metrics import RequestRecord
@@ -71,8 +72,11 @@ class EngineStreams:
         cache_salt: str | None = None,
         choices_per_prompt: int = 1,  # n: choice i belongs to prompt i // n
         stream: bool = True,  # False: only collect() reads it, so the engine may merge outputs
+        lora_request: LoRARequest | None = None,  # the LoRA adapter its `model` names; None: the base model
     ) -> None:
         self._engine = engine
+        # Passed only when set: engines that serve the base model only need not take it.
+        self._lora = {"lora_request": lora_request} if lora_request is not None else {}
         self._ids = list(request_ids)
         self._group = group
         self._cache_salt = cache_salt
@@ -102,7 +106,7 @@ class EngineStreams:
         try:
             # Inside the try: an engine may refuse at the call (EngineDead) or at the first step.
             stream = self._engine.generate(request_id, prompt, params, group=self._group,
-                                           cache_salt=self._cache_salt, stream=self._stream)
+                                           cache_salt=self._cache_salt, stream=self._stream, **self._lora)
             async for out in stream:
                 finished = out.finished
                 self._queue.put_nowait((index, out))
