@@ -40,8 +40,10 @@ from flashserve.executor.channel import GlooSteps, StepChannel
 from flashserve.executor.channel import available as channel_available
 from flashserve.executor.launch import RankFailed, RankProcesses, free_port, rank_env
 from flashserve.executor.worker import (
-    WireStep, check_allreduce_fusion, control_group, rank_device, release_before_group_end,
+    LoRAUpdate, WireStep, apply_lora_update, check_allreduce_fusion, control_group, rank_device,
+    release_before_group_end,
 )  # fmt: skip
+from flashserve.message.lora import LoRARequest
 from flashserve.model_loader import LoadedModel
 from flashserve.worker.assembly import pick_device
 from flashserve.worker.runner import LaunchedStep, ModelRunner, StepModel
@@ -118,6 +120,21 @@ class TensorParallelExecutor:
         """One result per `out.requests`, in order, as `ModelRunner.execute`."""
         return self.collect(self.launch(out))
 
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Loads an adapter on rank 0 (raises LoRAAdapterError there, and nothing is sent), then
+        on every worker, before any later step."""
+        self.runner.add_lora(lora)
+        self._send(LoRAUpdate(add=lora))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        removed = self.runner.remove_lora(lora_int_id)
+        if removed:
+            self._send(LoRAUpdate(remove=lora_int_id))
+        return removed
+
+    def list_loras(self) -> set[int]:
+        return self.runner.list_loras()
+
     def _send_step(self, out: SchedulerOutput, prompt_rows: Sequence[int]) -> None:
         self._send((out.for_ranks(), list(prompt_rows)))  # every rank applies the same diffs
 
@@ -189,6 +206,9 @@ def run_worker(model_config: ModelConfig, cache_config: CacheConfig, channel_pat
                 dist.barrier(group=control)  # rank 0's last collective: see TensorParallelExecutor.close
                 release_before_group_end(runner)  # as rank 0 does
                 break
+            if isinstance(step, LoRAUpdate):
+                apply_lora_update(runner, step)
+                continue
             out, prompt_rows = step
             runner.forward(out, prompt_rows)
     finally:

@@ -19,6 +19,7 @@ timeout. The gloo group also carries a step too large for the channel.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from flashserve.config import ModelConfig
 from flashserve.distributed.comm import TPGroup, allreduce_fusion_blocker, local_rank, nvlink_gap
 from flashserve.engine.outputs import SchedulerOutput
+from flashserve.message.lora import LoRAAdapterError, LoRARequest
 from flashserve.models.llama import LlamaModel
 from flashserve.worker.assembly import pick_device
 from flashserve.worker.runner import ModelRunner
@@ -43,8 +45,31 @@ FUSED_ALLREDUCE_MAX_TOKENS = 128
 # How long a worker may wait for the next step: as long as the server may stay idle.
 CONTROL_TIMEOUT = timedelta(days=365)
 
-# A step (`SchedulerOutput.for_ranks`) and its prompt-logprob token rows; None ends the workers' loop.
-WireStep = tuple[SchedulerOutput, list[int]] | None
+
+@dataclass(frozen=True)
+class LoRAUpdate:
+    """Between steps: an adapter every worker rank loads (`add`, which rank 0 loaded and checked
+    first) or forgets (`remove`, its id)."""
+
+    add: LoRARequest | None = None
+    remove: int | None = None
+
+
+# A step (`SchedulerOutput.for_ranks`) and its prompt-logprob token rows, or an adapter update;
+# None ends the workers' loop.
+WireStep = tuple[SchedulerOutput, list[int]] | LoRAUpdate | None
+
+
+def apply_lora_update(runner: ModelRunner, update: LoRAUpdate) -> None:
+    """A worker rank's side of an adapter update. Rank 0 checked the adapter already; a worker
+    that cannot read it logs why (a step that uses it then fails on that rank)."""
+    if update.remove is not None:
+        runner.remove_lora(update.remove)
+    if update.add is not None:
+        try:
+            runner.add_lora(update.add)
+        except LoRAAdapterError as exc:
+            logger.error("rank %d could not load a LoRA adapter rank 0 loaded: %s", runner.group.rank, exc)
 
 
 def control_group() -> Any:
