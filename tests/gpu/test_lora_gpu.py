@@ -1,0 +1,165 @@
+"""On a GPU, LoRA adapters of ranks 8, 16 and 64 on dummy Llama-3.1-8B weights (bf16, FlashInfer,
+decode steps from CUDA graphs) give the logits of the model whose weights hold the adapter merged
+(W + scaling * B @ A).
+
+One runner is built as the server builds it (`build_runner` with a `LoRAConfig` of 3 slots of rank
+64: warm-up and decode graphs captured with the adapters' GEMMs inside). A mixed prefill step, then
+a decode step replayed from a graph, run rows of the three adapters and of the base model at once.
+Then, per adapter, its weights are merged into the model's own projections and the same rows run
+as base rows (no adapter) through the same runner: the reference. Tolerance: bf16 on both sides,
+so per row the relative error of the adapter path against the merged one must be under 5e-2 and
+under a fifth of the adapter's own effect (merged against base), which dummy weights put near 1.
+Base rows in the mixed step must be exact (a zero mask adds exact zeros).
+
+Smoke-runnable on a CPU with a small model: `python tests/gpu/test_lora_gpu.py` (float32, the
+PyTorch attention, eager; bf16, since float32 weights are packed for oneDNN on a CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+from flashserve.config import CacheConfig, LoRAConfig, ModelConfig
+from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
+from flashserve.lora.adapter import module_shapes
+from flashserve.lora.layers import FUSED
+from flashserve.message.lora import LoRARequest
+from flashserve.message.sampling_params import SamplingParams
+
+RANKS = (8, 16, 64)
+PAGE = 16
+ROWS = [1, 2, 3, 0, 3, 1, 2, 0]  # adapter ids of the step's rows (0: base), 8 rows: a captured batch size
+PROMPT_LENS = [37, 16, 5, 64, 21, 9, 48, 33]
+
+
+def write_adapter(folder: str, spec: Any, rank: int, seed: int, modules: tuple[str, ...] | None = None,
+                  std: float = 0.02, alpha: float | None = None) -> str:  # fmt: skip
+    """A PEFT-format adapter of random A and B (non-zero) for every layer of `spec`."""
+    from safetensors.torch import save_file
+
+    modules = modules or tuple(m for ms in FUSED.values() for m in ms)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for module, (out_f, in_f) in module_shapes(spec).items():
+            if module not in modules:
+                continue
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * std
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha if alpha is not None else 2 * rank,
+              "target_modules": list(modules), "bias": "none"}  # fmt: skip
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def rows_of(lids: list[int], tag: str, first_page: int) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
+    """(prefill rows, decode rows) of the step's requests with adapter ids `lids` (ROWS' order)."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 32000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prefill, decode, page = [], [], first_page
+    for i, (p, lid) in enumerate(zip(prompts, lids)):
+        n_pages = (len(p) + 1 + PAGE - 1) // PAGE
+        pages = list(range(page, page + n_pages))
+        page += n_pages
+        prefill.append(ScheduledRequest(f"{tag}{i}", p, 0, pages, True, SamplingParams(), p, [], lora_int_id=lid))
+        decode.append(ScheduledRequest(f"{tag}{i}", [11], len(p), [], True))
+    return prefill, decode
+
+
+@torch.inference_mode()
+def run(runner: Any, lids: list[int], tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+    prefill, decode = rows_of(lids, tag, 1)
+    runner.batch.clear()
+    first = runner.forward(SchedulerOutput(prefill)).clone()
+    second = runner.forward(SchedulerOutput(decode)).clone()  # decode-only, every row samples: a graph
+    return first, second
+
+
+@torch.inference_mode()
+def merge(runner: Any, lid: int, sign: float) -> None:
+    """Adds (sign 1) or subtracts (sign -1) adapter `lid`'s scaling * B @ A into the model's fused
+    projections, computed in float32 from its host weights."""
+    native = runner.model.model
+    adapter = runner.lora.cache[lid]
+    shapes = module_shapes(native.spec)
+    for layer, proj in enumerate(native.layers):
+        for kind, modules in FUSED.items():
+            weight = getattr(proj, {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj",
+                                    "down": "down_proj"}[kind]).weight  # fmt: skip
+            row = 0
+            for module in modules:
+                out_f = shapes[module][0]
+                ab = adapter.weights.get((layer, module))
+                if ab is not None:
+                    a, b = (t.to(weight.device) for t in ab)
+                    part = weight[row : row + out_f]
+                    part.copy_((part.float() + sign * (b @ a)).to(weight.dtype))
+                row += out_f
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1)
+
+
+def check_against_merged(model_config: ModelConfig, cache_config: CacheConfig, tol: float, **build: Any) -> dict:
+    """Builds the runner, loads one adapter per rank of RANKS, and checks the mixed step against the
+    merged weights; returns the per-adapter errors."""
+    from flashserve.executor.build import build_runner
+
+    runner, _, _ = build_runner(model_config, cache_config, **build)
+    spec = runner.model.model.spec
+    with tempfile.TemporaryDirectory() as root:
+        for lid, rank in enumerate(RANKS, start=1):
+            folder = write_adapter(os.path.join(root, f"r{rank}"), spec, rank, seed=lid)
+            runner.add_lora(LoRARequest(f"rank-{rank}", lid, folder))
+    mixed = run(runner, ROWS, "mixed")
+    base = run(runner, [0] * len(ROWS), "base")
+    found = {}
+    for phase in (0, 1):
+        rows = [i for i, lid in enumerate(ROWS) if lid == 0]
+        torch.testing.assert_close(mixed[phase][rows], base[phase][rows], atol=0, rtol=0)
+    for lid, rank in enumerate(RANKS, start=1):
+        runner.lora.slots_for([lid])  # its weights stay in the host cache (3 adapters, 3 entries)
+        merge(runner, lid, 1.0)
+        merged = run(runner, [0] * len(ROWS), f"merged{lid}")
+        merge(runner, lid, -1.0)
+        rows = [i for i, x in enumerate(ROWS) if x == lid]
+        for phase, name in ((0, "prefill"), (1, "decode")):
+            err = rel(mixed[phase][rows], merged[phase][rows])
+            effect = rel(merged[phase][rows], base[phase][rows])
+            found[f"rank {rank} {name}"] = (err.max().item(), effect.min().item())
+            assert (err < tol).all(), (rank, name, err, effect)
+            assert (err < effect / 5).all(), (rank, name, err, effect)
+    return found
+
+
+def test_adapters_of_ranks_8_16_64_on_dummy_8b_under_cuda_graphs_match_the_merged_weights() -> None:
+    lora = LoRAConfig(max_loras=len(RANKS), max_lora_rank=max(RANKS))
+    config = ModelConfig(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", device="cuda",
+                         attention_backend="flashinfer", lora=lora)  # fmt: skip
+    found = check_against_merged(config, CacheConfig(num_pages=256, page_size=PAGE), 5e-2, max_batch_size=16)
+    print(json.dumps(found))
+
+
+if __name__ == "__main__":  # a CPU smoke run on a small model
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as d:
+        small = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128, intermediate_size=256,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
+                     max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)  # fmt: skip
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(small, f)
+        cpu = ModelConfig(model=os.path.join(d, "config.json"), load_format="dummy", dtype="bfloat16", device="cpu",
+                          lora=LoRAConfig(max_loras=len(RANKS), max_lora_rank=max(RANKS)))  # fmt: skip
+        print(json.dumps(check_against_merged(cpu, CacheConfig(num_pages=64, page_size=PAGE), 2e-2), indent=1))
