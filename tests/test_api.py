@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from fake_engine import EOS, MODEL, FakeEngine, api_client, ask, chat, complete, post
 from flashserve.api import protocol, sampling
-from flashserve.api.server import TOKENIZE_INLINE_CHARS, build_app
+from flashserve.api.server import build_app
+from flashserve.api.serving import TOKENIZE_INLINE_CHARS
 
 pytestmark = pytest.mark.anyio
 

@@ -28,7 +28,7 @@ class ChatPlan:
 
 
 class ChatEndpoint(Protocol):
-    """The chat endpoint as the translated endpoints use it (`server._OpenAIServing`)."""
+    """The chat endpoint as the translated endpoints use it (`serving.OpenAIServing`)."""
 
     metrics: Metrics
     tokenizer: Any

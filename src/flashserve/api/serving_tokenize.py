@@ -53,7 +53,7 @@ class DetokenizeRequest(p._Request):
 
 class TokenizeServing:
     def __init__(self, serving: Any) -> None:
-        self.serving = serving  # the app's `_OpenAIServing`: tokenizer, names, chat template
+        self.serving = serving  # the app's `OpenAIServing`: tokenizer, names, chat template
 
     def _tokenizer(self, model: str | None, param: str | None) -> Any:
         if model is not None and model not in self.serving.names:
@@ -66,7 +66,7 @@ class TokenizeServing:
         tokenizer = self._tokenizer(body.model, "prompt" if body.prompt is not None else "messages")
         if body.prompt is not None:
             add_special = body.add_special_tokens is not False
-            ids = await self.serving._off_loop(len(body.prompt), tokenizer.encode, body.prompt,
+            ids = await self.serving.off_loop(len(body.prompt), tokenizer.encode, body.prompt,
                                                add_special_tokens=add_special)
         else:
             ids = await self._chat_ids(tokenizer, body)
@@ -85,13 +85,13 @@ class TokenizeServing:
         conversation, kwargs = chat_conversation(chat, tools, support)
         size = sum(len(str(m.get("content") or "")) for m in conversation)
         try:
-            text = await self.serving._off_loop(
+            text = await self.serving.off_loop(
                 size, tokenizer.apply_chat_template, conversation, tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, **kwargs)
         except Exception as exc:  # templates raise on shapes they refuse (roles out of order, ...)
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from exc
-        return await self.serving._off_loop(len(text), tokenizer.encode, text,
+        return await self.serving.off_loop(len(text), tokenizer.encode, text,
                                             add_special_tokens=bool(body.add_special_tokens))
 
     async def tokenizer_info(self) -> JSONResponse:
@@ -118,5 +118,5 @@ class TokenizeServing:
             if not 0 <= token < size:
                 raise invalid(f"token id {token} at index {i} of tokens is out of range: this tokenizer has "
                               f"{size} tokens (ids 0 to {size - 1})", "tokens")
-        text = await self.serving._off_loop(len(body.tokens), tokenizer.decode, body.tokens)
+        text = await self.serving.off_loop(len(body.tokens), tokenizer.decode, body.tokens)
         return JSONResponse({"prompt": text})
