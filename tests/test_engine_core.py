@@ -72,9 +72,9 @@ class CoreThread:
             assert isinstance(recv(b), EngineSetup)
         # The core sends the setup, then registers the pipe: tests that look at its pipes wait for that.
         deadline = time.monotonic() + 5
-        while len(self.core._conns) < n and time.monotonic() < deadline:
+        while len(self.core.front_ends.conns) < n and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert len(self.core._conns) == n
+        assert len(self.core.front_ends.conns) == n
 
     def clients(self, **kw: Any) -> list[EngineCoreClient]:
         made = [EngineCoreClient(conn, self.setup, **kw) for conn in self.front_conns]
@@ -301,7 +301,7 @@ def test_a_burst_of_long_prompts_from_a_front_end_that_is_not_reading_ends_every
         client._stop_reading()
         streams = [asyncio.create_task(_collect(client, f"s{i}", [1, 2], SamplingParams(max_tokens=600, ignore_eos=True)))
                    for i in range(32)]
-        assert await soon(lambda: core.core._out[core.core._conns[0]].pending, 30)
+        assert await soon(lambda: core.core.front_ends.pending(core.core.front_ends.conns[0]), 30)
         burst = [asyncio.create_task(_collect(client, f"b{i}", [5 + i % 50] * 3000, SamplingParams(max_tokens=1)))
                  for i in range(64)]  # about 1 MB of requests
         await asyncio.sleep(0.2)  # the loop turns: nothing blocked it
@@ -325,11 +325,11 @@ def test_a_front_end_that_stops_reading_holds_back_neither_the_engine_core_nor_t
     async def main() -> None:
         core = CoreThread(_long_scheduler_engine(), n=2)
         stalled, served, held = _stall_first_of_two(core)
-        assert await soon(lambda: core.core._out[core.core._conns[0]].pending, 30)
+        assert await soon(lambda: core.core.front_ends.pending(core.core.front_ends.conns[0]), 30)
         outs = await asyncio.wait_for(
             _collect(served, "other", [5], SamplingParams(max_tokens=300, ignore_eos=True)), 30)
         assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 300
-        assert core.core._out[core.core._conns[0]].pending  # the stalled one's outputs still wait
+        assert core.core.front_ends.pending(core.core.front_ends.conns[0])  # the stalled one's outputs still wait
         _read_again(stalled)
         done = await asyncio.wait_for(asyncio.gather(*held), 60)
         assert [sum(len(o.new_token_ids) for o in outs) for outs in done] == [2000] * 64
@@ -347,7 +347,7 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped_its_requests_freed_a
     """Past `MAX_UNREAD_BYTES` of outputs unread, the engine core takes the front end for stuck:
     its requests are aborted and free their pages, its pipe closes (when it reads again it finds
     the engine core gone and ends its streams with an error), and the other front end goes on."""
-    from flashserve.engine import engine_core as core_module
+    from flashserve.engine import front_ends as front_ends_module
 
     async def main() -> None:
         core = CoreThread(_long_scheduler_engine(), n=2)
@@ -355,8 +355,8 @@ def test_a_front_end_that_leaves_too_much_unread_is_dropped_its_requests_freed_a
         # The bound falls once every stream is submitted: the engine core steps in its own thread
         # meanwhile, and a front end dropped before its last submissions would see those refused.
         assert await soon(lambda: stuck.num_streams == len(held), 30)
-        monkeypatch.setattr(core_module, "MAX_UNREAD_BYTES", 64 << 10)
-        assert await soon(lambda: len(core.core._conns) == 1, 60)  # dropped
+        monkeypatch.setattr(front_ends_module, "MAX_UNREAD_BYTES", 64 << 10)
+        assert await soon(lambda: len(core.core.front_ends.conns) == 1, 60)  # dropped
         assert await soon(lambda: core.engine.scheduler.kv_cache.num_used_pages == 0)
         outs = await asyncio.wait_for(_collect(served, "other", [5], SamplingParams(max_tokens=50)), 30)
         assert outs[-1].finish_reason == "length"

@@ -12,35 +12,28 @@ as an abort).
 A request's grammar arrives as a spec; the engine core compiles it in the compiler's threads, and
 the request joins the engine once it is compiled, so that a compilation never stalls the step loop.
 
-A front end that goes away (its pipe reads EOF or refuses a write) loses its requests, which are
-aborted and free their pages; the others go on. Outputs go out without blocking (a `FrameQueue`
-per front end): a front end that stops reading for a while (its event loop busy) gets its messages
-later, in order, and the other front ends' streams do not wait for it. One that leaves more than
-`MAX_UNREAD_BYTES` unread is taken for stuck and dropped as if it had gone (its pipe closes, so it
-fails its requests when it reads again), rather than held in this process's memory without end.
-When the step loop itself
-fails (a device error), every front end gets a `Dead` and `run` returns the reason: the process
-exits non-zero then.
+A front end that goes away, or stops reading for too long (`engine/front_ends.py`, which holds the
+pipes), loses its requests, which are aborted and free their pages; the others go on. When the step
+loop itself fails (a device error), every front end gets a `Dead` and `run` returns the reason: the
+process exits non-zero then.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import selectors
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
+from flashserve.engine.front_ends import FrontEnds
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.kv_events import KVEventPublisher
 from flashserve.engine.llm_engine import LLMEngine
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
 from flashserve.engine.prefix_pins import GroupPins
-from flashserve.message.codec import (
-    PROTOCOL_VERSION, AddRequest, Dead, EngineSetup, FrameQueue, Hello, StepOutputs, recv, send,
-)
+from flashserve.message.codec import AddRequest, EngineSetup, recv
 from flashserve.message.outputs import RequestOutput, error_output
 from flashserve.message.requests import Abort
 from flashserve.metrics import Metrics
@@ -49,12 +42,6 @@ logger = logging.getLogger(__name__)
 
 # While grammars compile and nothing runs: how long to wait for messages before checking again.
 COMPILE_POLL_SECONDS = 0.002
-# Outputs a front end may leave unread before it is dropped: a step's message for 100 streams is
-# about 6.5 KB (`benchmark.codec_bench`), so this is some 40,000 steps of a stalled event loop.
-MAX_UNREAD_BYTES = 256 << 20
-# When the step loop died: how long the front ends get to read what waits for them and the `Dead`
-# (a front end that does not read by then still sees the pipe close when this process exits).
-DEAD_NOTICE_SECONDS = 5.0
 
 
 class EngineCore:
@@ -85,32 +72,14 @@ class EngineCore:
         self._group_of: dict[str, int] = {}  # request id -> its pinned group
         self._recorder = StepRecorder(engine, metrics)
         self._recorder.record([], time.monotonic())  # every gauge at its value before any front end asks
-        self._conns: list[Connection] = []
+        self.front_ends = FrontEnds(on_drop=self._abort_requests_of)
         self._owner: dict[str, Connection | None] = {}  # request id -> its front end (None: `submit`'s caller)
         self._compiling: list[tuple[AddRequest, Connection | None, Any]] = []  # (request, front end, future)
-        self._waiting_sent: dict[Connection, int] = {}  # the queue length each front end last heard
-        self._out: dict[Connection, FrameQueue] = {}  # what each front end has yet to read
-        # One selector for the whole run (multiprocessing's `wait` builds one per call): every
-        # front end's read side, and the write side of those with outputs waiting.
-        self._selector = selectors.DefaultSelector()
-        self._interests: dict[int, int] = {}  # descriptor -> events registered
 
     def connect(self, conn: Connection) -> bool:
         """The handshake with one front end: its Hello, then the setup (or a Dead on a version
         mismatch); False if it did not come through."""
-        try:
-            hello = recv(conn)
-            if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
-                send(conn, Dead(f"front end speaks {hello!r}; this engine core speaks version {PROTOCOL_VERSION}"))
-                return False
-            send(conn, self.setup)
-        except (EOFError, OSError):
-            return False
-        self._conns.append(conn)
-        self._waiting_sent[conn] = 0
-        self._out[conn] = FrameQueue(conn)
-        self._interest(conn.fileno(), selectors.EVENT_READ, True)
-        return True
+        return self.front_ends.connect(conn, self.setup)
 
     def run(self) -> str | None:
         """Serves until every front end is gone (returns None) or the step loop fails (returns why)."""
@@ -122,7 +91,7 @@ class EngineCore:
 
     def _run(self) -> str | None:
         with existing_objects_frozen():
-            while self._conns:
+            while self.front_ends:
                 received = self._receive(wait_for=self._idle_wait())
                 try:
                     outputs = self.step(received)
@@ -171,53 +140,15 @@ class EngineCore:
     # ---- from the front ends -------------------------------------------------------------------
     def _receive(self, wait_for: float | None) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        for conn in self._wait(wait_for):
+        for conn in self.front_ends.readable(wait_for):
             try:
                 while conn.poll():
                     out = self._apply(conn, recv(conn))
                     if out is not None:
                         outputs.append(out)
             except (EOFError, OSError):
-                self._drop(conn)
+                self.front_ends.drop(conn)
         return outputs
-
-    def _wait(self, timeout: float | None) -> list[Connection]:
-        """The front ends with messages to read, after up to `timeout` s (None: until one has).
-        Meanwhile what waits for a front end goes out as it reads."""
-        behind = []
-        for conn in self._conns:
-            queue = self._out[conn]
-            self._interest(queue.fd, selectors.EVENT_WRITE, queue.pending)
-            if queue.pending:
-                behind.append(conn)
-        ready = {key.fd: mask for key, mask in self._selector.select(timeout)}
-        for conn in behind:
-            if ready.get(self._out[conn].fd, 0) & selectors.EVENT_WRITE:
-                self._flush(conn)
-        return [conn for conn in self._conns if ready.get(conn.fileno(), 0) & selectors.EVENT_READ]
-
-    def _interest(self, fd: int, event: int, on: bool) -> None:
-        """Waits for `event` on `fd` from now on, or no longer."""
-        before = self._interests.get(fd, 0)
-        after = before | event if on else before & ~event
-        if after == before:
-            return
-        if not before:
-            self._selector.register(fd, after)
-        elif not after:
-            self._selector.unregister(fd)
-        else:
-            self._selector.modify(fd, after)
-        if after:
-            self._interests[fd] = after
-        else:
-            del self._interests[fd]
-
-    def _flush(self, conn: Connection) -> None:
-        try:
-            self._out[conn].flush()
-        except OSError:
-            self._drop(conn)
 
     def _apply(self, conn: Connection | None, message: Any) -> RequestOutput | None:
         if isinstance(message, Abort):
@@ -255,7 +186,7 @@ class EngineCore:
         still: list[tuple[AddRequest, Connection | None, Any]] = []
         for message, conn, future in self._compiling:
             add = message.add
-            if (conn is not None and conn not in self._waiting_sent) or add.request_id not in self._owner:
+            if (conn is not None and conn not in self.front_ends) or add.request_id not in self._owner:
                 # its front end is gone, or it was aborted meanwhile
                 continue
             if not future.done():
@@ -273,27 +204,18 @@ class EngineCore:
         self._compiling = still
         return outputs
 
-    def _drop(self, conn: Connection) -> None:
-        """A front end is gone: abort its requests, forget it."""
-        if conn not in self._waiting_sent:
-            return
+    def _abort_requests_of(self, conn: Connection) -> None:
+        """A front end is gone: abort its requests."""
         num_open = sum(owner is conn for owner in self._owner.values())
         logger.log(logging.WARNING if num_open else logging.INFO,
                    "a front end went away; aborting its %d requests", num_open)
-        self._conns.remove(conn)
-        del self._waiting_sent[conn]
-        queue = self._out.pop(conn)
-        queue.clear()
-        self._interest(queue.fd, selectors.EVENT_WRITE, False)
-        self._interest(conn.fileno(), selectors.EVENT_READ, False)
         for request_id in [rid for rid, owner in self._owner.items() if owner is conn]:
             del self._owner[request_id]
             self.engine.abort(request_id)
-        conn.close()
 
     # ---- to the front ends ---------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """One message per front end that has outputs, or whose idea of the queue length is stale."""
+        """Each front end's outputs, and the queue length, in one message per front end."""
         by_conn: dict[Connection, list[RequestOutput]] = {}
         owner = self._owner
         for out in outputs:
@@ -301,47 +223,11 @@ class EngineCore:
             if conn is not None:
                 by_conn.setdefault(conn, []).append(out)
         # Grammars still compiling count as waiting: they are in the engine's queue for the client.
-        num_waiting = self.engine.scheduler.num_waiting + len(self._compiling)
-        for conn in list(self._conns):
-            mine = by_conn.get(conn)
-            if mine is None and self._waiting_sent[conn] == num_waiting:
-                continue
-            self._waiting_sent[conn] = num_waiting
-            queue = self._out[conn]
-            try:
-                queue.put(StepOutputs(mine or [], num_waiting))
-            except OSError:
-                self._drop(conn)
-                continue
-            if queue.backlog > MAX_UNREAD_BYTES:
-                logger.error("a front end left %.1f MB of outputs unread; dropping it", queue.backlog / 1e6)
-                self._drop(conn)
+        self.front_ends.send_step(by_conn, self.engine.scheduler.num_waiting + len(self._compiling))
 
     def _die(self, reason: str) -> str:
-        """Every front end hears why, after what waits for it, for up to DEAD_NOTICE_SECONDS."""
-        behind = []
-        for conn in list(self._conns):
-            try:
-                if self._out[conn].put(Dead(reason)):
-                    behind.append(conn)
-            except OSError:
-                pass
-        deadline = time.monotonic() + DEAD_NOTICE_SECONDS
-        while behind and (left := deadline - time.monotonic()) > 0:
-            with selectors.DefaultSelector() as selector:
-                for conn in behind:
-                    selector.register(self._out[conn].fd, selectors.EVENT_WRITE, conn)
-                writable = [key.data for key, _ in selector.select(left)]
-            for conn in writable:
-                try:
-                    if not self._out[conn].flush():
-                        behind.remove(conn)
-                except OSError:
-                    behind.remove(conn)
+        self.front_ends.send_dead(reason)
         return reason
 
     def close(self) -> None:
-        for conn in self._conns:
-            conn.close()
-        self._conns.clear()
-        self._selector.close()
+        self.front_ends.close()
