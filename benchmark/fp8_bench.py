@@ -63,9 +63,8 @@ def graph_us(fn: Callable[[], Any], warmup: int, iters: int, reps: int = 20) -> 
 
 
 def bench_gemms(bw: float, warmup: int, iters: int, gemm_rows: Sequence[int] = GEMM_ROWS) -> list[dict[str, Any]]:
-    from flashserve.layers.fp8 import (
-        SMALL_M, fp8_gemm_small_m, fp8_linear, quantize_rows, quantize_weight_per_channel, scale_rows_cols,
-    )  # fmt: skip
+    from flashserve.layers.fp8 import quantize_rows, quantize_weight_per_channel, scale_rows_cols
+    from flashserve.layers.fp8_gemm import SMALL_M, fp8_gemm_small_m, fp8_linear
 
     rows: list[dict[str, Any]] = []
     bmm_fp8 = flashinfer_bmm_fp8()
@@ -147,10 +146,10 @@ def gemv_table(rows: list[dict[str, Any]]) -> tuple[dict[tuple[int, int, bool], 
 
 
 def write_gemv_table(rows: list[dict[str, Any]], gpu: str) -> str:
-    """Writes the sweep's table into `layers/fp8.py` (`_GEMV_TUNED`, `_GEMV_DEFAULT`); returns it."""
+    """Writes the sweep's table into `layers/fp8_gemm.py` (`_GEMV_TUNED`, `_GEMV_DEFAULT`); returns it."""
     table, default = gemv_table(rows)
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "flashserve", "layers",
-                        "fp8.py")
+                        "fp8_gemm.py")
     lines = "".join(f"    {key}: {cfg},\n" for key, cfg in sorted(table.items()))
     src = open(path).read()
     src = re.sub(r"(_GEMV_TUNED: dict\[tuple\[int, int, bool\], WeightGemvConfig\] = )\{.*?\}\n",
@@ -170,9 +169,8 @@ def bench_weight_gemv(bw: float, warmup: int, iters: int, sweep: bool) -> list[d
     `gemv_configs`, all kept, fastest first. Each call of a captured run reads the next of enough
     weight copies to exceed twice the L2 cache, so that weights come from HBM, as in a decode step
     (one copy replayed would stay in L2 for shapes under its size and beat the HBM floor)."""
-    from flashserve.layers.fp8 import (
-        fp8_gemm_small_m, fp8_weight_gemv, quantize_rows, quantize_weight_per_channel, weight_gemv_config,
-    )  # fmt: skip
+    from flashserve.layers.fp8 import quantize_rows, quantize_weight_per_channel
+    from flashserve.layers.fp8_gemm import fp8_gemm_small_m, fp8_weight_gemv, weight_gemv_config
 
     rows: list[dict[str, Any]] = []
     bmm_fp8 = flashinfer_bmm_fp8()
@@ -395,7 +393,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true",
                    help="gemv: time every configuration of the one-row FP8-weight GEMV")
     p.add_argument("--write-gemv-table", action="store_true",
-                   help="with --sweep: write its fastest configurations into src/flashserve/layers/fp8.py")
+                   help="with --sweep: write its fastest configurations into src/flashserve/layers/fp8_gemm.py")
     p.add_argument("--kernels", action="store_true",
                    help="profile the smallest batch's decode step: its kernels, launches and GPU time by name")
     p.add_argument("--out-dir", default=None, help="default: benchmark/results/local/<gpu name>/")

@@ -18,10 +18,9 @@ import torch  # noqa: E402
 from flashserve.attention.kv_quant import FP8_KV_DTYPE, to_cache  # noqa: E402
 from flashserve.attention.paged_append import Rope, append_paged  # noqa: E402
 from flashserve.attention.triton_decode import decode_attention  # noqa: E402
-from flashserve.layers.fp8 import (  # noqa: E402
-    MIN_SCALE, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_weight_gemv, quantize_weight_per_channel,
-    silu_and_mul_quant,
-)  # fmt: skip
+from flashserve.layers.fp8 import MIN_SCALE, UnscaledRows, dequantize_weight, quantize_weight_per_channel  # noqa: E402
+from flashserve.layers.fp8_fused import add_rmsnorm_quant, silu_and_mul_quant  # noqa: E402
+from flashserve.layers.fp8_gemm import fp8_weight_gemv  # noqa: E402
 from flashserve.layers.ops import apply_rope_torch, rope_cos_sin_cache, rope_inv_freq  # noqa: E402
 
 

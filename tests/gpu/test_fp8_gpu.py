@@ -17,9 +17,11 @@ import torch
 from flashserve.attention.kv_quant import FP8_KV_DTYPE, to_cache
 from flashserve.attention.paged_append import Rope, append_paged
 from flashserve.layers.fp8 import (
-    MIN_SCALE, SMALL_M, QuantizedRows, UnscaledRows, add_rmsnorm_quant, dequantize_weight, fp8_gemm_small_m,
-    fp8_linear, quantize_rows, quantize_rows_torch, quantize_static, quantize_weight_per_channel, silu_and_mul_quant,
+    MIN_SCALE, QuantizedRows, UnscaledRows, dequantize_weight, quantize_rows, quantize_rows_torch, quantize_static,
+    quantize_weight_per_channel,
 )  # fmt: skip
+from flashserve.layers.fp8_fused import add_rmsnorm_quant, silu_and_mul_quant
+from flashserve.layers.fp8_gemm import SMALL_M, fp8_gemm_small_m, fp8_linear
 from flashserve.layers.linear import gate_up_silu_for, linear, linear_unscaled
 from flashserve.layers.ops import rope_cos_sin_cache, rope_inv_freq
 from flashserve.model_loader.checkpoint import load_llama

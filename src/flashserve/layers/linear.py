@@ -7,7 +7,7 @@ format is the dtype of the weight. The arguments are plain tensors (and one floa
 - dense: `F.linear`; a float32 weight packed for oneDNN on a CPU (`pack_for_onednn`) goes through
   oneDNN.
 - FP8: float8_e4m3fn weight [N, K], float32 `weight_scale` [1, N], an optional static float32
-  `input_scale` [] and fbgemm's bound on dynamic activation scales; see `layers/fp8.py`.
+  `input_scale` [] and fbgemm's bound on dynamic activation scales; see `layers/fp8.py` and `layers/fp8_gemm.py`.
 
 The kernel before a projection may write its input in the projection's format: `add_rmsnorm_for`
 and `silu_and_mul_for` return `QuantizedRows` for an FP8 projection of a bfloat16 model on a GPU
@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashserve.layers.fp8 import (
-    FP8_DTYPE, FUSED_MAX_COLS, QuantizedRows, UnscaledRows, add_rmsnorm_quant, fp8_linear, fp8_weight_gemv,
-    fused_kernels, silu_and_mul_quant, takes_weight_gemv,
-)  # fmt: skip
+from flashserve.layers.fp8 import FP8_DTYPE, QuantizedRows, UnscaledRows
+from flashserve.layers.fp8_fused import FUSED_MAX_COLS, add_rmsnorm_quant, fused_kernels, silu_and_mul_quant
+from flashserve.layers.fp8_gemm import fp8_linear, fp8_weight_gemv, takes_weight_gemv
 from flashserve.layers.ops import Ops
 
 Tensor = torch.Tensor
