@@ -1,13 +1,18 @@
-"""The speculative-decoding benchmark's workload: input-grounded chat prompts built from Python's
-standard library, the same for the same seed."""
+"""The speculative-decoding benchmarks: the workload (input-grounded chat prompts built from Python's
+standard library, the same for the same seed), the CPU benchmark's summary, and the GPU benchmark's
+replayed drafts and the acceptance it reads."""
 
 from __future__ import annotations
 
 import ast
+import json
 import re
+from pathlib import Path
 
 import pytest
 
+from benchmark.spec_bench import Run, summarize
+from benchmark.spec_gpu import ReplayProposer, acceptance_from
 from benchmark.spec_workload import KINDS, SpecPrompt, _renamed, build_workload
 
 
@@ -65,3 +70,54 @@ def test_quote_reference_quotes_sentences_of_the_passage_that_name_the_word(work
         passage = text_after_ask(p)
         quotes = re.findall(r'"(.+?)"(?: |$)', p.reference)
         assert quotes and all(q in passage and word in q for q in quotes)
+
+
+def run_of(tokens: list[int], decode_s: float, drafts: int = 0, accepted: int = 0,
+           per_pos: list[int] | None = None) -> Run:
+    return Run(tokens, "", 1.0 + decode_s, 1.0 + decode_s, 1.0, decode_s, decode_s, drafts, drafts * 2, accepted,
+               per_pos or [])
+
+
+def test_summary_speedup_is_decode_tokens_per_second_over_speculation_off() -> None:
+    base = [run_of(list(range(11)), 2.0)]
+    row = summarize("ngram k=2", [run_of(list(range(11)), 1.0, drafts=4, accepted=6, per_pos=[4, 2])], base)
+    assert row["decode_tokens_per_s"] == pytest.approx(10.0) and row["speedup"] == pytest.approx(2.0)
+    assert row["mean_accepted_length"] == pytest.approx(2.5)
+    assert row["acceptance_per_position"] == pytest.approx([1.0, 0.5])
+
+
+def test_summary_counts_outputs_that_differ_from_speculation_off() -> None:
+    base = [run_of([1, 2, 3], 1.0), run_of([4, 5, 6], 1.0)]
+    row = summarize("ngram k=2", [run_of([1, 2, 3], 1.0), run_of([4, 5, 7], 1.0)], base)
+    assert row["identical"] == 1 and row["requests"] == 2
+
+
+def test_replay_proposer_drafts_the_recorded_output_when_every_draft_is_accepted() -> None:
+    proposer = ReplayProposer({(7, 8, 9): [10, 11, 12, 13, 14, 15]}, [1.0] * 4, vocab_size=100)
+    assert proposer.propose([7, 8, 9, 10, 11], 4) == [12, 13, 14, 15]
+    assert proposer.propose([7, 8, 9, 10, 11, 12, 13, 14], 4) == [15]
+    assert proposer.propose([1, 2, 3], 4) == []
+
+
+def test_replay_proposer_misses_at_the_acceptance_given_per_position() -> None:
+    acceptance = [0.8, 0.6, 0.4, 0.2]
+    output = list(range(20, 2020))
+    proposer = ReplayProposer({(1, 2, 3): output}, acceptance, vocab_size=5000, seed=1)
+    matched = [0] * 4
+    trials = 2000
+    for done in range(trials - 4):
+        drafts = proposer.propose([1, 2, 3] + output[:done], 4)
+        run = next((i for i, d in enumerate(drafts) if d != output[done + i]), 4)
+        for i in range(run):
+            matched[i] += 1
+    assert [m / (trials - 4) for m in matched] == pytest.approx(acceptance, abs=0.04)
+
+
+def test_gpu_benchmark_reads_the_acceptance_of_the_cpu_run_of_the_same_k(tmp_path: Path) -> None:
+    path = tmp_path / "spec_bench.json"
+    path.write_text(json.dumps({"rows": [
+        {"config": "off", "acceptance_per_position": []},
+        {"config": "ngram k=2", "acceptance_per_position": [0.9, 0.8]},
+        {"config": "ngram k=4", "acceptance_per_position": [0.7, 0.5, 0.4, 0.3]}]}))
+    assert acceptance_from([str(path)], 4) == ([0.7, 0.5, 0.4, 0.3], f"{path}: ngram k=4")
+    assert acceptance_from(["0.9", "0.5"], 4)[0] == [0.9, 0.5, 0.0, 0.0]
