@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-len", type=int, default=512, help="cached tokens a request (and the end-to-end prompts' length)")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--acceptance", nargs="+", required=True,
-                   help="a spec_bench.json (its n-gram row of k; the committed CPU run is "
-                        "benchmark/results/cpu/spec_decode/spec_bench.json) or the shares accepted at each draft position")
+                   help="a spec_bench.json (its n-gram row of k; the committed CPU run's is named above) or the "
+                        "shares accepted at each draft position")
     p.add_argument("--e2e-batches", type=int, nargs="*", default=[1, 64])
     p.add_argument("--e2e-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=2, help="end-to-end runs of each, in turn (the best kept)")
