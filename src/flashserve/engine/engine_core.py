@@ -9,6 +9,13 @@ end ONE message per step with the outputs of its own requests (`message/codec.py
 ids only: detokenizing and stop strings are the front ends' (a stop string found there comes back
 as an abort).
 
+LoRA adapters: a request's adapter (`Add.lora_request`) is looked up by name in the engine's
+registry (`engine/lora_registry.py`) and loaded on the way in if it is not loaded yet (the offline
+`LLM`'s adapters); a front end's `LoRAUpdate` loads or unloads one through the same registry, and
+every front end then hears the adapters (`LoRAAdapters`) before the asking one gets its answer
+(`LoRAUpdateDone`), so that a request it sends after the answer finds the adapter. An adapter with
+running or waiting requests is not unloaded (`LoRAInUse`).
+
 A request's grammar arrives as a spec; the engine core compiles it in the compiler's threads, and
 the request joins the engine once it is compiled, so that a compilation never stalls the step loop.
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import Counter
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
@@ -33,7 +41,8 @@ from flashserve.engine.kv_events import KVEventPublisher
 from flashserve.engine.llm_engine import LLMEngine
 from flashserve.engine.loop import StepRecorder, apply_abort, apply_add, expire
 from flashserve.engine.prefix_pins import GroupPins
-from flashserve.message.codec import AddRequest, EngineSetup, recv
+from flashserve.message.codec import AddRequest, EngineSetup, LoRAAdapters, LoRAUpdate, LoRAUpdateDone, recv
+from flashserve.message.lora import LoRAAdapterError
 from flashserve.message.outputs import RequestOutput, error_output
 from flashserve.message.requests import Abort
 from flashserve.metrics import Metrics
@@ -69,6 +78,7 @@ class EngineCore:
         self.kv_events = kv_events
         if kv_events is not None:
             engine.scheduler.kv_cache.record_events()
+            kv_events.lora_names.update({a.lora_int_id: a.lora_name for a in engine.loras.adapters})
         self._group_of: dict[str, int] = {}  # request id -> its pinned group
         self._recorder = StepRecorder(engine, metrics)
         self._recorder.record([], time.monotonic())  # every gauge at its value before any front end asks
@@ -158,6 +168,9 @@ class EngineCore:
                 if (group := self._group_of.pop(message.request_id, None)) is not None:
                     self.pins.finished(group)  # type: ignore[union-attr]
             return out
+        if isinstance(message, LoRAUpdate):
+            self._lora_update(conn, message)
+            return None
         if not isinstance(message, AddRequest):
             logger.warning("ignoring an unexpected message from a front end: %r", type(message).__name__)
             return None
@@ -166,6 +179,12 @@ class EngineCore:
         if self.pins is not None and message.prefix_member is not None:  # pinned before it can be scheduled
             self.pins.submitted(*message.prefix_member)
             self._group_of[add.request_id] = message.prefix_member[0]
+        if add.lora_request is not None:
+            try:
+                message = self._with_lora_id(message)
+            except LoRAAdapterError as exc:
+                return error_output(add.request_id, len(add.prompt_token_ids), str(exc))
+            add = message.add
         if message.grammar_spec is None:
             return apply_add(self.engine, add)
         if self.compile_grammar is None:
@@ -203,6 +222,43 @@ class EngineCore:
                 outputs.append(out)
         self._compiling = still
         return outputs
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def _with_lora_id(self, message: AddRequest) -> AddRequest:
+        """The request with its adapter's id in this engine (loaded now if it was not)."""
+        lora = message.add.lora_request
+        assert lora is not None
+        before = self.engine.loras.adapters
+        lora_id = self.engine.loras.for_request(lora)
+        if self.engine.loras.adapters != before:
+            self._adapters_changed()
+        if lora_id == lora.lora_int_id:
+            return message
+        return replace(message, add=replace(message.add, lora_request=replace(lora, lora_int_id=lora_id)))
+
+    def _lora_update(self, conn: Connection | None, message: LoRAUpdate) -> None:
+        """Loads or unloads an adapter: every front end hears the adapters if they changed, then
+        the asking one the answer."""
+        loras = self.engine.loras
+        try:
+            if message.lora_path is None:
+                compiling = Counter(m.add.lora_int_id for m, _, _ in self._compiling if m.add.lora_int_id)
+                loras.unload(message.lora_name, self.engine.lora_requests() + compiling)
+            else:
+                loras.load(message.lora_name, message.lora_path, message.base_model_name)
+        except LoRAAdapterError as exc:
+            answer = LoRAUpdateDone(message.call_id, str(exc), type(exc).__name__)
+        else:
+            answer = LoRAUpdateDone(message.call_id)
+            self._adapters_changed()
+        if conn is not None and conn in self.front_ends:
+            self.front_ends.send(conn, answer)
+
+    def _adapters_changed(self) -> None:
+        adapters = self.engine.loras.adapters
+        if self.kv_events is not None:
+            self.kv_events.lora_names.update({a.lora_int_id: a.lora_name for a in adapters})
+        self.front_ends.send_all(LoRAAdapters(adapters))
 
     def _abort_requests_of(self, conn: Connection) -> None:
         """A front end is gone: abort its requests."""

@@ -18,7 +18,9 @@ import time
 from multiprocessing.connection import Connection
 from typing import Callable, Mapping
 
-from flashserve.message.codec import PROTOCOL_VERSION, Dead, EngineSetup, FrameQueue, Hello, StepOutputs, recv, send
+from flashserve.message.codec import (
+    PROTOCOL_VERSION, Dead, EngineSetup, FrameQueue, Hello, Message, StepOutputs, recv, send,
+)
 from flashserve.message.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -136,6 +138,17 @@ class FrontEnds:
             if queue.backlog > MAX_UNREAD_BYTES:
                 logger.error("a front end left %.1f MB of outputs unread; dropping it", queue.backlog / 1e6)
                 self.drop(conn)
+
+    def send(self, conn: Connection, message: Message) -> None:
+        """One message to one front end, after what waits for it (a front end gone is dropped)."""
+        try:
+            self._out[conn].put(message)
+        except OSError:
+            self.drop(conn)
+
+    def send_all(self, message: Message) -> None:
+        for conn in list(self.conns):
+            self.send(conn, message)
 
     def send_dead(self, reason: str) -> None:
         """Every front end hears why, after what waits for it, for up to DEAD_NOTICE_SECONDS."""
