@@ -17,9 +17,9 @@ import xgrammar as xgr
 
 from flashserve.message.grammar_spec import GrammarSpec
 from flashserve.message.sampling_params import InvalidParameter
-from flashserve.structured.compiler import (
-    GrammarCompiler, XGrammar, generic_tool_spec, spec_from_request, tool_call_spec, unroll_bounded_strings,
-)
+from flashserve.structured.compiler import GrammarCompiler, XGrammar
+from flashserve.structured.json_grammar import unroll_bounded_strings
+from flashserve.structured.specs import generic_tool_spec, spec_from_request, tool_call_spec
 from flashserve.structured.grammar import bitmask_words, step_bitmask
 
 VOCAB = 49152

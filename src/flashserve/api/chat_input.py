@@ -14,7 +14,8 @@ from flashserve.api.errors import invalid
 from flashserve.api.tools.parsers import TOOL_PARSERS, detect_tool_parser, get_tool_parser
 from flashserve.api.tools.render import TemplateSupport, render_messages, tools_block
 from flashserve.message.grammar_spec import GrammarSpec
-from flashserve.structured.compiler import GrammarCompiler, generic_tool_spec, tool_call_spec
+from flashserve.structured.compiler import GrammarCompiler
+from flashserve.structured.specs import generic_tool_spec, tool_call_spec
 
 
 def message_text(content: str | list[p.TextPart] | None) -> str:

@@ -24,17 +24,17 @@ from flashserve.api.errors import APIError, engine_dead, invalid, overloaded
 from flashserve.api.logprobs import TokenTexts
 from flashserve.api.options import APIOptions, ServerState
 from flashserve.api.sampling import for_choice, to_sampling_params
+from flashserve.api.serving_lora import adapter_cards, lora_adapters, model_not_found, resolve_model
 from flashserve.api.streaming import EngineStreams
 from flashserve.api.tools.render import TemplateSupport, template_support
 from flashserve.client.protocol import EngineClient
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.metrics import CONTENT_TYPE, Metrics, RequestRecord, request_logger
-from flashserve.structured.compiler import spec_from_request
+from flashserve.structured.specs import spec_from_request
 from flashserve.tracing import RequestTracer
 
 
-def _model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+_model_not_found = model_not_found
 
 # Inputs up to this many characters are tokenized on the event loop (faster than a thread hop);
 # longer ones in the tokenizer thread.
@@ -121,16 +121,28 @@ class OpenAIServing:
 
     # ---- the server's own endpoints ----------------------------------------------------------
     async def models(self) -> JSONResponse:
-        cards = [self._card(n) for n in self.names]
+        cards = [self._card(n) for n in self.names] + self._adapter_cards()
         return JSONResponse(p.ModelList(data=cards).model_dump())
 
     async def model(self, model_id: str) -> JSONResponse:
-        if model_id not in self.names:
+        if model_id in self.names:
+            return JSONResponse(self._card(model_id).model_dump())
+        card = next((c for c in self._adapter_cards() if c.id == model_id), None)
+        if card is None:
             raise _model_not_found(model_id)
-        return JSONResponse(self._card(model_id).model_dump())
+        return JSONResponse(card.model_dump())
 
     def _card(self, name: str) -> p.ModelCard:
         return p.ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
+
+    def _adapter_cards(self) -> list[p.ModelCard]:
+        """The LoRA adapters' cards: `root` their path, `parent` their base model."""
+        return [p.ModelCard(**fields, created=self.created, max_model_len=self.max_model_len)
+                for fields in adapter_cards(self.engine, self.names[0])]
+
+    def is_model(self, model: str) -> bool:
+        """Whether `model` is a served name or a LoRA adapter's."""
+        return model in self.names or model in lora_adapters(self.engine)
 
     async def health(self) -> JSONResponse:
         if not self.engine.is_healthy():
@@ -144,9 +156,9 @@ class OpenAIServing:
 
     # ---- validation ----------------------------------------------------------------------------
     def check_request(self, body: p.GenerationRequest) -> str:
-        model = body.model if body.model is not None else self.names[0]
-        if model not in self.names:
-            raise _model_not_found(model)
+        """The model the request names (a served name or a LoRA adapter's); raises its 404, or the
+        400 of a field this server does not implement."""
+        model, _ = resolve_model(self.engine, self.names, body.model)
         field = p.unsupported_field(body)
         if field == "stream_options":
             raise invalid("stream_options is only allowed when stream is true", field)
@@ -230,5 +242,7 @@ class OpenAIServing:
                                x_request_id)
         if self.tracer is not None:
             record.span = self.tracer.span(headers or {}, request_id, body.model or self.names[0], params[0], body.n)
+        _, lora = resolve_model(self.engine, self.names, body.model)
         return EngineStreams(self.engine, ids, choice_prompts, params, record, group=request_id,
-                             cache_salt=body.cache_salt, choices_per_prompt=body.n, stream=bool(body.stream))
+                             cache_salt=body.cache_salt, choices_per_prompt=body.n, stream=bool(body.stream),
+                             lora_request=lora)

@@ -33,7 +33,7 @@ from flashserve.api.streaming import (
     usage,
 )
 from flashserve.metrics import request_logger
-from flashserve.structured.compiler import spec_from_request
+from flashserve.structured.specs import spec_from_request
 
 
 class CompletionsServing:

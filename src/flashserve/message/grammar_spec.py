@@ -1,4 +1,5 @@
-"""A request's grammar as it travels: what the engine core compiles (`structured/compiler.py`)."""
+"""A request's grammar as it travels: what the API layer builds (`structured/specs.py`) and the engine
+core compiles (`structured/compiler.py`)."""
 
 from __future__ import annotations
 
