@@ -42,6 +42,7 @@ import random
 import re
 import statistics
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -284,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(args.batches + args.e2e_batches)
 
     def build(speculative: dict[str, Any] | None, model: str = args.model) -> Any:
-        kwargs: dict[str, Any] = {"load_format": "dummy", "device": args.device, "max_num_seqs": max(2 * largest, 64)}
+        # No prefix caching: the end-to-end runs send the same prompts twice (1 token, then many)
+        # and take the difference, which a cached prefill would shrink.
+        kwargs: dict[str, Any] = {"load_format": "dummy", "device": args.device, "max_num_seqs": max(2 * largest, 64),
+                                  "enable_prefix_caching": False}
         if args.device == "cuda":
             kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
         else:
@@ -299,26 +303,38 @@ def main(argv: list[str] | None = None) -> int:
                            "k": args.k, "acceptance_per_position": acceptance, "acceptance_source": acceptance_source}
     print(f"{gpu}: {args.model} (dummy weights), k = {args.k}, KV of {args.kv_len} tokens a request; acceptance "
           f"{' '.join(f'{a:.2f}' for a in acceptance)} ({acceptance_source})", flush=True)
-    target = build(None)
-    doc["decode_graphs"] = target.engine.executor.graphs is not None
-    doc["steps"] = step_times(target, args.batches, args.kv_len, args.k, args.device, args.steps)
-    target.close()
-    del target
-    free_device()
-    draft_rows = None
-    if args.draft_model:
-        draft = build(None, args.draft_model)
-        draft_rows = step_times(draft, args.batches, args.kv_len, 0, args.device, args.steps)
-        draft.close()
-        del draft
-        free_device()
-    implied(doc["steps"], draft_rows, acceptance, args.k)
-    if args.e2e_batches:
-        doc["end_to_end"] = end_to_end(args, acceptance, build)
-    print(table(doc))
     path = args.out / re.sub(r"[^A-Za-z0-9._-]+", "_", gpu) / "spec_decode" / "spec_gpu.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+
+    def section(name: str, fn: Callable[[], Any]) -> Any:
+        """Runs one part; a failure is written down and the next part runs."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - the other parts still measure
+            traceback.print_exc()
+            doc.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:1000]
+            return None
+        finally:
+            free_device()
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+
+    def steps_of(model: str, k: int) -> list[dict[str, Any]]:
+        llm = build(None, model)
+        try:
+            if model == args.model:
+                doc["decode_graphs"] = llm.engine.executor.graphs is not None
+            return step_times(llm, args.batches, args.kv_len, k, args.device, args.steps)
+        finally:
+            llm.close()
+
+    doc["steps"] = section("steps", lambda: steps_of(args.model, args.k))
+    draft_rows = section("draft_steps", lambda: steps_of(args.draft_model, 0)) if args.draft_model else None
+    if doc["steps"]:
+        implied(doc["steps"], draft_rows, acceptance, args.k)
+    if args.e2e_batches:
+        doc["end_to_end"] = section("end_to_end", lambda: end_to_end(args, acceptance, build))
     path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(table(doc))
     print(f"-> {path}")
     return 0
 
@@ -327,10 +343,10 @@ def table(doc: dict[str, Any]) -> str:
     def num(v: float | None, fmt: str = ".3f") -> str:
         return "-" if v is None else format(v, fmt)
 
-    lines = [f"mean accepted length at this acceptance: {doc['steps'][0]['mean_accepted_length']:.2f} (k = {doc['k']})",
+    lines = [f"mean accepted length at this acceptance: {1 + sum(doc['acceptance_per_position']):.2f} (k = {doc['k']})",
              "| batch | decode ms | verify ms (k+1 tokens) | verify / decode | draft step ms | n-gram ms/token (x decode) "
              "| draft model ms/token (x decode) |", "|---" * 7 + "|"]
-    for r in doc["steps"]:
+    for r in doc["steps"] or []:
         lines.append(f"| {r['batch']} | {r['decode_ms']:.3f} | {r['verify_ms']:.3f} | {r['verify_over_decode']:.2f}x "
                      f"| {num(r.get('draft_decode_ms'))} | {r['ngram_ms_per_token']:.3f} ({r['ngram_over_decode']:.2f}x) "
                      f"| {num(r.get('draft_model_ms_per_token'))} ({num(r.get('draft_model_over_decode'), '.2f')}x) |")
@@ -342,6 +358,8 @@ def table(doc: dict[str, Any]) -> str:
                          f"| {r['off_tokens_per_s']:.0f} -> {r['on_tokens_per_s']:.0f} "
                          f"| {r['injected_mean_accepted_length']:.2f} / {num(r['measured_mean_accepted_length'], '.2f')} "
                          f"| {r['identical_outputs']} |")
+    for name, error in doc.get("errors", {}).items():
+        lines.append(f"{name} failed: {error}")
     return "\n".join(lines)
 
 
