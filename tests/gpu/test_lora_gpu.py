@@ -112,9 +112,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1)
 
 
-def check_against_merged(model_config: ModelConfig, cache_config: CacheConfig, tol: float, **build: Any) -> dict:
-    """Builds the runner, loads one adapter per rank of RANKS, and checks the mixed step against the
-    merged weights; returns the per-adapter errors."""
+def mixed_and_base(model_config: ModelConfig, cache_config: CacheConfig, **build: Any) -> tuple[Any, tuple, tuple]:
+    """Builds the runner, loads one adapter per rank of RANKS, and runs the mixed rows and the same
+    rows on the base model: (runner, mixed (prefill, decode) logits, base ones). Base rows of the
+    mixed step must be exactly the base model's."""
     from flashserve.executor.build import build_runner
 
     runner, _, _ = build_runner(model_config, cache_config, **build)
@@ -125,10 +126,17 @@ def check_against_merged(model_config: ModelConfig, cache_config: CacheConfig, t
             runner.add_lora(LoRARequest(f"rank-{rank}", lid, folder))
     mixed = run(runner, ROWS, "mixed")
     base = run(runner, [0] * len(ROWS), "base")
-    found = {}
     for phase in (0, 1):
         rows = [i for i, lid in enumerate(ROWS) if lid == 0]
         torch.testing.assert_close(mixed[phase][rows], base[phase][rows], atol=0, rtol=0)
+    return runner, mixed, base
+
+
+def check_against_merged(model_config: ModelConfig, cache_config: CacheConfig, tol: float, **build: Any) -> dict:
+    """The mixed step (`mixed_and_base`) against the adapters merged into the weights; returns the
+    per-adapter (largest error, smallest effect)."""
+    runner, mixed, base = mixed_and_base(model_config, cache_config, **build)
+    found = {}
     for lid, rank in enumerate(RANKS, start=1):
         runner.lora.slots_for([lid])  # its weights stay in the host cache (3 adapters, 3 entries)
         merge(runner, lid, 1.0)
@@ -150,6 +158,28 @@ def test_adapters_of_ranks_8_16_64_on_dummy_8b_under_cuda_graphs_match_the_merge
                          attention_backend="flashinfer", lora=lora)  # fmt: skip
     found = check_against_merged(config, CacheConfig(num_pages=256, page_size=PAGE), 5e-2, max_batch_size=16)
     print(json.dumps(found))
+
+
+def test_adapters_on_fp8_weights_move_the_logits_as_on_bf16_weights() -> None:
+    """FP8 projections (quantized at load) with adapters: the delta runs in bf16 beside them. Each
+    adapter row of the FP8 model is as close to the bf16 model's row as the FP8 base model is to
+    the bf16 base model (twice its largest row error, plus 1e-2), and base rows are exact."""
+    lora = LoRAConfig(max_loras=len(RANKS), max_lora_rank=max(RANKS))
+    cache = CacheConfig(num_pages=256, page_size=PAGE)
+    found = {}
+    for quantization in (None, "fp8"):
+        config = ModelConfig(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", device="cuda",
+                             attention_backend="flashinfer", quantization=quantization, lora=lora)  # fmt: skip
+        runner, mixed, base = mixed_and_base(config, cache, max_batch_size=16)
+        found[quantization] = (mixed, base)
+        del runner
+        torch.cuda.empty_cache()
+    (bf_mixed, bf_base), (fp_mixed, fp_base) = found[None], found["fp8"]
+    adapter_rows = [i for i, lid in enumerate(ROWS) if lid]
+    for phase in (0, 1):
+        fp8_error = rel(fp_base[phase], bf_base[phase]).max().item()
+        err = rel(fp_mixed[phase][adapter_rows], bf_mixed[phase][adapter_rows])
+        assert (err <= 2 * fp8_error + 1e-2).all(), (phase, err, fp8_error)
 
 
 if __name__ == "__main__":  # a CPU smoke run on a small model
