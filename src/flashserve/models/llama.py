@@ -22,6 +22,11 @@ outputs of o_proj and down_proj go through `reduce_add_norm`: the all-reduce (`a
 the identity on one rank), then the add + RMSNorm after it, or one FlashInfer kernel that does all
 three (`use_fused_allreduce`). `compute_logits` gathers the vocabulary so that every rank returns
 the full [N, V] row.
+
+LoRA adapters (`--enable-lora`): `model.lora` holds the adapters' device slots (`lora/layers.py`)
+and adds their deltas beside the fused projections (qkv, o, gate_up, down), the per-token slot
+index of the step set by the runner. None (LoRA off), or a step of base rows only, runs the
+forward above unchanged.
 """
 
 from __future__ import annotations
