@@ -156,6 +156,8 @@ def summarize(label: str, runs: list[Run], base: list[Run]) -> dict[str, Any]:
     accepted = sum(r.accepted for r in runs)
     width = max((len(r.accepted_per_pos) for r in runs), default=0)
     per_pos = [sum(r.accepted_per_pos[i] for r in runs if i < len(r.accepted_per_pos)) for i in range(width)]
+    # Every step after the first token yields one token of the target's plus its accepted drafts.
+    steps = sum(max(len(r.tokens) - 1, 0) for r in runs) - accepted
     return {
         "config": label,
         "requests": len(runs),
@@ -169,6 +171,9 @@ def summarize(label: str, runs: list[Run], base: list[Run]) -> dict[str, Any]:
         "tokens_per_s": tokens / wall,  # end to end: the prompt's prefill included
         "speedup_end_to_end": tokens / wall / base_e2e,
         "identical": sum(r.tokens == b.tokens for r, b in zip(runs, base)),
+        "decode_steps": steps,
+        "tokens_per_step": sum(max(len(r.tokens) - 1, 0) for r in runs) / steps if steps else None,
+        "drafted_steps": drafts / steps if steps else None,  # the share of steps that verified drafts
         "drafts": drafts,
         "draft_tokens": draft_tokens,
         "accepted_tokens": accepted,
@@ -274,12 +279,13 @@ def table(doc: dict[str, Any]) -> str:
         return "-" if v is None else format(v, fmt)
 
     lines = ["| configuration | decode tokens/s | speed-up | speed-up (CPU s) | per-request speed-up (geomean) "
-             "| end to end tokens/s (speed-up) | mean accepted length | acceptance per position | identical outputs |",
-             "|---" * 9 + "|"]
+             "| end to end tokens/s (speed-up) | steps with drafts | tokens per step | mean accepted length "
+             "| acceptance per position | identical outputs |", "|---" * 11 + "|"]
     for r in doc["rows"]:
         per_pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
         lines.append(f"| {r['config']} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_cpu']:.2f}x "
                      f"| {num(r['speedup_geomean'], '.2f')}x | {r['tokens_per_s']:.1f} ({r['speedup_end_to_end']:.2f}x) "
+                     f"| {num(r['drafted_steps'], '.0%')} | {num(r['tokens_per_step'], '.2f')} "
                      f"| {num(r['mean_accepted_length'], '.2f')} | {per_pos} | {r['identical']}/{r['requests']} |")
     lines.append("")
     lines.append("| configuration | " + " | ".join(f"{k}: speed-up, mean accepted length" for k in doc["by_kind"]) + " |")
@@ -314,6 +320,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         if r["acceptance_per_position"]:
             pos = range(1, len(r["acceptance_per_position"]) + 1)
             right.plot(pos, r["acceptance_per_position"], marker="o", label=r["config"])
+            right.set_xticks(pos)
     right.set_xlabel("draft position")
     right.set_ylabel("share of drafts accepted")
     right.set_ylim(0, 1.05)

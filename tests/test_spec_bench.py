@@ -121,3 +121,10 @@ def test_gpu_benchmark_reads_the_acceptance_of_the_cpu_run_of_the_same_k(tmp_pat
         {"config": "ngram k=4", "acceptance_per_position": [0.7, 0.5, 0.4, 0.3]}]}))
     assert acceptance_from([str(path)], 4) == ([0.7, 0.5, 0.4, 0.3], f"{path}: ngram k=4")
     assert acceptance_from(["0.9", "0.5"], 4)[0] == [0.9, 0.5, 0.0, 0.0]
+
+
+def test_summary_counts_steps_and_the_share_of_them_that_verified_drafts() -> None:
+    base = [run_of(list(range(11)), 2.0)]
+    row = summarize("ngram k=2", [run_of(list(range(11)), 1.0, drafts=4, accepted=6, per_pos=[4, 2])], base)
+    assert row["decode_steps"] == 4 and row["tokens_per_step"] == pytest.approx(2.5)
+    assert row["drafted_steps"] == pytest.approx(1.0)
