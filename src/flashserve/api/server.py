@@ -20,6 +20,7 @@ from flashserve.api.options import APIOptions, ServerState
 from flashserve.api.response_store import ResponseStore, SharedResponseStore
 from flashserve.api.serving import OpenAIServing
 from flashserve.api.serving_completions import CompletionsServing
+from flashserve.api.serving_lora import LoRAServing
 from flashserve.api.serving_messages import AnthropicErrors, MessagesServing
 from flashserve.api.serving_responses import ResponsesServing
 from flashserve.api.serving_tokenize import TokenizeServing
@@ -81,6 +82,10 @@ def build_app(
     app.add_api_route("/tokenize", tokenize.tokenize, methods=["POST"], response_model=None)
     app.add_api_route("/detokenize", tokenize.detokenize, methods=["POST"], response_model=None)
     app.add_api_route("/tokenizer_info", tokenize.tokenizer_info, methods=["GET"], response_model=None)
+    if options.allow_runtime_lora_updating:  # vLLM serves them at /v1 only
+        lora = LoRAServing(engine, serving.names)
+        app.add_api_route("/v1/load_lora_adapter", lora.load, methods=["POST"], response_model=None)
+        app.add_api_route("/v1/unload_lora_adapter", lora.unload, methods=["POST"], response_model=None)
     app.add_api_route("/health", serving.health, methods=["GET"], response_model=None)
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"], response_model=None, include_in_schema=False)
     if options.ui:

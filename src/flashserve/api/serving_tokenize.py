@@ -56,7 +56,7 @@ class TokenizeServing:
         self.serving = serving  # the app's `OpenAIServing`: tokenizer, names, chat template
 
     def _tokenizer(self, model: str | None, param: str | None) -> Any:
-        if model is not None and model not in self.serving.names:
+        if model is not None and not self.serving.is_model(model):
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         if self.serving.tokenizer is None:
             raise invalid("this server runs without a tokenizer: it takes and gives token ids only", param)
