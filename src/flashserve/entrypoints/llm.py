@@ -9,15 +9,17 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from flashserve.client.inproc import InprocClient
-from flashserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from flashserve.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from flashserve.engine.engine_core import EngineCore
 from flashserve.engine.heap import existing_objects_frozen
 from flashserve.engine.llm_engine import LLMEngine
+from flashserve.engine.lora_registry import LoRARegistry
 from flashserve.engine.prefix_groups import GroupPlan, plan_prefix_groups
 from flashserve.engine.prefix_pins import GroupPins
 from flashserve.engine.scheduler import Scheduler
 from flashserve.kv_cache.manager import KVCacheManager
 from flashserve.message.codec import AddRequest
+from flashserve.message.lora import LoRARequest
 from flashserve.message.outputs import RequestOutput, merge_outputs
 from flashserve.message.requests import Add
 from flashserve.message.sampling_params import SamplingParams
@@ -86,9 +88,12 @@ def build_engine(
     # loaded.max_model_len is already capped by what the KV cache holds.
     kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching, cache.prefix_caching_hash_seed)
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
+    if model.lora is not None:
+        sched.max_loras = model.lora.max_loras  # a step never uses more adapters than the runner's slots
     overlap = scheduler.overlap_scheduling and runner.overlap_capable
     tokenizer = loaded.tokenizer if detokenize else None
-    engine = LLMEngine(sched, runner, tokenizer, vocab_size=loaded.vocab_size, overlap=overlap)
+    engine = LLMEngine(sched, runner, tokenizer, vocab_size=loaded.vocab_size, overlap=overlap,
+                       loras=LoRARegistry(runner, model.lora))
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
 
 
@@ -127,8 +132,15 @@ class GenerateStats:
         return self.num_prompt_tokens - self.num_cached_prompt_tokens
 
 
+# LLM's keyword arguments for LoRA, as vLLM's LLM takes them: enable_lora turns the others into the
+# model config's LoRAConfig.
+_LORA_KWARGS = ("max_loras", "max_lora_rank", "max_cpu_loras")
+
+
 class LLM:
-    """Offline generation without HTTP: `LLM(model).generate(prompts, params)`."""
+    """Offline generation without HTTP: `LLM(model).generate(prompts, params)`. With
+    `enable_lora=True` (and `max_loras`, `max_lora_rank`, `max_cpu_loras` as the server's options),
+    `generate(..., lora_request=LoRARequest(name, id, path))` runs prompts with an adapter."""
 
     def __init__(self, model: str = "", **kwargs: Any) -> None:
         if kwargs.pop("data_parallel_size", 1) != 1:
@@ -142,6 +154,11 @@ class LLM:
         if speculative is not None:
             sched_kw["speculative"] = _speculative_config(speculative)
         cuda_graph = kwargs.pop("cuda_graph", True)
+        lora_kw = {k: kwargs.pop(k) for k in _LORA_KWARGS if k in kwargs}
+        if kwargs.pop("enable_lora", False):
+            kwargs["lora"] = LoRAConfig(**lora_kw)
+        elif lora_kw:
+            raise ValueError(f"{', '.join(sorted(lora_kw))} need enable_lora=True")
         self.stack = build_engine(ModelConfig(model=model, **kwargs), CacheConfig(**cache_kw),
                                   SchedulerConfig(**sched_kw), cuda_graph=cuda_graph)
         self.last_stats = GenerateStats()
@@ -162,7 +179,7 @@ class LLM:
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-        prefix_grouping: bool = True,
+        prefix_grouping: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[Completion]:
         """Run every prompt to completion (text prompts need a tokenizer); results in prompt order.
 
@@ -171,6 +188,10 @@ class LLM:
         ends, groups decode-heavy first (`engine/prefix_groups.py`); without it, in input order.
         Either way the engine is fed as it drains (`_Feeder`), so a batch far larger than the KV
         cache runs too. Raises InvalidParameter, before anything runs, for ids the model cannot take.
+
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model),
+        as vLLM's `LLM.generate` takes it; each adapter loads before anything runs (LoRAAdapterError
+        when it cannot) and stays loaded for later calls.
         """
         start = time.perf_counter()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
@@ -181,13 +202,16 @@ class LLM:
         tokens = [self._tokenize(prompt) for prompt in prompts]
         for prompt_ids, p in zip(tokens, params_list):
             self.engine.check_request(prompt_ids, p)
+        loras = self._loras(lora_request, len(prompts))
+        lora_keys = [str(lora.lora_int_id) if lora is not None else None for lora in loras]
         kv_cache = self.engine.scheduler.kv_cache
         if prefix_grouping and kv_cache.enable_caching:
-            plan = plan_prefix_groups(tokens, kv_cache.page_size, [p.max_tokens for p in params_list])
+            plan = plan_prefix_groups(tokens, kv_cache.page_size, [p.max_tokens for p in params_list],
+                                      keys=lora_keys if any(lora_keys) else None)
         else:
             plan = GroupPlan.in_order(len(tokens))
         ids = [uuid.uuid4().hex for _ in tokens]
-        feeder = _Feeder(self.engine, plan, ids, tokens, params_list, self.stack.max_model_len)
+        feeder = _Feeder(self.engine, plan, ids, tokens, params_list, self.stack.max_model_len, loras)
         outputs = feeder.run()
         results = [_collect(rid, prompt_ids, outputs[rid]) for rid, prompt_ids in zip(ids, tokens)]
         self.last_stats = GenerateStats(
@@ -200,6 +224,21 @@ class LLM:
             elapsed_s=time.perf_counter() - start,
         )
         return results
+
+    def _loras(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+               n: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each loaded, with the id the engine knows it by."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            per_prompt = [lora_request] * n
+        else:
+            per_prompt = list(lora_request)
+            if len(per_prompt) != n:
+                raise ValueError(f"{len(per_prompt)} lora requests for {n} prompts")
+        loaded: dict[LoRARequest, LoRARequest] = {}
+        for lora in dict.fromkeys(x for x in per_prompt if x is not None):
+            lora_id = self.engine.loras.for_request(lora)
+            loaded[lora] = replace(lora, lora_int_id=lora_id)
+        return [loaded[x] if x is not None else None for x in per_prompt]
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if not isinstance(prompt, str):
@@ -220,14 +259,16 @@ class _Feeder:
     """
 
     def __init__(self, engine: LLMEngine, plan: GroupPlan, ids: list[str], tokens: list[list[int]],
-                 params: list[SamplingParams], max_model_len: int) -> None:
+                 params: list[SamplingParams], max_model_len: int, loras: list[LoRARequest | None]) -> None:
         self.engine = engine
         self.plan = plan
-        self.ids, self.tokens, self.params = ids, tokens, params
+        self.ids, self.tokens, self.params, self.loras = ids, tokens, params, loras
         scheduler = engine.scheduler
         self.max_live = 2 * scheduler.config.max_num_seqs
         largest = max((min(len(t) + p.max_tokens, max_model_len) for t, p in zip(tokens, params)), default=0)
-        self.pins = GroupPins(scheduler.kv_cache, scheduler.prefix_cache.hasher, plan, tokens, largest)
+        lora_keys = [str(lora.lora_int_id) if lora is not None else None for lora in loras]
+        self.pins = GroupPins(scheduler.kv_cache, scheduler.prefix_cache.hasher, plan, tokens, largest,
+                              lora_keys=lora_keys if any(lora_keys) else None)
 
     @property
     def num_pinned_groups(self) -> int:
@@ -252,10 +293,10 @@ class _Feeder:
             while next_up < len(queue) and client.num_live < self.max_live:
                 g, i = queue[next_up]
                 next_up += 1
-                add = Add(self.ids[i], self.tokens[i], self.params[i], stream=False)
-                if (refused := client.submit(AddRequest(add, prefix_member=(g, i)))) is not None:
+                add = Add(self.ids[i], self.tokens[i], self.params[i], stream=False, lora_request=self.loras[i])
+                if (refused := client.add(AddRequest(add, prefix_member=(g, i)))) is not None:
                     outputs[refused.request_id].append(refused)
-            for out in client.step():
+            for out in client.outputs():
                 outputs[out.request_id].append(out)
         return outputs
 
