@@ -11,7 +11,8 @@
    over 4 adapters, GPU time from CUDA graphs: the torch path the model runs (`LoRAStack.delta`:
    every slot's shrink, a mask, every slot's expand), a gather + bmm of each row's adapter, and
    FlashInfer's `SegmentGEMMWrapper` (one segment a row, as a decode step under a graph has them);
-   on a CPU also the per-segment path (`LoRAStack._delta_by_segment`).
+   on a CPU also the per-segment path (`LoRAStack._apply_by_segment`). Each adds into the
+   projection's output, as the model does.
 
     python -m benchmark.lora_bench [--out-dir DIR]        # on a GPU
     python -m benchmark.lora_bench --smoke                # a small model on the CPU, eager
@@ -202,15 +203,16 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
             stack.begin(t)
             index = stack.token_slots(t) - 1  # 0..S-1 here (no base rows)
             r: dict[str, Any] = {"projection": kind, "rows": t, "rank": args.rank, "adapters": NUM_ADAPTERS}
-            r["torch_masked_us"] = graph_or_eager_us(lambda: stack.delta(0, kind, x), device, args)
+            y = torch.zeros(t, sum(outs), dtype=a_all.dtype, device=device)
+            r["torch_masked_us"] = graph_or_eager_us(lambda: stack.apply(0, kind, x, y), device, args)
             if device == "cpu":  # each adapter's rows through its own slot (the CPU's choice for longer steps)
                 segs = [(s, (slots == s + 1).nonzero().squeeze(1)) for s in range(NUM_ADAPTERS)]
-                r["torch_per_segment_us"] = graph_or_eager_us(lambda: stack._delta_by_segment(0, kind, x, segs),
+                r["torch_per_segment_us"] = graph_or_eager_us(lambda: stack._apply_by_segment(0, kind, x, y, segs),
                                                               device, args)  # fmt: skip
 
             def gather_bmm() -> Any:
                 u = torch.bmm(a_w.index_select(0, index), x.unsqueeze(-1))  # [T, nR, 1]
-                return torch.bmm(b_w.index_select(0, index), u).squeeze(-1)
+                return y + torch.bmm(b_w.index_select(0, index), u).squeeze(-1)
 
             r["torch_gather_bmm_us"] = graph_or_eager_us(gather_bmm, device, args)
             if seg is not None:
@@ -218,9 +220,10 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
 
                 def segmented() -> Any:
                     u = seg.run(x, a_w, t, True, seg_indptr=indptr, weight_indices=index)
-                    return seg.run(u, b_w, t, True, seg_indptr=indptr, weight_indices=index)
+                    return y + seg.run(u, b_w, t, True, seg_indptr=indptr, weight_indices=index)
 
                 try:
+                    y.zero_()
                     torch.testing.assert_close(segmented().float(), stack.delta(0, kind, x).float(), atol=2e-2,
                                                rtol=2e-2)  # fmt: skip
                     r["segment_gemm_us"] = graph_or_eager_us(segmented, device, args)

@@ -9,7 +9,8 @@ GEMMs whatever adapters its rows use:
 
     u = x @ A.T                       # [T, S*n*R]: every slot's shrink
     u *= mask                         # zero the slots a row does not use (mask [T, S], one-hot)
-    delta = u @ B.T                   # [T, out]: the expand, q/k/v (gate/up) into their slices
+    y = y + u @ B.T                   # [T, out]: the expand, q/k/v (gate/up) into their slices,
+                                      # added into the projection's output by the GEMM (addmm)
 
 Rows of the base model have an all-zero mask. The mask comes from the step's per-token slot
 index (`token_slots`, int64 [T], 0 = no adapter, s + 1 = slot s), which the runner writes into
@@ -168,26 +169,32 @@ class LoRAStack:
         """Builds the forward's row mask [T, S] from the step's slot index (no host sync)."""
         self.mask = (self.token_slots(num_tokens).unsqueeze(1) == self.slot_ids).to(self.dtype)
 
-    def delta(self, layer: int, kind: str, x: Tensor) -> Tensor:
-        """The adapters' delta [T, out] of projection `kind` of `layer` on its input `x` [T, in]."""
+    def apply(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
+        """`y` [T, out], the output of projection `kind` of `layer` on `x` [T, in], plus the
+        adapters' delta. `y` is the projection's own fresh output: it may be updated in place."""
         if self.segments is not None:
-            return self._delta_by_segment(layer, kind, x, self.segments)
+            return self._apply_by_segment(layer, kind, x, y, self.segments)
         mask = self.mask
-        assert mask is not None, "begin() before delta()"
+        assert mask is not None, "begin() before apply()"
         u = torch.nn.functional.linear(x, self.a[kind][layer])
         t = u.shape[0]
         u = (u.view(t, self.num_slots, -1) * mask.unsqueeze(-1)).view(t, -1)
-        return torch.nn.functional.linear(u, self.b[kind][layer])
+        return torch.addmm(y, u, self.b[kind][layer].t())
 
-    def _delta_by_segment(self, layer: int, kind: str, x: Tensor, segments: list[tuple[int, Tensor | None]]) -> Tensor:
+    def delta(self, layer: int, kind: str, x: Tensor) -> Tensor:
+        """The adapters' delta [T, out] alone (what `apply` adds)."""
+        return self.apply(layer, kind, x, x.new_zeros(x.shape[0], self.b[kind][layer].shape[0]))
+
+    def _apply_by_segment(self, layer: int, kind: str, x: Tensor, y: Tensor,
+                          segments: list[tuple[int, Tensor | None]]) -> Tensor:  # fmt: skip
         a_all, b_all = self.a[kind][layer], self.b[kind][layer]
         width = a_all.shape[0] // self.num_slots
-        out = x.new_zeros(x.shape[0], b_all.shape[0])
         for slot, rows in segments:
             cols = slice(slot * width, (slot + 1) * width)
             part = x if rows is None else x.index_select(0, rows)
-            y = torch.nn.functional.linear(torch.nn.functional.linear(part, a_all[cols]), b_all[:, cols])
+            u = torch.nn.functional.linear(part, a_all[cols])
             if rows is None:
-                return y
-            out.index_add_(0, rows, y)
-        return out
+                y.addmm_(u, b_all[:, cols].t())
+            else:
+                y.index_add_(0, rows, torch.nn.functional.linear(u, b_all[:, cols]))
+        return y

@@ -245,20 +245,20 @@ class LlamaModel(nn.Module):
             q, k, v = self._qkv_rope(
                 spec, ops, normed, positions, cos_sin, qkv,
                 layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
-                rope is None, None if lora is None else lora.delta(i, "qkv", normed),
+                rope is None, None if lora is None else lora.apply(i, "qkv", normed, linear(normed, *qkv)),
             )  # fmt: skip
             attn = attend(backend, i, q, k, v, rope).reshape(q.shape[0], spec.q_size)
             partial = linear_unscaled(attn, *layer.o_proj.args, defer=defer)
             if lora is not None:  # a row-parallel partial delta joins the partial output before the all-reduce
-                partial = dense(partial) + lora.delta(i, "o", attn)
+                partial = lora.apply(i, "o", attn, dense(partial))
             post_norm = layer.post_attention_layernorm["weight"]
             normed, residual = self.reduce_add_norm(partial, residual, post_norm, gate_up if lora is None else None)
             if lora is None:
                 partial = self._gated_mlp(ops, normed, gate_up, layer.down_proj.args, defer)
             else:
                 assert isinstance(normed, Tensor)
-                act = ops.silu_and_mul(dense(linear_unscaled(normed, *gate_up)) + lora.delta(i, "gate_up", normed))
-                partial = dense(linear_unscaled(act, *layer.down_proj.args)) + lora.delta(i, "down", act)
+                act = ops.silu_and_mul(lora.apply(i, "gate_up", normed, dense(linear_unscaled(normed, *gate_up))))
+                partial = lora.apply(i, "down", act, dense(linear_unscaled(act, *layer.down_proj.args)))
         final, _ = self.reduce_add_norm(partial, residual, self.norm["weight"], None)
         assert not isinstance(final, QuantizedRows)
         return final

@@ -45,15 +45,13 @@ class LlamaDecoderLayer(nn.Module):
 def qkv_rope(
     spec: LlamaSpec, ops: Ops, normed: Tensor | QuantizedRows, positions: Tensor, cos_sin: Tensor,
     qkv: LinearArgs, q_norm_w: Tensor | None, k_norm_w: Tensor | None, rotate: bool = True,
-    lora_delta: Tensor | None = None,
+    fused_qkv: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """A layer from its input norm up to attention: fused qkv (plus `lora_delta`, the LoRA
-    adapters' [T, q + 2 kv], if any), the q/k norms, RoPE (unless not `rotate`: the attention
+    """A layer from its input norm up to attention: fused qkv (or `fused_qkv`, its output computed
+    already: the LoRA adapters add theirs), the q/k norms, RoPE (unless not `rotate`: the attention
     backend rotates, see `backend_rope`). Returns q, k, v as [T, heads, head_dim]."""
     eps, d = spec.rms_norm_eps, spec.head_dim
-    fused = linear(normed, *qkv)
-    if lora_delta is not None:
-        fused = fused + lora_delta
+    fused = linear(normed, *qkv) if fused_qkv is None else fused_qkv
     q, k, v = fused.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     t = q.shape[0]
     if q_norm_w is not None and k_norm_w is not None:
