@@ -9,7 +9,7 @@ import pytest
 from flashserve.cli import build_parser, to_configs
 from flashserve.config import ModelConfig
 from flashserve.spec_decode.config import SpeculativeConfig
-from flashserve.spec_decode.startup import check_speculative
+from flashserve.entrypoints.speculative import check_speculative
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 

@@ -57,6 +57,12 @@ class StepStats:
     num_prompt_tokens: int = 0  # of requests that got their first token in this step
     num_generation_tokens: int = 0
     queue_times: Sequence[float] = ()  # seconds from arrival to first schedule, per newly scheduled request
+    # Speculative decoding, since the last step: verified draft rows, their draft tokens, the
+    # accepted ones, and those accepted at each draft position (0-based).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: Sequence[int] = ()
 
 
 class Metrics:
@@ -101,6 +107,15 @@ class Metrics:
         self.errors = Counter("flashserve_request_errors", "Error responses and error events by OpenAI error type",
                               ["type", "code"], registry=r)
         self._step_gauge_values: tuple[int | None, ...] = (None,) * 5  # as last written by record_step
+        # Speculative decoding, as vLLM counts it (`vllm:spec_decode_*`).
+        self.spec_drafts = counter("flashserve_spec_decode_num_drafts", "Verified rows that carried draft "
+                                   "tokens (speculative decoding)").labels(engine)
+        self.spec_draft_tokens = counter("flashserve_spec_decode_num_draft_tokens",
+                                         "Draft tokens verified").labels(engine)
+        self.spec_accepted_tokens = counter("flashserve_spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted").labels(engine)
+        self._spec_per_pos = Counter("flashserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted "
+                                     "at each draft position (0-based)", ["engine", "position"], registry=r)
         # vLLM's LoRA gauge (`vllm:lora_requests_info`), which the Gateway API Inference Extension's
         # endpoint picker reads to route by adapter: the adapters running and waiting as labels,
         # the time they became so as its value. The picker takes the series of the latest time.
@@ -135,6 +150,13 @@ class Metrics:
             self.generation_tokens.inc(stats.num_generation_tokens)
         for seconds in stats.queue_times:
             self.queue_time.observe(seconds)
+        if stats.spec_drafts:
+            self.spec_drafts.inc(stats.spec_drafts)
+            self.spec_draft_tokens.inc(stats.spec_draft_tokens)
+            self.spec_accepted_tokens.inc(stats.spec_accepted_tokens)
+            for position, accepted in enumerate(stats.spec_accepted_per_pos):
+                if accepted:
+                    self._spec_per_pos.labels(self._engine, str(position)).inc(accepted)
 
     def record_loras(self, running: Sequence[str], waiting: Sequence[str], max_lora: int) -> None:
         """The LoRA adapters (names) of the running and of the waiting requests; written when they

@@ -33,6 +33,10 @@ RENAMED = {
     "flashserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "flashserve_request_queue_time_seconds": "vllm:request_queue_time_seconds",
     "flashserve_lora_requests_info": "vllm:lora_requests_info",
+    "flashserve_spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "flashserve_spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "flashserve_spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "flashserve_spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
 # vLLM's labels where ours are named otherwise.
 LABELS = {"finish_reason": "finished_reason"}

@@ -56,6 +56,7 @@ class StepRecorder:
         self._scheduled: set[str] = set()
         # Scheduler counters (preemptions, prefix-cache queries and hits) as of the last record.
         self._counters_seen = (0, 0, 0)
+        self._spec_seen: tuple[int, int, int, list[int]] = (0, 0, 0, [])  # the same, of speculative decoding
 
     def record(self, outputs: Sequence[RequestOutput], step_start: float, generation_tokens: int = 0) -> None:
         """`step_start`: when the step began, on the monotonic clock of the requests' arrival times
@@ -84,12 +85,13 @@ class StepRecorder:
         counters = (scheduler.num_preemptions, prefix.num_queries, prefix.num_hits)
         preemptions, queries, hits = (now - seen for now, seen in zip(counters, self._counters_seen))
         self._counters_seen = counters
+        spec = self._spec_deltas()
         self.metrics.record_step(StepStats(
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             kv_pages_used=kv_cache.num_used_pages, kv_pages_free=kv_cache.num_free_pages,
             kv_pages_cached=kv_cache.num_cached_pages, num_preemptions=preemptions,
             prefix_cache_queries=queries, prefix_cache_hits=hits, num_prompt_tokens=prompt_tokens,
-            num_generation_tokens=generation_tokens, queue_times=queue_times,
+            num_generation_tokens=generation_tokens, queue_times=queue_times, **spec,
         ))
         loras = self.engine.loras
         if loras.enabled:
@@ -98,4 +100,17 @@ class StepRecorder:
             waiting = {r.lora_int_id for r in scheduler.waiting if r.lora_int_id}
             self.metrics.record_loras([n for i in running if (n := loras.name_of(i))],
                                       [n for i in waiting if (n := loras.name_of(i))], loras.config.max_loras)
+
+    def _spec_deltas(self) -> dict[str, Any]:
+        """Speculative decoding's counts since the last record (StepStats' spec_* fields)."""
+        stats = self.engine.scheduler.spec_stats
+        if stats is None or stats.num_drafts == self._spec_seen[0]:
+            return {}
+        drafts, tokens, accepted, per_pos = self._spec_seen
+        seen = per_pos + [0] * (len(stats.accepted_per_pos) - len(per_pos))
+        self._spec_seen = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                           list(stats.accepted_per_pos))
+        return {"spec_drafts": stats.num_drafts - drafts, "spec_draft_tokens": stats.num_draft_tokens - tokens,
+                "spec_accepted_tokens": stats.num_accepted_tokens - accepted,
+                "spec_accepted_per_pos": [a - b for a, b in zip(stats.accepted_per_pos, seen)]}
 

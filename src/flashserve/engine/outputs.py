@@ -40,6 +40,9 @@ class ScheduledRequest:
     # on the device) samples for this request; the runner takes it from that step's ids. Only a
     # decode row has one.
     last_token_in_flight: bool = False
+    # The last this many of new_token_ids are draft tokens (speculative decoding): the step
+    # computes logits at each of them and at the token before, and accepts a prefix of them.
+    num_draft_tokens: int = 0
     # The LoRA adapter of the request (`LoRARequest.lora_int_id`), on every row; 0: the base model.
     lora_int_id: int = 0
 

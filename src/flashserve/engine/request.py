@@ -56,6 +56,11 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list, repr=False)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # Speculative decoding (`engine/speculative.py`): draft tokens verified and accepted so far, and
+    # whether its acceptance stayed so low that it stopped proposing.
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_disabled: bool = False
     # The request's grammar state (params.grammar): advanced with every output token.
     matcher: GrammarMatcher | None = field(default=None, repr=False)
     # The grammar accepted its end (what `advance` reported; asking the matcher costs a GIL trip).

@@ -45,9 +45,11 @@ from flashserve.config import SchedulerConfig
 from flashserve.engine.outputs import SampledTokens, ScheduledRequest, SchedulerOutput
 from flashserve.engine.prefix_cache import PrefixCache
 from flashserve.engine.request import FinishReason, Request, RequestStatus
-from flashserve.engine.stop import check_stop
+from flashserve.engine.speculative import Speculator
+from flashserve.engine.step_rows import (NO_DRAFTS, add_prompt_logprobs, admission_error, advance_grammars,
+                                         append_tokens, build_row, capacity_error, step_masks)
 from flashserve.kv_cache.manager import KVCacheManager
-from flashserve.structured.grammar import TokenBitmask, step_bitmask
+from flashserve.spec_decode.stats import SpecDecodeStats
 
 
 class Scheduler:
@@ -83,6 +85,13 @@ class Scheduler:
         self.num_preemptions = 0  # since start; the engine loop turns it into a metric
         self.max_running_per_group = max(1, config.max_num_seqs // 2)
         self._group_running: dict[str, int] = {}  # running requests per group
+        # Draft tokens for decoding requests (`engine/speculative.py`); None: speculation off.
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """Acceptance of draft tokens since start; None with speculation off."""
+        return self.speculator.stats if self.speculator is not None else None
 
     @property
     def has_unfinished(self) -> bool:
@@ -105,16 +114,7 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
-        error = None
-        if request.num_prompt_tokens == 0:
-            error = "the prompt is empty"
-        elif request.num_prompt_tokens > self.max_model_len:
-            error = (
-                f"the prompt has {request.num_prompt_tokens} tokens, "
-                f"more than the maximum context length of {self.max_model_len}"
-            )
-        else:
-            error = self._capacity_error(request)
+        error = admission_error(request, self.max_model_len, self.kv_cache)
         if error is not None:
             request.finish(FinishReason.ERROR, error)
             self._finished_unreported.append(request)
@@ -150,6 +150,8 @@ class Scheduler:
             budget = max(budget, self.config.prefill_only_budget)  # no stream waits on this step
         scheduled: list[tuple[Request, int]] = []
         preempted = False
+        speculate = self.speculator is not None and self.speculator.active(len(self.running))
+        drafts: dict[str, list[int]] = {}  # request id -> its draft tokens, after its n tokens
 
         i = 0
         capacity_tokens = self.kv_cache.capacity * self.kv_cache.page_size
@@ -157,7 +159,7 @@ class Scheduler:
             request = self.running[i]
             num_tokens = request.num_tokens  # known tokens, read once: this loop is per request per step
             # The capacity check of `_capacity_error`, inline: every running request, every step.
-            error = self._capacity_error(request) if num_tokens > capacity_tokens else None
+            error = capacity_error(self.kv_cache, request) if num_tokens > capacity_tokens else None
             if error is not None:
                 self._finish(request, FinishReason.ERROR, error)
                 self._finished_unreported.append(request)
@@ -176,6 +178,11 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break  # it was the newest, so no running request is left to look at
+            if speculate and n == 1 and not pending and budget > 1:
+                assert self.speculator is not None
+                if draft := self.speculator.draft(request, budget - 1, self.kv_cache, self.max_model_len):
+                    drafts[request.request_id] = draft
+                    budget -= len(draft)
             scheduled.append((request, n))
             budget -= n
             i += 1
@@ -190,7 +197,7 @@ class Scheduler:
             if request.group is not None and self._group_running.get(request.group, 0) >= self.max_running_per_group:
                 i += 1  # its group holds its fair share; later requests of other groups go first
                 continue
-            error = self._capacity_error(request)
+            error = capacity_error(self.kv_cache, request)
             if error is not None:
                 self._finish(request, FinishReason.ERROR, error)
                 self._finished_unreported.append(request)
@@ -218,19 +225,14 @@ class Scheduler:
             return SchedulerOutput([])
         finished, self._finished_ids = self._finished_ids, []
         preempted, self._preempted_ids = self._preempted_ids, []
-        requests = [self._scheduled_request(r, n) for r, n in scheduled]  # advances each request
+        requests = [self._scheduled_request(r, n, drafts.get(r.request_id, NO_DRAFTS)) for r, n in scheduled]
         self._in_flight.append({r.request_id: r for r, _ in scheduled})
         ahead = all(r.params.schedules_ahead for r, _ in scheduled)
-        return SchedulerOutput(requests, finished, preempted, self._bitmask(scheduled, requests), ahead)
-
-    def _bitmask(self, scheduled: list[tuple[Request, int]], requests: list[ScheduledRequest]) -> TokenBitmask | None:
-        """The token bitmask of this step's sampling rows, if any follows a grammar."""
-        sampling = [r for (r, _), s in zip(scheduled, requests) if s.sample]
-        if all(r.matcher is None for r in sampling):
-            return None
-        if self.vocab_size is None:
-            raise ValueError("requests with a grammar need the scheduler's vocab_size")
-        return step_bitmask([r.matcher for r in sampling], [r.params.grammar for r in sampling], self.vocab_size)
+        if ahead and self.speculator is not None and self.speculator.active(len(self.running)):
+            # See engine/speculative.py: a step whose requests may speculate next is not scheduled ahead.
+            ahead = not any(self.speculator.wants(r) for r, _ in scheduled)
+        bitmask = step_masks(scheduled, requests, drafts, self.vocab_size)
+        return SchedulerOutput(requests, finished, preempted, bitmask, ahead)
 
     def update(self, out: SchedulerOutput, results: Sequence[SampledTokens]) -> list[Request]:
         """Apply a step's results; `results[i]` belongs to `out.requests[i]`.
@@ -247,7 +249,7 @@ class Scheduler:
         in_flight = self._in_flight.popleft()
         if len(in_flight) != len(out.requests):
             raise ValueError("update() got a step other than the oldest one scheduled")
-        advanced = self._advance_grammars(out, results, in_flight)
+        advanced = advance_grammars(out, results, in_flight)
         for scheduled, result in zip(out.requests, results):
             request = in_flight.get(scheduled.request_id)
             if request is None or request.is_finished:
@@ -255,9 +257,15 @@ class Scheduler:
             if scheduled.sample:
                 request.num_output_placeholders -= 1
             if request.status is RequestStatus.RUNNING:  # not preempted since it was scheduled
-                self.prefix_cache.computed(request, scheduled.kv_len)
+                rejected = 0
+                if scheduled.num_draft_tokens:
+                    assert self.speculator is not None
+                    rejected = self.speculator.verified(request, scheduled, result)
+                # Rejected drafts' K/V never enters the prefix cache; accepted ones' pages enter
+                # it once their tokens are appended (hashed), with the next step's results.
+                self.prefix_cache.computed(request, min(scheduled.kv_len - rejected, request.num_tokens))
             if result.prompt_logprobs:
-                self._add_prompt_logprobs(request, scheduled, result)
+                add_prompt_logprobs(request, scheduled, result)
             error = result.error
             if error is None and scheduled.sample and not result.token_ids:
                 error = "the sampler returned no token"
@@ -271,68 +279,12 @@ class Scheduler:
                 self._finish(request, FinishReason.LENGTH)
                 touched.append(request)
                 continue
-            self._append(request, result, advanced.get(request.request_id))
+            end = append_tokens(request, result, advanced.get(request.request_id), self.prefix_cache,
+                                self.max_model_len)
+            if end is not None:
+                self._finish(request, *end)
             touched.append(request)
         return touched
-
-    @staticmethod
-    def _advance_grammars(out: SchedulerOutput, results: Sequence[SampledTokens],
-                          in_flight: dict[str, Request]) -> dict[str, tuple[bool, bool]]:
-        """The first new token of every live grammar request, through its matcher in one call:
-        request id -> (accepted, terminated)."""
-        rows = []
-        for scheduled, result in zip(out.requests, results):
-            request = in_flight.get(scheduled.request_id)
-            if (request is not None and request.matcher is not None and not request.is_finished
-                    and scheduled.sample and result.error is None and result.token_ids):
-                rows.append((request, result.token_ids[0]))
-        if not rows:
-            return {}
-        grammar = rows[0][0].params.grammar
-        assert grammar is not None
-        states = grammar.advance([r.matcher for r, _ in rows], [t for _, t in rows])  # type: ignore[misc]
-        return {r.request_id: state for (r, _), state in zip(rows, states)}
-
-    def _append(self, request: Request, result: SampledTokens, first: tuple[bool, bool] | None = None) -> None:
-        """The step's tokens of a sampling request, each through the grammar and the stop rules.
-        `first`: the grammar's verdict on the first token, already advanced (`_advance_grammars`)."""
-        for i, token in enumerate(result.token_ids):
-            if request.matcher is not None:
-                grammar = request.params.grammar
-                assert grammar is not None
-                accepted, request.grammar_done = first if i == 0 and first is not None else grammar.advance(
-                    [request.matcher], [token])[0]
-                if not accepted:
-                    self._finish(request, FinishReason.ERROR, f"the sampled token {token} does not follow the grammar")
-                    return
-            request.output_token_ids.append(token)
-            if result.logprobs is not None:
-                request.output_logprobs.append(result.logprobs[i])
-            self.prefix_cache.appended(request)
-            reason = check_stop(request, self.max_model_len)
-            if reason is not None:
-                self._finish(request, reason)
-                return
-
-    @staticmethod
-    def _add_prompt_logprobs(request: Request, scheduled: ScheduledRequest, result: SampledTokens) -> None:
-        """Keeps the chunk's prompt logprobs not seen before (a recompute after preemption repeats them)."""
-        assert result.prompt_logprobs is not None
-        first_target = scheduled.num_computed_tokens + 1  # the prompt position the chunk's first entry is for
-        skip = len(request.prompt_logprobs) + 1 - first_target
-        if skip >= 0:
-            request.prompt_logprobs.extend(result.prompt_logprobs[skip:])
-
-    def _capacity_error(self, request: Request) -> str | None:
-        """Why the request can never run even alone in the cache, or None."""
-        needed = self.kv_cache.num_pages_needed(request.num_tokens)
-        if needed <= self.kv_cache.capacity:
-            return None
-        return (
-            f"request {request.request_id} needs {needed} KV cache pages for {request.num_tokens} tokens, "
-            f"but the cache has only {self.kv_cache.capacity} pages of "
-            f"{self.kv_cache.page_size} tokens"
-        )
 
     def _leave_running(self, request: Request, preempted: bool = False) -> None:
         self.running.remove(request)
@@ -365,40 +317,9 @@ class Scheduler:
         self._requests.pop(request.request_id, None)
         request.finish(reason, error)
 
-    def _scheduled_request(self, request: Request, n: int) -> ScheduledRequest:
-        """The request's share of the step; its computed tokens (and placeholders) advance by it.
-        Its first row since admission is new (parameters, tokens and pages), later ones are diffs."""
-        rid = request.request_id
-        start = request.num_computed_tokens
-        end = start + n
-        known = request.num_tokens
-        in_flight = end > known  # its last token is the one a launched step samples
-        tokens = _token_slice(request, start, end)
-        if in_flight:
-            tokens.append(0)  # the runner writes the sampled id here on the device
-        sample = end == known + request.num_output_placeholders
-        request.num_computed_tokens = end
-        if sample:
-            request.num_output_placeholders += 1
-        table = self.kv_cache.pages(rid)
-        sent = self._sent_pages.get(rid)
-        self._sent_pages[rid] = len(table)
-        if sent is None:
-            # Copies: the request's lists and table keep changing after this step is built.
-            return ScheduledRequest(rid, tokens, start, table[:], sample, request.params,
-                                    request.prompt_token_ids[:], request.output_token_ids[:], in_flight)
-        return ScheduledRequest(rid, tokens, start, table[sent:] if len(table) > sent else _NO_PAGES, sample,
-                                last_token_in_flight=in_flight)
-
-
-_NO_PAGES: tuple[int, ...] = ()  # a diff row's pages when its table did not grow (most steps)
-
-
-def _token_slice(request: Request, start: int, end: int) -> list[int]:
-    """all_token_ids[start:end] without concatenating prompt and output on every decode step."""
-    p = request.num_prompt_tokens
-    if start >= p:
-        return request.output_token_ids[start - p : end - p]
-    if end <= p:
-        return request.prompt_token_ids[start:end]
-    return request.prompt_token_ids[start:] + request.output_token_ids[: end - p]
+    def _scheduled_request(self, request: Request, n: int, drafts: list[int]) -> ScheduledRequest:
+        """The request's share of the step (`step_rows.build_row`); the runner learns of its pages."""
+        table = self.kv_cache.pages(request.request_id)
+        sent = self._sent_pages.get(request.request_id)
+        self._sent_pages[request.request_id] = len(table)
+        return build_row(request, n, drafts, table, sent)

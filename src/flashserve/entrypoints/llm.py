@@ -64,7 +64,7 @@ def build_engine(
     from flashserve.worker.step_budget import default_max_num_seqs, large_gpu
 
     if scheduler.speculative is not None:
-        from flashserve.spec_decode.startup import check_speculative
+        from flashserve.entrypoints.speculative import check_speculative
 
         check_speculative(scheduler.speculative, model)  # before anything loads
     large = large_gpu(model.device)

@@ -89,3 +89,36 @@ def _per_row(values: list[int] | list[float], device: torch.device, dtype: torch
     """A [N] tensor of per-row values; a lone row (a seeded request) gets a scalar, which the
     kernels take as is, with no host-to-device copy."""
     return values[0] if len(values) == 1 else _to_device(values, device, dtype)
+
+
+def chain_verify(probs: torch.Tensor, drafts: list[list[int]], generator: torch.Generator) -> list[list[int]]:
+    """Rejection sampling of several rows' drafts in one FlashInfer call (`chain_speculative_sampling`).
+
+    `probs` [sum(1 + k_i), V]: the target's distributions at each row's positions, in order;
+    `drafts[i]`: row i's k_i n-gram drafts (one-hot draft distributions). Rows are padded to the
+    longest k with drafts of token 0 and repeated target rows: a padded position's token is
+    distributed as its target row whatever the draft (rejection sampling keeps the target's
+    distribution for any draft), and a row keeps only its first 1 + k_i tokens.
+    """
+    import flashinfer.sampling
+
+    device, vocab = probs.device, probs.shape[1]
+    k = max(len(d) for d in drafts)
+    rows = []
+    offset = 0
+    for d in drafts:
+        index = [offset + min(j, len(d)) for j in range(k + 1)]
+        rows.append(index)
+        offset += len(d) + 1
+    index = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    target = probs.index_select(0, index.view(-1)).view(len(drafts), k + 1, vocab)
+    draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.int32).to(device,
+                                                                                            non_blocking=True)
+    draft_probs = torch.zeros(len(drafts), k, vocab, dtype=probs.dtype, device=device)
+    draft_probs.scatter_(2, draft_ids.long().unsqueeze(2), 1.0)
+    out = flashinfer.sampling.chain_speculative_sampling(draft_probs, draft_ids, target, generator=generator)
+    result = []
+    for d, tokens in zip(drafts, out.tolist()):
+        kept = tokens[: len(d) + 1]
+        result.append(kept[: kept.index(-1)] if -1 in kept else kept)
+    return result

@@ -228,13 +228,22 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} requests")
         if not requests:
             return torch.empty(0, dtype=torch.long, device=logits.device)
+        processed = self.processed_logits(logits, requests, bitmask)
+        if all(r.params.greedy for r in requests):
+            return processed.argmax(dim=-1)
+        if processed is logits:  # the random draw works in place: the caller's logits stay untouched
+            processed = logits.to(torch.float32, copy=True)
+        return self._sample_random(processed, requests)
+
+    def processed_logits(self, logits: torch.Tensor, requests: Sequence[SamplingRow],
+                         bitmask: TokenBitmask | None = None) -> torch.Tensor:
+        """`logits` [B, V] after logit_bias, penalties, min_tokens and the grammar masks: a float32
+        copy, or the caller's tensor itself when no row needs any of them (do not write to it)."""
         needs_min_tokens = any(r.num_prior_outputs < r.params.min_tokens for r in requests)
         needs_penalties = any(r.params.needs_penalties for r in requests)
         needs_bias = any(r.params.logit_bias for r in requests)
-        all_greedy = all(r.params.greedy for r in requests)
-        if all_greedy and not needs_penalties and not needs_min_tokens and not needs_bias and bitmask is None:
-            return logits.argmax(dim=-1)
-
+        if not needs_penalties and not needs_min_tokens and not needs_bias and bitmask is None:
+            return logits
         # A float32 copy: the caller's logits stay untouched.
         logits = logits.to(torch.float32, copy=True)
         if needs_bias:
@@ -245,28 +254,22 @@ class Sampler:
             apply_min_tokens(logits, requests)
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask, self._mask_staging(logits.device))
-        if all_greedy:
-            return logits.argmax(dim=-1)
-        return self._sample_random(logits, requests)
+        return logits
 
-    def _sample_random(
-        self, logits: torch.Tensor, requests: Sequence[SamplingRow]
-    ) -> torch.Tensor:
+    def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The distribution each row samples from, [B, V] float32: `logits` (processed, float32,
+        overwritten) divided by the row's temperature (1 for a greedy row), then top-k, top-p and
+        min-p, softmaxed."""
         device = logits.device
         vocab = logits.shape[1]
-        params = [r.params for r in requests]
-        greedy = [p.greedy for p in params]
-        # One host -> device copy for every per-row parameter. Greedy rows get temperature 1
-        # here; their sample is replaced by the argmax of the unscaled logits below.
+        # One host -> device copy for every per-row parameter.
         rows = _to_device(
             [
-                (1.0 if p.greedy else p.temperature, p.top_k if 0 < p.top_k < vocab else vocab,
-                 p.top_p, p.min_p, float(p.greedy))
+                (1.0 if p.greedy else p.temperature, p.top_k if 0 < p.top_k < vocab else vocab, p.top_p, p.min_p)
                 for p in params
             ],
             device,
         )
-        greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
         logits.div_(rows[:, 0:1])
         use_k = any(0 < p.top_k < vocab for p in params)
         use_p = any(p.top_p < 1.0 for p in params)
@@ -275,8 +278,17 @@ class Sampler:
             logits = apply_top_k_top_p(logits, top_k, rows[:, 2] if use_p else None)
         if any(p.min_p > 0.0 for p in params):
             logits = apply_min_p(logits, rows[:, 3])
+        return logits.softmax(dim=-1)
 
-        probs = logits.softmax(dim=-1)
+    def _sample_random(
+        self, logits: torch.Tensor, requests: Sequence[SamplingRow]
+    ) -> torch.Tensor:
+        device = logits.device
+        params = [r.params for r in requests]
+        greedy = [p.greedy for p in params]
+        # Greedy rows' samples are replaced by the argmax of the unscaled logits below.
+        greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+        probs = self.filtered_probs(logits, params)
         noise = torch.ones_like(probs)
         if not all(p.seed is not None or p.greedy for p in params):
             noise.exponential_(generator=self._generator(device))
@@ -289,5 +301,6 @@ class Sampler:
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         sampled = probs.div_(noise).argmax(dim=-1)
         if greedy_ids is not None:
-            sampled = torch.where(rows[:, 4] > 0, greedy_ids, sampled)
+            is_greedy = _to_device([float(g) for g in greedy], device)
+            sampled = torch.where(is_greedy > 0, greedy_ids, sampled)
         return sampled

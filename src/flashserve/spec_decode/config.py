@@ -50,7 +50,8 @@ class SpeculativeConfig:
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
-                return f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got {lo!r} and {hi!r}"
+                return ("prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
+                        f"got {lo!r} and {hi!r}")
         if self.method == "draft_model" and not self.model:
             return 'method "draft_model" needs "model": the draft model\'s path or id'
         if self.disable_by_batch_size is not None and (

@@ -35,6 +35,10 @@ class GrammarMatcher(Protocol):
         """The output is complete: the grammar accepted its end (a stop token)."""
         ...
 
+    def rollback(self, num_tokens: int = 1) -> None:
+        """Undoes the last `num_tokens` accepted tokens (draft tokens of speculative decoding)."""
+        ...
+
     def fill_next_token_bitmask(self, bitmask: Any, index: int) -> Any:
         """Writes the tokens allowed next into row `index` of an int32 [N, words] CPU array."""
         ...

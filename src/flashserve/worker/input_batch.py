@@ -39,6 +39,7 @@ class BatchRow:
     sample: bool = False
     last_token_in_flight: bool = False
     lora_int_id: int = 0  # the request's LoRA adapter (0: the base model), set with the new row
+    num_draft_tokens: int = 0  # the last this many of new_token_ids are draft tokens to verify
 
     @property
     def num_new_tokens(self) -> int:
@@ -87,6 +88,7 @@ class InputBatch:
             row.num_computed_tokens = r.num_computed_tokens
             row.sample = r.sample
             row.last_token_in_flight = r.last_token_in_flight
+            row.num_draft_tokens = r.num_draft_tokens
             step.append(row)
         return step
 

@@ -20,6 +20,7 @@ from flashserve.engine.outputs import NOTHING, SampledTokens, SchedulerOutput, s
 from flashserve.lora.manager import LoRAManager
 from flashserve.message.lora import LoRAAdapterError, LoRARequest
 from flashserve.sample.logprobs import PromptLogprobs, compute_logprobs
+from flashserve.sample.rejection import verify_step
 from flashserve.structured.grammar import TokenBitmask
 from flashserve.worker.input_batch import BatchRow, InputBatch, append_sampled
 from flashserve.worker.launched_step import LaunchedStep
@@ -169,9 +170,14 @@ class ModelRunner:
         logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else (), previous,
                               rows)
         with torch.inference_mode():
+            num_positions = len(sampling) + sum(r.num_draft_tokens for r in requests)
             if step.prompt_logprobs is not None:
-                step.prompt_logprobs.compute(logits[len(sampling):])
+                step.prompt_logprobs.compute(logits[num_positions:])
             if not sampling:
+                return step
+            if num_positions > len(sampling):  # draft tokens to verify: the host needs the outcome now
+                step.results = verify_step(self.sampler, logits[:num_positions], requests,  # type: ignore[arg-type]
+                                           out.token_bitmask)
                 return step
             logits = logits[: len(sampling)]
             try:
