@@ -29,8 +29,10 @@ FS_RATES=${FS_RATES:-}
 NPROMPTS=${NPROMPTS:-256}
 BUDGET=${BUDGET:-570}
 if ! $PYTHON -c "import flashinfer, fastapi" 2>/dev/null; then
-  flock /tmp/seed_pip.lock $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/sglbench/*.whl || exit 1
+  flock /tmp/seed_pip.lock $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
+$PYTHON -c "import aiohttp" 2>/dev/null || PYTHONPATH=/tmp/site $PYTHON -c "import aiohttp" 2>/dev/null || \
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sglbench/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export FLASHINFER_USE_CUDA_NORM=1
@@ -69,7 +71,7 @@ seed=0
 for rate in $SGL_RATES; do
   seed=$(( seed + 1 ))
   [ "$(left)" -gt 100 ] || { echo "SGLang client at $rate req/s: no time left" | tee -a "$SUMMARY"; break; }
-  timeout -k 5 $(( $(left) - 20 )) $PYTHON .whl/sglbench/bench_serving.py --backend vllm \
+  HF_HUB_OFFLINE=1 timeout -k 5 $(( $(left) - 20 )) $PYTHON .whl/sglbench/bench_serving.py --backend vllm \
     --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --tokenizer "$TOKENIZER" --dataset-name random-ids \
     --random-input-len 2048 --random-output-len 256 --random-range-ratio 0.25 --request-rate "$rate" \
     --num-prompts "$NPROMPTS" --seed "$seed" --disable-tqdm --output-file "$OUT/sgl_$NAME.jsonl" \
