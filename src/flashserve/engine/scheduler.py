@@ -46,8 +46,8 @@ from flashserve.engine.outputs import SampledTokens, ScheduledRequest, Scheduler
 from flashserve.engine.prefix_cache import PrefixCache
 from flashserve.engine.request import FinishReason, Request, RequestStatus
 from flashserve.engine.speculative import Speculator
-from flashserve.engine.step_rows import (NO_DRAFTS, add_prompt_logprobs, admission_error, advance_grammars,
-                                         append_tokens, build_row, capacity_error, step_masks)
+from flashserve.engine.step_rows import (NO_DRAFTS, admission_error, advance_grammars, apply_result, build_row,
+                                         capacity_error, step_masks)
 from flashserve.kv_cache.manager import KVCacheManager
 from flashserve.spec_decode.stats import SpecDecodeStats
 
@@ -264,26 +264,12 @@ class Scheduler:
                 # Rejected drafts' K/V never enters the prefix cache; accepted ones' pages enter
                 # it once their tokens are appended (hashed), with the next step's results.
                 self.prefix_cache.computed(request, min(scheduled.kv_len - rejected, request.num_tokens))
-            if result.prompt_logprobs:
-                add_prompt_logprobs(request, scheduled, result)
-            error = result.error
-            if error is None and scheduled.sample and not result.token_ids:
-                error = "the sampler returned no token"
-            if error is not None:
-                self._finish(request, FinishReason.ERROR, error)
-                touched.append(request)
-                continue
-            if not scheduled.sample:
-                continue
-            if request.params.max_tokens == 0:  # the prompt only (scoring): its sampled token is dropped
-                self._finish(request, FinishReason.LENGTH)
-                touched.append(request)
-                continue
-            end = append_tokens(request, result, advanced.get(request.request_id), self.prefix_cache,
-                                self.max_model_len)
+            end = apply_result(request, scheduled, result, advanced.get(request.request_id), self.prefix_cache,
+                               self.max_model_len)
             if end is not None:
                 self._finish(request, *end)
-            touched.append(request)
+            if scheduled.sample or end is not None:
+                touched.append(request)
         return touched
 
     def _leave_running(self, request: Request, preempted: bool = False) -> None:

@@ -98,6 +98,25 @@ def add_prompt_logprobs(request: Request, scheduled: ScheduledRequest, result: S
         request.prompt_logprobs.extend(result.prompt_logprobs[skip:])
 
 
+def apply_result(request: Request, scheduled: ScheduledRequest, result: SampledTokens,
+                 first: tuple[bool, bool] | None, prefix_cache: PrefixCache,
+                 max_model_len: int) -> tuple[FinishReason, str | None] | None:
+    """A row's result on its (live) request: prompt logprobs, then the sampled tokens; how the
+    request ends (an error, a length, a stop), or None."""
+    if result.prompt_logprobs:
+        add_prompt_logprobs(request, scheduled, result)
+    error = result.error
+    if error is None and scheduled.sample and not result.token_ids:
+        error = "the sampler returned no token"
+    if error is not None:
+        return FinishReason.ERROR, error
+    if not scheduled.sample:
+        return None
+    if request.params.max_tokens == 0:  # the prompt only (scoring): its sampled token is dropped
+        return FinishReason.LENGTH, None
+    return append_tokens(request, result, first, prefix_cache, max_model_len)
+
+
 def append_tokens(request: Request, result: SampledTokens, first: tuple[bool, bool] | None,
                   prefix_cache: PrefixCache, max_model_len: int) -> tuple[FinishReason, str | None] | None:
     """The step's tokens of a sampling request (several after a verified draft), each through the
