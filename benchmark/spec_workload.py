@@ -77,7 +77,6 @@ def build_workload(per_kind: int = 2, seed: int = 0, max_tokens: int = 256) -> l
     about its answer's length in tokens plus some room; texts whose answer would need more than
     `max_tokens` are passed over, so that no answer is cut.
     """
-    rng = random.Random(seed)
     docs, functions = _paragraphs(), _functions()
     made: dict[Kind, list[SpecPrompt]] = {}
     makers: dict[Kind, tuple[list[Any], Callable[[Any, random.Random], SpecPrompt | None]]] = {
@@ -86,6 +85,8 @@ def build_workload(per_kind: int = 2, seed: int = 0, max_tokens: int = 256) -> l
         "quote": ([p for p in docs if 70 <= _words(p[1]) <= 160 and len(_sentences(p[1])) >= 3], _quote),
     }
     for kind, (pool, make) in makers.items():
+        # A generator per kind: the first n prompts of a kind are the same for any per_kind >= n.
+        rng = random.Random(f"{seed}/{kind}")
         order = list(range(len(pool)))
         rng.shuffle(order)
         made[kind] = []

@@ -128,3 +128,7 @@ def test_summary_counts_steps_and_the_share_of_them_that_verified_drafts() -> No
     row = summarize("ngram k=2", [run_of(list(range(11)), 1.0, drafts=4, accepted=6, per_pos=[4, 2])], base)
     assert row["decode_steps"] == 4 and row["tokens_per_step"] == pytest.approx(2.5)
     assert row["drafted_steps"] == pytest.approx(1.0)
+
+
+def test_more_prompts_per_kind_keep_the_first_ones(workload: list[SpecPrompt]) -> None:
+    assert build_workload(per_kind=2, seed=0) == [p for p in workload if by_kind(workload, p.kind).index(p) < 2]
