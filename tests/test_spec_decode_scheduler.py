@@ -206,3 +206,22 @@ def test_a_preempted_speculative_request_recomputes_and_ends_with_the_same_outpu
     (roomy, no_preemption), (tight, preemptions) = outputs
     assert no_preemption == 0 and preemptions >= 1
     assert tight == roomy == (period * 3)[:12]
+
+
+def test_a_grammars_drafts_get_a_mask_per_position_and_its_matcher_is_left_as_it_was(smollm2_tokenizer):
+    from flashserve.engine.speculative import speculative_bitmask
+    from flashserve.message.grammar_spec import GrammarSpec
+    from flashserve.structured.compiler import GrammarCompiler
+
+    tokenizer = smollm2_tokenizer
+    grammar = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id]).compile_sync(
+        GrammarSpec("choice", '["hello world, hello world"]', "structured_outputs"))
+    request = Request("g", [1, 2], SamplingParams(temperature=0.0, grammar=grammar))
+    request.matcher = grammar.new_matcher()
+    drafts = tokenizer.encode("hello world", add_special_tokens=False)
+    mask = speculative_bitmask([(request, drafts)], 49152)
+    assert mask is not None and mask.rows == list(range(len(drafts) + 1))
+    words = mask.array()
+    allowed = [bool(words[j, t // 32] >> (t % 32) & 1) for j, t in enumerate(drafts)]
+    assert all(allowed)  # each draft is allowed at its own position
+    assert grammar.advance([request.matcher], [drafts[0]]) == [(True, False)]  # the matcher is back at the start

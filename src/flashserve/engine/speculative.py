@@ -131,32 +131,29 @@ def _grammar_prefix(request: Request, drafts: list[int]) -> list[int]:
     return drafts[:kept]
 
 
-def speculative_bitmask(rows: Sequence[tuple[Request, int]], drafts: Sequence[Sequence[int]],
-                        vocab_size: int) -> TokenBitmask | None:
-    """The masks of a step with draft tokens: `rows` are its sampling requests with their draft
-    counts, `drafts[i]` row i's drafts; a mask row for every position (1 + drafts) of a row that
-    follows a grammar, indexed by the position's place among all the step's positions. Filled now:
-    each matcher walks over its drafts and back."""
+def speculative_bitmask(rows: Sequence[tuple[Request, Sequence[int]]], vocab_size: int) -> TokenBitmask | None:
+    """The masks of a step with draft tokens: `rows` are its sampling requests with their drafts;
+    a mask row for every position (1 + drafts) of a row that follows a grammar, indexed by the
+    position's place among all the step's positions. Filled now: each matcher walks over its
+    drafts and back."""
     positions: list[int] = []
-    entries: list[tuple[Request, int, int]] = []  # request, first mask row, drafts
+    entries: list[tuple[Request, int, Sequence[int]]] = []  # request, its first mask row, its drafts
     offset = 0
-    for (request, count), draft in zip(rows, drafts):
+    for request, drafts in rows:
         if request.matcher is not None:
-            entries.append((request, len(positions), count))
-            positions.extend(range(offset, offset + count + 1))
-        offset += count + 1
+            entries.append((request, len(positions), drafts))
+            positions.extend(range(offset, offset + len(drafts) + 1))
+        offset += len(drafts) + 1
     if not entries:
         return None
     bitmask = np.zeros((len(positions), bitmask_words(vocab_size)), dtype=np.int32)
-    draft_of = {id(r): d for (r, _), d in zip(rows, drafts)}
-    for request, first, count in entries:
+    for request, first, drafts in entries:
         matcher, grammar = request.matcher, request.params.grammar
         assert matcher is not None and grammar is not None
-        tokens = draft_of[id(request)]
-        for j in range(count + 1):
+        for j in range(len(drafts) + 1):
             grammar.fill_bitmasks([matcher], bitmask[first + j : first + j + 1])
-            if j < count and not matcher.accept_token(tokens[j]):
-                raise ValueError(f"draft token {tokens[j]} does not follow the grammar it was checked against")
-        if count:
-            matcher.rollback(count)
+            if j < len(drafts) and not matcher.accept_token(drafts[j]):
+                raise ValueError(f"draft token {drafts[j]} does not follow the grammar it was checked against")
+        if drafts:
+            matcher.rollback(len(drafts))
     return TokenBitmask(positions, bitmask)

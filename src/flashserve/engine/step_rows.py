@@ -66,8 +66,7 @@ def step_masks(scheduled: Sequence[tuple[Request, int]], rows: Sequence[Schedule
     if vocab_size is None:
         raise ValueError("requests with a grammar need the scheduler's vocab_size")
     if drafts:
-        row_drafts = [drafts.get(r.request_id, NO_DRAFTS) for r in sampling]
-        return speculative_bitmask([(r, len(d)) for r, d in zip(sampling, row_drafts)], row_drafts, vocab_size)
+        return speculative_bitmask([(r, drafts.get(r.request_id, NO_DRAFTS)) for r in sampling], vocab_size)
     return step_bitmask([r.matcher for r in sampling], [r.params.grammar for r in sampling], vocab_size)
 
 
