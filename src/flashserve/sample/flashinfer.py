@@ -117,6 +117,8 @@ def chain_verify(probs: torch.Tensor, drafts: list[list[int]], generator: torch.
     draft_probs = torch.zeros(len(drafts), k, vocab, dtype=probs.dtype, device=device)
     draft_probs.scatter_(2, draft_ids.long().unsqueeze(2), 1.0)
     out = flashinfer.sampling.chain_speculative_sampling(draft_probs, draft_ids, target, generator=generator)
+    if isinstance(out, tuple):  # releases that also return the acceptance counts
+        out = out[0]
     result = []
     for d, tokens in zip(drafts, out.tolist()):
         kept = tokens[: len(d) + 1]
