@@ -105,3 +105,7 @@ def test_a_step_mixing_four_adapters_and_base_rows_gives_each_row_its_adapters_l
         alone_decode = runner.forward(SchedulerOutput([decode_row("alone", 7, len(p))]))
         torch.testing.assert_close(mixed_prefill[i], alone_prefill[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(mixed_decode[i], alone_decode[0], atol=ATOL, rtol=0)
+        if lid:  # and the row's adapter applied: not the base model's logits
+            runner.batch.clear()
+            base = runner.forward(SchedulerOutput([new_row("base", p, [21], 0)]))
+            assert (mixed_prefill[i] - base[0]).abs().max() > 0.5
