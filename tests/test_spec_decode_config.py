@@ -75,3 +75,11 @@ def test_a_draft_model_with_another_vocabulary_is_refused_before_loading(tmp_pat
     spec = SpeculativeConfig.from_dict({"model": str(draft / "config.json"), "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="vocabulary of 1024 tokens.*one of 512"):
         check_speculative(spec, target)
+
+
+def test_the_start_up_log_states_the_configuration(caplog):
+    spec = SpeculativeConfig.from_json(NGRAM.replace("}", ', "disable_by_batch_size": 8}'))
+    with caplog.at_level("INFO", logger="flashserve.entrypoints.speculative"):
+        check_speculative(spec, ModelConfig())
+    assert ("speculative decoding: ngram (prompt lookup 2..4 tokens), 4 draft tokens per step, "
+            "off above 8 running requests") in caplog.text
