@@ -6,7 +6,8 @@ One runner is built as the server builds it (`build_runner` with a `LoRAConfig` 
 64: warm-up and decode graphs captured with the adapters' GEMMs inside). A mixed prefill step, then
 a decode step replayed from a graph, run rows of the three adapters and of the base model at once.
 Then, per adapter, its weights are merged into the model's own projections and the same rows run
-as base rows (no adapter) through the same runner: the reference. Tolerance: bf16 on both sides,
+as base rows (no adapter) through the same runner, whose decode steps of base rows alone replay
+the graphs captured without the adapters: the reference. Tolerance: bf16 on both sides,
 so per row the relative error of the adapter path against the merged one must be under 5e-2 and
 under a fifth of the adapter's own effect (merged against base), which dummy weights put near 1.
 Base rows in the mixed step must be exact (a zero mask adds exact zeros).
@@ -112,10 +113,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1)
 
 
-def mixed_and_base(model_config: ModelConfig, cache_config: CacheConfig, **build: Any) -> tuple[Any, tuple, tuple]:
+def mixed_and_base(model_config: ModelConfig, cache_config: CacheConfig, base_tol: float = 0.0,
+                   **build: Any) -> tuple[Any, tuple, tuple]:  # fmt: skip
     """Builds the runner, loads one adapter per rank of RANKS, and runs the mixed rows and the same
-    rows on the base model: (runner, mixed (prefill, decode) logits, base ones). Base rows of the
-    mixed step must be exactly the base model's."""
+    rows on the base model (decode from the graphs without adapters): (runner, mixed (prefill,
+    decode) logits, base ones). Base rows of the mixed step must be the base model's, exactly
+    (`base_tol` 0: a zero mask adds exact zeros) or to `base_tol` relative error per row."""
     from flashserve.executor.build import build_runner
 
     runner, _, _ = build_runner(model_config, cache_config, **build)
@@ -128,7 +131,10 @@ def mixed_and_base(model_config: ModelConfig, cache_config: CacheConfig, **build
     base = run(runner, [0] * len(ROWS), "base")
     for phase in (0, 1):
         rows = [i for i, lid in enumerate(ROWS) if lid == 0]
-        torch.testing.assert_close(mixed[phase][rows], base[phase][rows], atol=0, rtol=0)
+        if base_tol:
+            assert (rel(mixed[phase][rows], base[phase][rows]) < base_tol).all()
+        else:
+            torch.testing.assert_close(mixed[phase][rows], base[phase][rows], atol=0, rtol=0)
     return runner, mixed, base
 
 
@@ -163,14 +169,16 @@ def test_adapters_of_ranks_8_16_64_on_dummy_8b_under_cuda_graphs_match_the_merge
 def test_adapters_on_fp8_weights_move_the_logits_as_on_bf16_weights() -> None:
     """FP8 projections (quantized at load) with adapters: the delta runs in bf16 beside them. Each
     adapter row of the FP8 model is as close to the bf16 model's row as the FP8 base model is to
-    the bf16 base model (twice its largest row error, plus 1e-2), and base rows are exact."""
+    the bf16 base model (twice its largest row error, plus 1e-2). Base rows of the mixed step agree
+    with the base model's to 1e-2: with adapters the norms write bf16 rows, which the FP8
+    projections quantize themselves, instead of quantizing them in the norm kernel."""
     lora = LoRAConfig(max_loras=len(RANKS), max_lora_rank=max(RANKS))
     cache = CacheConfig(num_pages=256, page_size=PAGE)
     found = {}
     for quantization in (None, "fp8"):
         config = ModelConfig(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", device="cuda",
                              attention_backend="flashinfer", quantization=quantization, lora=lora)  # fmt: skip
-        runner, mixed, base = mixed_and_base(config, cache, max_batch_size=16)
+        runner, mixed, base = mixed_and_base(config, cache, 1e-2 if quantization else 0.0, max_batch_size=16)
         found[quantization] = (mixed, base)
         del runner
         torch.cuda.empty_cache()

@@ -350,3 +350,16 @@ class NativeCausalLM:
             return model.compute_logits(model(ids, pos, backend))
 
         return with_adapters
+
+    def plain_decode_logits(self, backend: AttentionBackend) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """With LoRA adapters: `decode_logits` without them, for decode steps of base-model rows
+        alone (a graph of its own, `CudaGraphRunner`'s plain_forward). None without LoRA."""
+        model, lora = self.model, self.model.lora
+        if lora is None:
+            return None
+
+        def without_adapters(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            lora.active = False
+            return model.compute_logits(model(ids, pos, backend))
+
+        return without_adapters

@@ -132,8 +132,11 @@ def capture_decode_graphs(runner: ModelRunner, model: StepModel, max_batch_size:
     t0 = time.perf_counter()
     sizes = capture_batch_sizes(max_batch_size)
     cascade = runner.cascade is not None  # cascade decode steps get graphs of their own
+    # A model with LoRA adapters: steps of base rows alone replay graphs without the adapters.
+    plain_for = getattr(model, "plain_decode_logits", None)
+    plain = plain_for(runner.backend) if plain_for is not None else None
     graphs = CudaGraphRunner(model.decode_logits(runner.backend), runner.backend, sizes,  # type: ignore[arg-type]
-                             cascade=cascade)
+                             cascade=cascade, plain_forward=plain)
     try:
         graphs.capture()
     except NotCapturableError as exc:

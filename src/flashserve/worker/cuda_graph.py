@@ -48,6 +48,10 @@ class CudaGraphRunner:
     `__call__` also plans the backend, so a caller replaces `backend.plan(layout); forward(ids,
     pos)` with `graph_runner(ids, pos, layout)`. A replayed step returns a view of a static buffer
     that the next call overwrites: consume it (sample) first.
+
+    `plain_forward`: a second forward captured beside `forward` at every size, replayed for the
+    steps `__call__` is told are plain: a model with LoRA adapters captures its forward without
+    them there, so that decode steps of base-model rows alone skip the adapters' GEMMs.
     """
 
     def __init__(
@@ -58,15 +62,17 @@ class CudaGraphRunner:
         *,
         max_total_pages: int | None = None,
         cascade: bool = False,
+        plain_forward: ForwardFn | None = None,
     ) -> None:
         if not batch_sizes:
             raise ValueError("at least one batch size to capture is needed")
         self.forward = forward
+        self.plain_forward = plain_forward
         self.backend = backend
         self.batch_sizes = sorted(set(batch_sizes))
         self.cascade = cascade
         self._max_total_pages = max_total_pages
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (batch size, cascade)
+        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}  # by (batch size, cascade, plain)
         self._input_ids: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
@@ -100,7 +106,10 @@ class CudaGraphRunner:
         empty = BatchLayout(backend.page_size, [0], [0], [], [], [])
         pool = None
         with torch.inference_mode():  # as the steps run: compiled pieces guard on it
-            for bs, cascade in ((bs, c) for bs in reversed(self.batch_sizes) for c in (False, True)[: 1 + self.cascade]):
+            variants = (False, True)[: 1 + (self.plain_forward is not None)]
+            for bs, cascade, plain in ((bs, c, p) for bs in reversed(self.batch_sizes)
+                                       for c in (False, True)[: 1 + self.cascade] for p in variants):  # fmt: skip
+                forward = self.plain_forward if plain and self.plain_forward is not None else self.forward
                 ids, pos = self._input_ids[:bs], self._positions[:bs]
                 backend.plan_cuda_graph(empty, bs, cascade)
                 # Eager warm-up on a side stream, as torch.cuda.graphs asks: lazy initialisation
@@ -108,25 +117,25 @@ class CudaGraphRunner:
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
-                    out = self.forward(ids, pos)
+                    out = forward(ids, pos)
                     if pool is None:
-                        self._check_no_host_sync(ids, pos)
+                        self._check_no_host_sync(forward, ids, pos)
                 torch.cuda.current_stream(device).wait_stream(side)
                 if self._out is None:
                     # One output buffer for every size: a graph per size would hold its own.
                     self._out = torch.empty((max_bs, *out.shape[1:]), dtype=out.dtype, device=device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._out[:bs].copy_(self.forward(ids, pos))
+                    self._out[:bs].copy_(forward(ids, pos))
                 pool = graph.pool()
-                self._graphs[bs, cascade] = graph
+                self._graphs[bs, cascade, plain] = graph
         torch.cuda.synchronize(device)
 
-    def _check_no_host_sync(self, ids: torch.Tensor, pos: torch.Tensor) -> None:
+    def _check_no_host_sync(self, forward: ForwardFn, ids: torch.Tensor, pos: torch.Tensor) -> None:
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            self.forward(ids, pos)
+            forward(ids, pos)
         except RuntimeError as exc:
             if "synchroniz" not in str(exc):
                 raise
@@ -134,13 +143,16 @@ class CudaGraphRunner:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """input_ids/positions [T] (any device) of the step `layout` describes -> forward's output."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+                 plain: bool = False) -> torch.Tensor:  # fmt: skip
+        """input_ids/positions [T] (any device) of the step `layout` describes -> forward's output.
+        `plain`: the step may replay `plain_forward`'s graph (when there is one)."""
         size = self.backend.cuda_graph_batch_size(layout) if self._graphs else None
-        graph = self._graphs.get((size, layout.prefix is not None)) if size is not None else None
+        plain = plain and self.plain_forward is not None
+        graph = self._graphs.get((size, layout.prefix is not None, plain)) if size is not None else None
         if graph is None:
             self.backend.plan(layout)
-            return self.forward(input_ids, positions)
+            return (self.plain_forward if plain and self.plain_forward is not None else self.forward)(input_ids, positions)
         assert self._input_ids is not None and self._positions is not None and self._out is not None
         n = layout.batch_size
         self._input_ids[:n].copy_(input_ids, non_blocking=True)

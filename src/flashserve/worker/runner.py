@@ -120,7 +120,8 @@ class ModelRunner:
             inputs = self._step_inputs(rows, prompt_rows, previous)
             if self.graphs is not None and inputs.logits_indices is None:
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
-                return self.graphs(inputs.input_ids, inputs.positions, inputs.layout)
+                plain = self.lora is not None and not self.lora.stack.active  # no adapter rows: the graph without them
+                return self.graphs(inputs.input_ids, inputs.positions, inputs.layout, plain=plain)
             self.backend.plan(inputs.layout)
             return self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.logits_indices)
 
