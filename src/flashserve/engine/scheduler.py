@@ -33,6 +33,11 @@ Fair share: the sequences of one API request (its prompts x n, a `group`) hold a
 running slots, so a request that fans out into hundreds of sequences cannot shut every other
 client out until it ends. A waiting request whose group holds its share is passed over for later
 ones; it is admitted as soon as one of its group's sequences ends.
+
+LoRA adapters: the running set holds requests of at most `max_loras` distinct adapters (the base
+model, id 0, is not one), so that no step names more adapters than the runner has slots for. A
+waiting request of another adapter is passed over (it waits, nothing fails) until one of those
+adapters has no running request left.
 """
 
 from __future__ import annotations
@@ -85,6 +90,10 @@ class Scheduler:
         self.num_preemptions = 0  # since start; the engine loop turns it into a metric
         self.max_running_per_group = max(1, config.max_num_seqs // 2)
         self._group_running: dict[str, int] = {}  # running requests per group
+        # The most distinct LoRA adapters among the running requests (None: no limit); `build_engine`
+        # sets it from --max-loras.
+        self.max_loras: int | None = None
+        self._lora_running: dict[int, int] = {}  # running requests per LoRA adapter id (never 0)
         # Draft tokens for decoding requests (`engine/speculative.py`); None: speculation off.
         self.speculator = Speculator(config.speculative) if config.speculative is not None else None
 
@@ -197,6 +206,11 @@ class Scheduler:
             if request.group is not None and self._group_running.get(request.group, 0) >= self.max_running_per_group:
                 i += 1  # its group holds its fair share; later requests of other groups go first
                 continue
+            lora = request.lora_int_id
+            if (lora and self.max_loras is not None and lora not in self._lora_running
+                    and len(self._lora_running) >= self.max_loras):
+                i += 1  # every adapter slot is taken: it waits for one, requests of running adapters go first
+                continue
             error = capacity_error(self.kv_cache, request)
             if error is not None:
                 self._finish(request, FinishReason.ERROR, error)
@@ -218,6 +232,8 @@ class Scheduler:
             self.running.append(request)
             if request.group is not None:
                 self._group_running[request.group] = self._group_running.get(request.group, 0) + 1
+            if lora:
+                self._lora_running[lora] = self._lora_running.get(lora, 0) + 1
             scheduled.append((request, n))
             budget -= n
 
@@ -283,6 +299,12 @@ class Scheduler:
                 self._group_running[request.group] = left
             else:
                 del self._group_running[request.group]
+        if request.lora_int_id:
+            left = self._lora_running[request.lora_int_id] - 1
+            if left:
+                self._lora_running[request.lora_int_id] = left
+            else:
+                del self._lora_running[request.lora_int_id]
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop its K/V and queue it first, to be recomputed in full."""
