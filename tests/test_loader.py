@@ -16,7 +16,7 @@ from flashserve.config import ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader import gguf_cache, loader
-from flashserve.model_loader.loader import PretrainedModel, eos_token_ids, load_model, resolve_dtype
+from flashserve.model_loader.loader import LoadedModel, eos_token_ids, load_model, resolve_dtype
 from flashserve.models.hf import HFCausalLM, model_shape
 from flashserve.worker.runner import ModelRunner
 
@@ -117,12 +117,12 @@ def test_missing_embedded_package_says_how_to_install_it(monkeypatch: pytest.Mon
 
 
 @pytest.fixture(scope="module")
-def embedded() -> PretrainedModel:
+def embedded() -> LoadedModel:
     return load_model(ModelConfig(), "cpu")
 
 
 @pytest.mark.slow
-def test_embedded_default_loads_with_a_chat_template(embedded: PretrainedModel) -> None:
+def test_embedded_default_loads_with_a_chat_template(embedded: LoadedModel) -> None:
     assert embedded.name == "SmolLM2-135M-Instruct"
     assert model_shape(embedded.hf_config) == (30, 9, 3, 64)
     assert embedded.hf_config.vocab_size == 49152 and embedded.dtype == torch.float32
@@ -133,7 +133,7 @@ def test_embedded_default_loads_with_a_chat_template(embedded: PretrainedModel) 
 
 
 @pytest.mark.slow
-def test_embedded_default_through_the_runner_matches_eager(embedded: PretrainedModel) -> None:
+def test_embedded_default_through_the_runner_matches_eager(embedded: LoadedModel) -> None:
     tok = embedded.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False)
     ids = tok(ids, add_special_tokens=False).input_ids
@@ -150,7 +150,7 @@ def test_embedded_default_through_the_runner_matches_eager(embedded: PretrainedM
 
 @pytest.mark.slow
 def test_a_gguf_converted_once_loads_the_same_weights_tokenizer_and_template(
-        embedded: PretrainedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        embedded: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path))
     direct = load_model(ModelConfig(), "cpu")  # converts the GGUF, then keeps it
     (entry,) = (tmp_path / "gguf").iterdir()

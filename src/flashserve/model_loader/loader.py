@@ -37,7 +37,7 @@ from flashserve.models.llama import LlamaModel, NativeCausalLM
 from flashserve.models.llama_weights import LlamaSpec, UnsupportedModelError
 from flashserve.worker.runner import StepModel
 
-__all__ = ["DUMMY_SHAPES", "LoadedModel", "PretrainedModel", "load", "load_model"]
+__all__ = ["DUMMY_SHAPES", "LoadedModel", "load", "load_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,13 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to serve (`load`)."""
+    """A model of `config.model` and what was read with it. From `load`, ready to serve: `model` is
+    what the runner's forward calls. From `load_model`, transformers' own model (`spec` None): what
+    the native model is compared with."""
 
-    model: StepModel  # NativeCausalLM or HFCausalLM: what the runner's forward calls
-    spec: LlamaSpec | None  # the native model's; None on the generic path
+    # NativeCausalLM or HFCausalLM (`load`); a transformers PreTrainedModel (`load_model`)
+    model: StepModel | torch.nn.Module
+    spec: LlamaSpec | None  # the native model's; None on the generic path and from `load_model`
     attention: AttentionShape  # what this rank's attention backend is built for
     tokenizer: Any | None  # None: tokenizer-free mode, prompts are token ids
     hf_config: Any
@@ -65,21 +68,6 @@ class LoadedModel:
     # Rows of the input embedding: every token id that reaches the model must be below it. A
     # tokenizer may know more ids than this (added tokens beyond the embedding).
     vocab_size: int
-
-
-@dataclass(frozen=True)
-class PretrainedModel:
-    """A transformers model of `config.model` and what was read with it (`load_model`)."""
-
-    model: torch.nn.Module
-    tokenizer: Any | None
-    hf_config: Any
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    name: str
-    vocab_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,7 +198,7 @@ def load(config: ModelConfig, device: torch.device | str, group: TPGroup | None 
                        vocab_size)  # fmt: skip
 
 
-def load_model(config: ModelConfig, device: torch.device | str) -> PretrainedModel:
+def load_model(config: ModelConfig, device: torch.device | str) -> LoadedModel:
     """transformers' model of `config.model` (any source `load` takes; on "meta", a dummy's shapes
     without memory) and its tokenizer: what the native model is compared with."""
     device = torch.device(device)
@@ -223,9 +211,10 @@ def load_model(config: ModelConfig, device: torch.device | str) -> PretrainedMod
     keep_converted(source, config, module, hf_config, tokenizer)
     vocab_size = embedding_rows(module)
     check_vocab(tokenizer, vocab_size)
-    return PretrainedModel(module, tokenizer, hf_config, model_len(config, hf_config),
-                           eos_token_ids(module.generation_config, hf_config, tokenizer), dtype, device,
-                           served_name(config, source), vocab_size)  # fmt: skip
+    return LoadedModel(module, None, AttentionShape(*model_shape(hf_config), attention_scale(module)), tokenizer,
+                       hf_config, model_len(config, hf_config),
+                       eos_token_ids(module.generation_config, hf_config, tokenizer), dtype, device,
+                       served_name(config, source), vocab_size)  # fmt: skip
 
 
 def model_dtype(config: ModelConfig, device: torch.device, source: Source, hf_config: Any) -> torch.dtype:
