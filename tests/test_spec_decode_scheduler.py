@@ -225,3 +225,13 @@ def test_a_grammars_drafts_get_a_mask_per_position_and_its_matcher_is_left_as_it
     allowed = [bool(words[j, t // 32] >> (t % 32) & 1) for j, t in enumerate(drafts)]
     assert all(allowed)  # each draft is allowed at its own position
     assert grammar.advance([request.matcher], [drafts[0]]) == [(True, False)]  # the matcher is back at the start
+
+
+def test_the_proposer_sees_the_requests_tokens_as_they_grow():
+    sched = make()
+    request = Request("a", PROMPT[:-1], SamplingParams(temperature=0.0, max_tokens=50))
+    sched.add_request(request)
+    sched.update(sched.schedule(), [SampledTokens([8])])
+    sched.update(sched.schedule(), [SampledTokens([9, 4])])
+    assert sched.speculator is not None
+    assert sched.speculator._tokens(request).tolist() == request.all_token_ids

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,6 +51,9 @@ class Speculator:
         self.stats = SpecDecodeStats()
         self._logged = SpecDecodeStats()  # the counts as of the last log line
         self._log_at = time.monotonic() + LOG_INTERVAL_S
+        # Each request's tokens as an array the proposer searches, extended by its new tokens only
+        # (rebuilding it from the request's lists would cost its whole length every step).
+        self._arrays: weakref.WeakKeyDictionary[Request, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
 
     def active(self, num_running: int) -> bool:
         """Whether a step with this many running requests proposes at all."""
@@ -69,10 +73,27 @@ class Speculator:
                 max_model_len - request.num_tokens - 1)
         if k < 1:
             return []
-        drafts = self.proposer.propose(request.all_token_ids, k)
+        drafts = self.proposer.propose(self._tokens(request), k)
         if drafts and request.matcher is not None:
             drafts = _grammar_prefix(request, drafts)
         return drafts
+
+    def _tokens(self, request: Request) -> np.ndarray:
+        """The request's prompt and output so far (int64), kept per request and extended."""
+        n, p = request.num_tokens, request.num_prompt_tokens
+        buf, have = self._arrays.get(request, (None, 0))
+        if buf is None or have > n:
+            buf, have = np.empty(max(64, 2 * n), dtype=np.int64), 0
+        elif n > len(buf):
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:have] = buf[:have]
+            buf = grown
+        if have < p:
+            buf[have:p] = request.prompt_token_ids[have:]
+            have = p
+        buf[have:n] = request.output_token_ids[have - p : n - p]
+        self._arrays[request] = (buf, n)
+        return buf[:n]
 
     def draft(self, request: Request, budget: int, kv_cache: KVCacheManager, max_model_len: int) -> list[int]:
         """`propose`, with pages for the drafts allocated; [] when none are free (drafts never

@@ -19,9 +19,9 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to `k` draft tokens to follow `token_ids` (the request's prompt and output); [] when
-        no n-gram of its end occurred before, or k < 1."""
+    def propose(self, token_ids: Sequence[int] | np.ndarray, k: int) -> list[int]:
+        """Up to `k` draft tokens to follow `token_ids` (the request's prompt and output; an int64
+        array is searched as it is); [] when no n-gram of its end occurred before, or k < 1."""
         length = len(token_ids)
         if k < 1 or length <= self.min_n:
             return []
