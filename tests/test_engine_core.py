@@ -25,7 +25,7 @@ from flashserve.message.errors import EngineDead, EngineOverloaded
 from flashserve.message.grammar_spec import GrammarSpec
 from flashserve.message.outputs import RequestOutput, TokenLogprob
 from flashserve.message.requests import Abort, Add
-from flashserve.message.sampling_params import SamplingParams
+from flashserve.message.sampling_params import InvalidParameter, SamplingParams
 from flashserve.metrics import Metrics, StepStats
 
 
@@ -448,21 +448,55 @@ def test_concurrent_requests_of_several_front_ends_have_queue_times_not_below_ze
 def test_a_client_in_the_callers_thread_submits_to_the_engine_core_and_runs_its_turns():
     client = InprocClient(EngineCore(make_engine([3, 4])))
     try:
-        assert client.submit(AddRequest(Add("a", [1, 2], SamplingParams(max_tokens=4)))) is None
+        assert client.add(AddRequest(Add("a", [1, 2], SamplingParams(max_tokens=4)))) is None
         outputs = []
         while client.has_unfinished:
-            outputs += client.step()
+            outputs += client.outputs()
     finally:
         client.close()
     assert [t for out in outputs for t in out.new_token_ids] == [3, 4, 3, 4]
     assert outputs[-1].finished and outputs[-1].finish_reason == "length"
 
 
-def test_a_request_the_model_cannot_take_is_refused_at_submit_with_an_error_output():
+def test_a_request_the_model_cannot_take_is_refused_at_add_as_every_core_client_refuses_it():
     client = InprocClient(EngineCore(make_engine([3])))
     try:
-        refused = client.submit(AddRequest(Add("a", [VOCAB], SamplingParams())))
+        with pytest.raises(InvalidParameter, match="out of range"):
+            client.add(AddRequest(Add("a", [VOCAB], SamplingParams())))
     finally:
         client.close()
-    assert refused is not None and refused.finish_reason == "error" and "out of range" in (refused.error or "")
     assert not client.has_unfinished
+
+
+def test_a_request_the_engine_core_refuses_comes_back_from_add_as_its_error_output():
+    client = InprocClient(EngineCore(make_engine([3])))  # no grammar compiler
+    try:
+        refused = client.add(AddRequest(Add("a", [1], SamplingParams()), grammar_spec=GrammarSpec("regex", "a", "x")))
+    finally:
+        client.close()
+    assert refused is not None and refused.finish_reason == "error" and "compiles no grammars" in (refused.error or "")
+    assert not client.has_unfinished
+
+
+def test_a_core_client_past_its_waiting_bound_refuses_with_engine_overloaded():
+    client = InprocClient(EngineCore(make_engine([3])), max_waiting=1)
+    try:
+        client.add(AddRequest(Add("a", [1], SamplingParams(max_tokens=1))))
+        with pytest.raises(EngineOverloaded):
+            client.add(AddRequest(Add("b", [1], SamplingParams(max_tokens=1))))
+    finally:
+        client.close()
+
+
+def test_after_a_turn_that_raised_the_core_client_is_unhealthy_and_admits_nothing():
+    client = InprocClient(EngineCore(make_engine([3])))
+    client.add(AddRequest(Add("a", [1], SamplingParams(max_tokens=2))))
+    client.core.engine.step = lambda: 1 / 0  # type: ignore[method-assign]  # the device failed
+    try:
+        with pytest.raises(ZeroDivisionError):
+            client.outputs()
+        assert not client.is_healthy() and "ZeroDivisionError" in (client.dead_reason or "")
+        with pytest.raises(EngineDead):
+            client.add(AddRequest(Add("b", [1], SamplingParams())))
+    finally:
+        client.close()

@@ -4,8 +4,9 @@ Requests go out as plain data the moment the app submits them (`AddRequest`, the
 spec); each step's outputs for this front end come back in one message, read on the event loop as
 they arrive (`add_reader`: a reader thread would wait for the GIL behind this loop's work), then
 detokenized and checked for stop strings here (`OutputProcessor`) before they reach the streams.
-When the engine core dies, or its pipe closes, every open request ends with an error and
-`on_dead(reason)` runs, so that the server stops and exits non-zero.
+Admission and health are every core client's (`client/base.py`). When the engine core dies, or its
+pipe closes, every open request ends with an error and `on_dead(reason)` runs, so that the server
+stops and exits non-zero.
 
 LoRA adapters: the engine core owns them (`engine/lora_registry.py`). This client keeps the list
 it last heard (the setup's, then every `LoRAAdapters` the core sends to all front ends after a
@@ -23,12 +24,12 @@ from typing import Any, Callable, Mapping
 
 from flashserve.client.output_processor import OutputProcessor
 from flashserve.client.streams import OutputStreams
-from flashserve.engine.llm_engine import check_request
 from flashserve.message.codec import (
     AddRequest, Dead, EngineSetup, FrameWriter, LoRAAdapters, LoRAUpdate, LoRAUpdateDone, StepOutputs, recv,
 )
-from flashserve.message.errors import EngineDead, EngineOverloaded
+from flashserve.message.errors import EngineDead
 from flashserve.message.lora import LORA_ERRORS, LoRAAdapterError, LoRARequest
+from flashserve.message.outputs import RequestOutput
 from flashserve.message.requests import Abort, Add
 
 logger = logging.getLogger(__name__)
@@ -40,16 +41,12 @@ class EngineCoreClient(OutputStreams):
 
     def __init__(self, conn: Connection, setup: EngineSetup, max_waiting: int | None = None,
                  on_dead: Callable[[str], None] | None = None) -> None:
-        super().__init__(setup.max_model_len)
-        self.vocab_size = setup.vocab_size
-        self.max_waiting = max_waiting
+        super().__init__(setup.max_model_len, setup.vocab_size, max_waiting)
         self.on_dead = on_dead
         self._conn = conn
         self._outputs = OutputProcessor(setup.tokenizer)
-        self._num_waiting = 0  # the engine's queue length as last reported, plus adds sent since
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer: FrameWriter | None = None
-        self._dead: str | None = None
         self.lora_enabled = setup.lora_enabled
         self._loras = {lora.lora_name: lora for lora in setup.lora_adapters}
         self._lora_calls: dict[int, asyncio.Future[LoRAUpdateDone]] = {}
@@ -67,7 +64,7 @@ class EngineCoreClient(OutputStreams):
 
     async def _lora_call(self, lora_name: str, lora_path: str | None, base_model_name: str | None) -> None:
         if not self.is_healthy():
-            raise EngineDead(self._dead or "the engine is not running")
+            raise EngineDead(self.dead_reason or "the engine is not running")
         self._next_call += 1
         call_id = self._next_call
         answer: asyncio.Future[LoRAUpdateDone] = asyncio.get_running_loop().create_future()
@@ -98,30 +95,24 @@ class EngineCoreClient(OutputStreams):
         self._conn.close()
 
     def is_healthy(self) -> bool:
-        return self._dead is None and self._loop is not None
-
-    @property
-    def dead_reason(self) -> str | None:
-        return self._dead
+        return super().is_healthy() and self._loop is not None
 
     def _admit(self, add: Add) -> None:
-        check_request(add.prompt_token_ids, add.params, self.vocab_size)  # a bad id is the client's 400
-        if self.max_waiting is not None and self._num_waiting >= self.max_waiting:
-            raise EngineOverloaded(
-                f"the server is overloaded: {self._num_waiting} requests are already waiting; retry later")
         params, grammar = add.params, add.params.grammar
         spec = None
         if grammar is not None:  # the compiled grammar stays here; the engine core compiles the spec
             params, spec = replace(params, grammar=None), grammar.spec
         # Stop strings are found here, so the engine must send every step's tokens.
-        add = replace(add, params=params, stream=add.stream or bool(params.stop))
-        self._put(self._request(add, spec))
-        self._outputs.add(add.request_id, add.prompt_token_ids, add.params)
-        self._num_waiting += 1
+        self.add(AddRequest(replace(add, params=params, stream=add.stream or bool(params.stop)), spec))
 
-    def _request(self, add: Add, grammar_spec: Any) -> AddRequest:
-        """The message that submits `add` (run-batch's client adds the request's batch line)."""
-        return AddRequest(add, grammar_spec)
+    def _submit(self, request: AddRequest) -> None:
+        self._put(self._request(request))
+        add = request.add
+        self._outputs.add(add.request_id, add.prompt_token_ids, add.params)
+
+    def _request(self, request: AddRequest) -> AddRequest:
+        """The message that submits `request` (run-batch's client adds the request's batch line)."""
+        return request
 
     def _send(self, item: Abort) -> None:
         self._outputs.discard(item.request_id)
@@ -140,22 +131,34 @@ class EngineCoreClient(OutputStreams):
             raise EngineDead("the engine core process exited") from None
 
     def _read(self) -> None:
-        """Every message waiting in the pipe (a message is written whole)."""
+        """What the engine core sent, to the streams; then, if it died, `on_dead`."""
+        alive = self._dead is None
+        self._dispatch(self.outputs())
+        if alive and self._dead is not None and self.on_dead is not None:
+            self.on_dead(self._dead)
+
+    def outputs(self) -> list[RequestOutput]:
+        """Every message waiting in the pipe, read (a message is written whole): the step outputs
+        among them detokenized, with their stop strings found; the error outputs of the open
+        requests when the engine core died or its pipe closed."""
+        outputs: list[RequestOutput] = []
         try:
             while self._conn.poll():
-                self._receive(recv(self._conn))
+                outputs += self._receive(recv(self._conn))
         except (EOFError, OSError):
             self._stop_reading()
-            self._receive(Dead("the engine core process exited"))
+            outputs += self._receive(Dead("the engine core process exited"))
+        return outputs
 
-    def _receive(self, message: Any) -> None:
+    def _receive(self, message: Any) -> list[RequestOutput]:
+        """One message from the engine core; the outputs it brings."""
         if isinstance(message, StepOutputs):
-            self._num_waiting = message.num_waiting
+            self.num_waiting = message.num_waiting
             for out in message.outputs:
                 if self._outputs.process(out):  # a stop string ended it: free its pages now
                     self._send(Abort(out.request_id))
-            self._dispatch(message.outputs)
-        elif isinstance(message, LoRAAdapters):
+            return message.outputs
+        if isinstance(message, LoRAAdapters):
             self._loras = {lora.lora_name: lora for lora in message.adapters}
         elif isinstance(message, LoRAUpdateDone):
             answer = self._lora_calls.get(message.call_id)
@@ -163,13 +166,11 @@ class EngineCoreClient(OutputStreams):
                 answer.set_result(message)
         elif isinstance(message, Dead) and self._dead is None:
             logger.error("%s", message.reason)
-            self._dead = message.reason
-            self._fail_all(message.reason)
             for answer in self._lora_calls.values():
                 if not answer.done():
                     answer.set_exception(EngineDead(message.reason))
-            if self.on_dead is not None:
-                self.on_dead(message.reason)
+            return self.died(message.reason, list(self._streams))
+        return []
 
     def _stop_reading(self) -> None:
         if self._loop is not None and not self._conn.closed:

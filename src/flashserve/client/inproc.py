@@ -1,20 +1,23 @@
 """`InprocClient`: the engine core's client in the caller's own thread (the offline `LLM`).
 
-No pipe and no thread: `submit` hands a request (or an abort) to the `EngineCore` at once, and
-`step` runs one turn of the core's cycle (admit, expire, step, publish) and returns its outputs, as
-vLLM's in-process client does over its engine core.
+No pipe and no thread: `add` hands a request to the `EngineCore` at once (admitted first, as every
+`CoreClient` admits), `abort` likewise, and `outputs` runs one turn of the core's cycle (admit,
+expire, step, publish) and returns its outputs, as vLLM's in-process client does over its engine
+core. A turn that raises marks the core dead and raises on to the caller.
 """
 
 from __future__ import annotations
 
+from flashserve.client.base import CoreClient
 from flashserve.engine.engine_core import EngineCore
 from flashserve.message.codec import AddRequest
 from flashserve.message.outputs import RequestOutput
 from flashserve.message.requests import Abort
 
 
-class InprocClient:
-    def __init__(self, core: EngineCore) -> None:
+class InprocClient(CoreClient):
+    def __init__(self, core: EngineCore, max_waiting: int | None = None) -> None:
+        super().__init__(core.engine.vocab_size, max_waiting)
         self.core = core
 
     @property
@@ -26,17 +29,22 @@ class InprocClient:
     def has_unfinished(self) -> bool:
         return self.core.engine.has_unfinished
 
-    def submit(self, request: AddRequest) -> RequestOutput | None:
-        """Queues the request; its error output if the engine refused it."""
+    def _submit(self, request: AddRequest) -> RequestOutput | None:
         return self.core.submit(request)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        return self.core.submit(Abort(request_id))
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        return self.core.submit(Abort(request_id, error))
 
-    def step(self) -> list[RequestOutput]:
+    def outputs(self) -> list[RequestOutput]:
         """One turn of the engine core's cycle: the outputs of every request that got tokens or
         finished."""
-        return self.core.step()
+        try:
+            outputs = self.core.step()
+        except Exception as exc:
+            self.died(f"engine loop died: {exc!r}", ())
+            raise
+        self.num_waiting = self.core.engine.scheduler.num_waiting
+        return outputs
 
     def close(self) -> None:
         self.core.close()
