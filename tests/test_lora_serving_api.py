@@ -105,6 +105,12 @@ async def test_responses_and_messages_naming_an_adapter_run_with_it(tokenizer: A
     assert only_lora(engine) == SQL
 
 
+async def test_tokenize_takes_an_adapter_as_its_model(tokenizer: Any) -> None:
+    r = await post(FakeLoRAEngine(), tokenizer, "/tokenize", {"model": "sql", "prompt": "Hi"})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tokenizer.encode("Hi")
+
+
 async def test_an_unknown_model_is_a_404_in_openais_shape_naming_it(tokenizer: Any) -> None:
     engine = FakeLoRAEngine()
     r = await post(engine, tokenizer, "/v1/completions", {"model": "nope", "prompt": "Hi"})

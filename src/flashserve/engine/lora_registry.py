@@ -29,7 +29,7 @@ class LoRAExecutor(Protocol):
     def remove_lora(self, lora_int_id: int) -> bool: ...
 
 
-NOT_ENABLED = "LoRA adapters are not enabled: start the server with --enable-lora"
+NOT_ENABLED = "LoRA adapters are not enabled: start the server with --enable-lora (LLM: enable_lora=True)"
 
 
 class LoRARegistry:
