@@ -112,12 +112,10 @@ def enable_lora(model: Any, config: Any) -> LoRAManager:
     """Gives `model` (the runner's `StepModel`) device slots for `config`'s adapters (a
     `config.LoRAConfig`) and returns the manager of them. Raises ValueError for a model the
     adapters cannot run on: the generic (transformers) path."""
-    from flashserve.models.llama import NativeCausalLM
-
-    if not isinstance(model, NativeCausalLM):
+    native = getattr(model, "model", None)  # the native path's LlamaModel has a spec and a LoRA hook
+    if getattr(native, "spec", None) is None or not hasattr(native, "lora"):
         raise ValueError("--enable-lora needs the native model path (a Llama-family model: Llama, Mistral, Qwen2/3, "
                          "SmolLM); this model runs on the generic transformers path")  # fmt: skip
-    native = model.model
     weight = native.embed_tokens["weight"]
     stack = LoRAStack(native.spec, native.shard, config.max_loras, config.max_lora_rank, weight.dtype, weight.device)
     native.lora = stack
