@@ -44,10 +44,10 @@ LOG_INTERVAL_S = 10.0  # how often the log reports acceptance while requests spe
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method != "ngram":
-            raise ValueError(f'speculative method "{config.method}" is not supported yet')
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # A draft model proposes in the runner (`worker/drafter.py`): the scheduler reserves its slots.
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config.method == "ngram" else None
         self.stats = SpecDecodeStats()
         self._logged = SpecDecodeStats()  # the counts as of the last log line
         self._log_at = time.monotonic() + LOG_INTERVAL_S
@@ -73,6 +73,8 @@ class Speculator:
                 max_model_len - request.num_tokens - 1)
         if k < 1:
             return []
+        if self.proposer is None:  # the draft model's tokens, written by the runner; no grammar to check them
+            return [] if request.matcher is not None else [0] * k
         drafts = self.proposer.propose(self._tokens(request), k)
         if drafts and request.matcher is not None:
             drafts = _grammar_prefix(request, drafts)

@@ -91,6 +91,13 @@ def build_engine(
     if model.lora is not None:
         sched.max_loras = model.lora.max_loras  # a step never uses more adapters than the runner's slots
     overlap = scheduler.overlap_scheduling and runner.overlap_capable
+    if scheduler.speculative is not None and scheduler.speculative.method == "draft_model":
+        from flashserve.worker.drafter import build_drafter
+
+        assert scheduler.speculative.model is not None
+        runner.drafter, _ = build_drafter(scheduler.speculative.model, model, num_pages, cache.page_size)
+        # The draft reads each step's tokens on the host: a token still in flight has none there.
+        overlap = False
     tokenizer = loaded.tokenizer if detokenize else None
     engine = LLMEngine(sched, runner, tokenizer, vocab_size=loaded.vocab_size, overlap=overlap,
                        loras=LoRARegistry(runner, model.lora))

@@ -89,6 +89,7 @@ class ModelRunner:
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
         self.batch = InputBatch()  # the running requests, kept across steps
         self.inputs = StepInputBuilder(self.device, page_size)
+        self.drafter: Any = None  # speculative decoding's draft model (`worker/drafter.py`), if any
         # With --enable-lora (`lora.manager.enable_lora`): the adapters and the model's device slots.
         self.lora: LoRAManager | None = None
 
@@ -168,6 +169,8 @@ class ModelRunner:
         if out.is_empty:
             return step
         step.prompt_logprobs = PromptLogprobs.plan(rows)
+        if self.drafter is not None:  # the draft model's K/V of the step's tokens, and its drafts
+            self.drafter.fill(rows)
         logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else (), previous,
                               rows)
         with torch.inference_mode():

@@ -1,0 +1,109 @@
+"""The draft-model method of speculative decoding: a second, smaller model with the target's
+vocabulary proposes each decoding row's k draft tokens greedily, in the runner, before the target
+verifies them in the same step.
+
+The draft has KV pages of its own: a pool of as many pages as the target's, addressed by the same
+page tables, so that the scheduler's pages (and the prefix cache's sharing of them) serve both
+models. Every step the draft first computes the K/V of every row's known tokens (prefill chunks and
+each decoding row's last token) and, from the last one's logits, its first draft; then one decode
+forward per further draft, each also writing the K/V of the draft it takes. Draft K/V past what
+the target accepts is overwritten by later steps, as the target's is. The scheduler reserves the
+rows' draft slots (tokens 0) and rolls back the rejected ones as for n-gram drafts; the draft
+tokens are written into the rows here, before the target's forward reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from flashserve.attention.base import BatchLayout
+from flashserve.worker.input_batch import BatchRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _DraftRow:
+    """A row as the draft's layout reads it (`attention.layout_row.LayoutRow`)."""
+
+    request_id: str
+    num_computed_tokens: int
+    page_ids: Sequence[int]
+    new_token_ids: list[int]
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.new_token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_computed_tokens + len(self.new_token_ids)
+
+
+class Drafter:
+    def __init__(self, model: Any, backend: Any, device: torch.device, page_size: int) -> None:
+        self.model = model  # a `worker.runner.StepModel`
+        self.backend = backend  # the draft's own attention backend and KV pool
+        self.device = device
+        self.page_size = page_size
+
+    def fill(self, rows: Sequence[BatchRow]) -> None:
+        """Computes the draft's K/V of the step's known tokens and writes each row's draft tokens
+        (its last `num_draft_tokens` of `new_token_ids`, reserved by the scheduler) in place."""
+        known = [_DraftRow(r.request_id, r.num_computed_tokens, r.page_ids,
+                           list(r.new_token_ids[: len(r.new_token_ids) - r.num_draft_tokens])) for r in rows]
+        drafting = [i for i, r in enumerate(rows) if r.num_draft_tokens]
+        with torch.inference_mode():
+            tokens = self._forward(known, [known[i] for i in drafting])
+            j = 0  # the draft being written, 0-based
+            while drafting:
+                for i, token in zip(drafting, tokens):
+                    rows[i].new_token_ids[len(rows[i].new_token_ids) - rows[i].num_draft_tokens + j] = token
+                # Draft j fed back: its K/V, and draft j + 1 from its logits for the rows that want one.
+                fed = [_DraftRow(rows[i].request_id, known[i].kv_len + j, rows[i].page_ids, [token])
+                       for i, token in zip(drafting, tokens)]
+                after = self._forward(fed, fed)
+                wanting = [k for k, i in enumerate(drafting) if rows[i].num_draft_tokens > j + 1]
+                drafting, tokens = [drafting[k] for k in wanting], [after[k] for k in wanting]
+                j += 1
+
+    def _forward(self, rows: list[_DraftRow], sampled: list[_DraftRow]) -> list[int]:
+        """One draft forward over `rows`; the argmax after each of `sampled`'s last token."""
+        rows = [r for r in rows if r.new_token_ids]
+        if not rows:
+            return []
+        layout = BatchLayout.build(rows, self.page_size)
+        ids = torch.tensor([t for r in rows for t in r.new_token_ids], dtype=torch.long).to(self.device)
+        positions = torch.tensor(layout.positions, dtype=torch.long).to(self.device)
+        ends = {id(r): layout.qo_indptr[k + 1] - 1 for k, r in enumerate(rows)}
+        index = torch.tensor([ends[id(r)] for r in sampled], dtype=torch.long).to(self.device)
+        self.backend.plan(layout)
+        logits = self.model.forward(ids, positions, self.backend, index)
+        return logits.argmax(dim=-1).tolist()
+
+
+def build_drafter(draft_model: str, model_config: Any, num_pages: int, page_size: int) -> tuple[Drafter, Any]:
+    """Loads the draft model (`model_config` with the draft's path) and its KV pool of `num_pages`
+    pages on the target's device; returns the drafter and the loaded model."""
+    from flashserve.attention import get_backend_cls
+    from flashserve.attention.kv_quant import resolve_kv_cache_dtype
+    from flashserve.model_loader import load
+    from flashserve.worker.assembly import attention_dtype, pick_backend, pick_device
+
+    config = replace(model_config, model=draft_model, lora=None, tensor_parallel_size=1)
+    device = pick_device(config.device)
+    loaded = load(config, device)
+    shape = loaded.attention
+    backend_name = pick_backend(config.attention_backend, device)
+    attn_dtype = attention_dtype(config, loaded.dtype, device, backend_name)
+    backend = get_backend_cls(backend_name)(
+        shape.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, attn_dtype, device, shape.sm_scale,
+        num_qo_heads=shape.num_heads, kv_cache_dtype=resolve_kv_cache_dtype("auto", attn_dtype),
+    )  # fmt: skip
+    logger.info("draft model %s on %s (%s), its own KV pool of %d pages", loaded.name, device, loaded.dtype, num_pages)
+    return Drafter(loaded.model, backend, device, page_size), loaded
