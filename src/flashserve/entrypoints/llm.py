@@ -92,7 +92,7 @@ def build_engine(
         sched.max_loras = model.lora.max_loras  # a step never uses more adapters than the runner's slots
     overlap = scheduler.overlap_scheduling and runner.overlap_capable
     if scheduler.speculative is not None and scheduler.speculative.method == "draft_model":
-        from flashserve.worker.drafter import build_drafter
+        from flashserve.executor.draft import build_drafter
 
         assert scheduler.speculative.model is not None
         runner.drafter, _ = build_drafter(scheduler.speculative.model, model, num_pages, cache.page_size)
