@@ -204,8 +204,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--speculative-config", _speculative_config, None, "speculative decoding, as vLLM's option (JSON): "
            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
            "\"prompt_lookup_max\": 4}' proposes draft tokens by looking the request's last tokens up in its own "
-           "prompt and output, verified in one forward; \"disable_by_batch_size\": N turns it off in steps of "
-           "more than N requests (default: off)"),
+           "prompt and output, verified in one forward; '{\"model\": PATH, \"num_speculative_tokens\": 4}' has a "
+           "smaller draft model of the same vocabulary propose them; \"disable_by_batch_size\": N turns it off in "
+           "steps of more than N requests (default: off)"),
     Option("--cuda-graph", _bool, True, "capture decode steps in CUDA graphs (--no-cuda-graph or --enforce-eager to disable)"),
     Option("--seed", int, 0, "seed of the sampler for requests without a seed"),
     Option("--log-level", str, "info", "log level", ["debug", "info", "warning", "error"]),
