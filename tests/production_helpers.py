@@ -43,6 +43,7 @@ class FakeModelRunner(ModelRunner):
     def __init__(self, sampler: Any, delay: float = 0.0, fail_forward: BaseException | None = None) -> None:
         self.sampler = sampler  # no model, no backend: forward() is replaced
         self.batch = InputBatch()
+        self.drafter = self.lora = None  # no draft model, no LoRA adapters
         self.delay = delay
         self.fail_forward = fail_forward
 
