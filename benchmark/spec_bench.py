@@ -65,6 +65,7 @@ class Run:
     first_token_s: float  # the prompt's prefill and the first token
     decode_s: float  # wall clock after the first token
     decode_cpu_s: float
+    steps: int  # engine steps that gave the request tokens after its first
     drafts: int = 0  # verified rows with draft tokens
     draft_tokens: int = 0
     accepted: int = 0
@@ -121,6 +122,7 @@ def run_one(llm: Any, prompt_ids: list[int], max_tokens: int) -> Run:
     text: list[str] = []
     t0, c0 = time.perf_counter(), time.process_time()
     first = first_cpu = None
+    steps = 0
     engine.add_request(uuid.uuid4().hex, prompt_ids, params)
     while engine.has_unfinished:
         for out in engine.step():
@@ -128,13 +130,15 @@ def run_one(llm: Any, prompt_ids: list[int], max_tokens: int) -> Run:
                 raise RuntimeError(f"request failed: {out.error}")
             if out.new_token_ids and first is None:
                 first, first_cpu = time.perf_counter(), time.process_time()
+            elif out.new_token_ids:
+                steps += 1
             tokens += out.new_token_ids
             text.append(out.new_text)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert first is not None and first_cpu is not None
     after = spec_counts(llm)
     per_pos = [a - (before[3][i] if i < len(before[3]) else 0) for i, a in enumerate(after[3])]
-    return Run(tokens, "".join(text), wall, cpu, first - t0, wall - (first - t0), cpu - (first_cpu - c0),
+    return Run(tokens, "".join(text), wall, cpu, first - t0, wall - (first - t0), cpu - (first_cpu - c0), steps,
                after[0] - before[0], after[1] - before[1], after[2] - before[2], per_pos)
 
 
@@ -156,8 +160,7 @@ def summarize(label: str, runs: list[Run], base: list[Run]) -> dict[str, Any]:
     accepted = sum(r.accepted for r in runs)
     width = max((len(r.accepted_per_pos) for r in runs), default=0)
     per_pos = [sum(r.accepted_per_pos[i] for r in runs if i < len(r.accepted_per_pos)) for i in range(width)]
-    # Every step after the first token yields one token of the target's plus its accepted drafts.
-    steps = sum(max(len(r.tokens) - 1, 0) for r in runs) - accepted
+    steps = sum(r.steps for r in runs)
     return {
         "config": label,
         "requests": len(runs),

@@ -74,8 +74,9 @@ def test_quote_reference_quotes_sentences_of_the_passage_that_name_the_word(work
 
 def run_of(tokens: list[int], decode_s: float, drafts: int = 0, accepted: int = 0,
            per_pos: list[int] | None = None) -> Run:
-    return Run(tokens, "", 1.0 + decode_s, 1.0 + decode_s, 1.0, decode_s, decode_s, drafts, drafts * 2, accepted,
-               per_pos or [])
+    steps = len(tokens) - 1 - accepted  # each step: the target's token and the drafts it accepted
+    return Run(tokens, "", 1.0 + decode_s, 1.0 + decode_s, 1.0, decode_s, decode_s, steps, drafts, drafts * 2,
+               accepted, per_pos or [])
 
 
 def test_summary_speedup_is_decode_tokens_per_second_over_speculation_off() -> None:
