@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# TCP_NODELAY A/B on the host alone (from a copy of the tree beside .whl/, e.g. bench_after/): benchmark.api_host's server (real processes, an executor that answers each step after
+# TCP_NODELAY A/B on the host alone: benchmark.api_host's server (real processes, an executor that answers each step after
 # 2 ms) from this tree and from a copy without the fix; a client reusing one connection (seed_probe's) and SGLang's
 # bench_serving.py (a connection per request) against each, interleaved.
 set -u
-cd "$(dirname "$0")"; ROOT=$PWD
-rm -rf .whl; ln -s "$ROOT/../.whl" .whl
+cd "$(dirname "$0")/.."; ROOT=$PWD  # the repository root, with .whl/ (prepare-wheels.sh, make sglang-bench, make gpu-tokenizer-xz)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sglbench/*.whl 2>/dev/null
 python3 -c "import tarfile; tarfile.open('.whl/llama3-tokenizer.tar.xz').extractall('/tmp/llama3-tokenizer')"
-rm -rf ../nagle && mkdir ../nagle && cp -r src benchmark ../nagle/
-sed -i 's/socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)/socket.socket(family, socket.SOCK_STREAM)/' ../nagle/src/flashserve/entrypoints/serve.py
-echo "IPPROTO_TCP in fixed / nagle: $(grep -c 'SOCK_STREAM, socket.IPPROTO_TCP' src/flashserve/entrypoints/serve.py) / $(grep -c 'SOCK_STREAM, socket.IPPROTO_TCP' ../nagle/src/flashserve/entrypoints/serve.py)"
+rm -rf /tmp/nagle && mkdir /tmp/nagle && cp -r src benchmark /tmp/nagle/
+sed -i 's/socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)/socket.socket(family, socket.SOCK_STREAM)/' /tmp/nagle/src/flashserve/entrypoints/serve.py
+echo "IPPROTO_TCP in fixed / nagle: $(grep -c 'SOCK_STREAM, socket.IPPROTO_TCP' src/flashserve/entrypoints/serve.py) / $(grep -c 'SOCK_STREAM, socket.IPPROTO_TCP' /tmp/nagle/src/flashserve/entrypoints/serve.py)"
 for round in 1 2; do for tree in fixed nagle; do
-  d=$ROOT; [ $tree = nagle ] && d=$ROOT/../nagle
+  d=$ROOT; [ $tree = nagle ] && d=/tmp/nagle
   (cd $d && PYTHONPATH=/tmp/site:$d/src:$d exec python3 -m benchmark.api_host --serve processes --port 8950 --step-ms 2 \
      --stats /tmp/st_$tree.json --tokenizer /tmp/llama3-tokenizer > /tmp/srv_$tree.log 2>&1) & S=$!
   until curl -sf 127.0.0.1:8950/health >/dev/null; do sleep 0.2; done
