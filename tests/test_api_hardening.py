@@ -83,8 +83,9 @@ async def test_a_served_model_is_retrieved_with_the_card_the_list_shows(prefix: 
         r = await c.get(f"{prefix}/models/alias")
     assert r.status_code == 200, r.text
     assert r.json() == listed[1]
-    assert set(r.json()) == {"id", "object", "created", "owned_by", "max_model_len"}
+    assert set(r.json()) == {"id", "object", "created", "owned_by", "max_model_len", "root", "parent"}
     assert r.json()["id"] == "alias" and r.json()["object"] == "model"
+    assert r.json()["root"] == "alias" and r.json()["parent"] is None  # vLLM's card of a base model
 
 
 @pytest.mark.parametrize("path", [f"/v1/models/{SLASHED}", "/v1/models/meta-llama%2FLlama-3.1-8B-Instruct"])

@@ -127,7 +127,7 @@ async def test_models_lists_each_adapter_with_its_path_as_root_and_the_base_as_p
     async with client(engine, tokenizer) as c:
         cards = {card["id"]: card for card in (await c.get("/v1/models")).json()["data"]}
         one = (await c.get("/v1/models/sql")).json()
-    assert (cards[MODEL]["root"], cards[MODEL]["parent"]) == (None, None)
+    assert (cards[MODEL]["root"], cards[MODEL]["parent"]) == (MODEL, None)  # as vLLM lists a base model
     assert (cards["sql"]["root"], cards["sql"]["parent"]) == ("/adapters/sql", MODEL)
     assert cards["fr"]["parent"] == "other-base"
     assert one["id"] == "sql" and one["parent"] == MODEL

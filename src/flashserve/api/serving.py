@@ -133,7 +133,8 @@ class OpenAIServing:
         return JSONResponse(card.model_dump())
 
     def _card(self, name: str) -> p.ModelCard:
-        return p.ModelCard(id=name, created=self.created, max_model_len=self.max_model_len)
+        # A base model's card, as vLLM's: its root names the model itself, it has no parent.
+        return p.ModelCard(id=name, created=self.created, max_model_len=self.max_model_len, root=name)
 
     def _adapter_cards(self) -> list[p.ModelCard]:
         """The LoRA adapters' cards: `root` their path, `parent` their base model."""
