@@ -3,7 +3,7 @@ input-grounded workload of `benchmark.spec_workload`, speculation off against n-
 (k = 2 and 4) and draft models, in the same run.
 
     python -m benchmark.spec_bench [--per-kind 2] [--ks 2 4] [--lookup 2 4] [--draft-layers 6]
-        [--repeat 1] [--out benchmark/results/cpu/spec_decode]
+        [--repeat 1] [--threads 1] [--out benchmark/results/cpu/spec_decode]
 
 Every configuration is an `LLM` of its own (`speculative_config` in `--speculative-config`'s JSON
 shape), all loaded at once; the requests run one at a time, each prompt through every
