@@ -19,7 +19,7 @@
     python -m benchmark.lora_bench [--out-dir DIR]        # on a GPU
     python -m benchmark.lora_bench --smoke                # a small model on the CPU, eager
 
-Prints a table and writes lora_bench.json to --out-dir (default: benchmark/results/<gpu name>/lora/;
+Prints a table and writes lora_bench.json to --out-dir (default: benchmark/results/local/<gpu name>/lora/;
 the smoke run: benchmark/results/local/cpu/lora/).
 """
 
@@ -37,7 +37,6 @@ import torch
 from benchmark import LOCAL_RESULTS
 from benchmark.floor import median_time_s
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = 16
 SHAPE = "llama-3.1-8b"
 NUM_ADAPTERS = 4
@@ -275,8 +274,7 @@ def main() -> None:
         args.batch, args.kv_len, args.prompts, args.prompt_len = min(args.batch, 8), min(args.kv_len, 64), 2, 64
         args.kernel_rows, args.warmup, args.iters = [1, 8, 32], 2, 5
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    default_dir = RESULTS / re.sub(r"[^A-Za-z0-9._-]+", "_", gpu) / "lora" if device == "cuda" else \
-        LOCAL_RESULTS / "cpu" / "lora"  # fmt: skip
+    default_dir = LOCAL_RESULTS / (re.sub(r"[^A-Za-z0-9._-]+", "_", gpu) if device == "cuda" else "cpu") / "lora"
     out_dir = Path(args.out_dir) if args.out_dir else default_dir
     model = build_model(device, args.smoke or device == "cpu")
     results: dict[str, Any] = {"device": gpu, "model": SHAPE if device == "cuda" else "small (smoke)",
