@@ -103,7 +103,7 @@ def slots_of(rows: int, case: str, device: str) -> torch.Tensor:
 
 def bench_decode(model: Any, args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     from benchmark.decode_bench import decode_layout
-    from flashserve.models.llama import NativeCausalLM
+    from flashserve.models.native import NativeCausalLM
 
     b = args.batch
     num_pages = 1 + b * ((args.kv_len + PAGE - 1) // PAGE)

@@ -12,7 +12,7 @@ from safetensors.torch import save_model
 from flashserve.config import ModelConfig
 from flashserve.model_loader import load
 from flashserve.model_loader.loader import load_model
-from flashserve.models.llama import NativeCausalLM
+from flashserve.models.native import NativeCausalLM
 
 TIED = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -281,7 +281,7 @@ def test_safetensors_checkpoint_reads_straight_into_the_native_model(tmp_path: P
     of the HF path over the same checkpoint."""
     from flashserve.config import CacheConfig
     from flashserve.executor.build import build_runner
-    from flashserve.models.llama import NativeCausalLM
+    from flashserve.models.native import NativeCausalLM
 
     config_path = tmp_path / "config.json"
     config_path.write_text(json.dumps(TINY))

@@ -21,7 +21,8 @@ from flashserve.lora.adapter import load_adapter
 from flashserve.lora.manager import enable_lora
 from flashserve.message.lora import LoRAAdapterError, LoRARequest
 from flashserve.message.sampling_params import SamplingParams
-from flashserve.models.llama import LlamaModel, LlamaSpec, NativeCausalLM
+from flashserve.models.llama import LlamaModel, LlamaSpec
+from flashserve.models.native import NativeCausalLM
 from flashserve.worker.runner import ModelRunner
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

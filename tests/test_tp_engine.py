@@ -277,7 +277,7 @@ def test_ranks_read_their_shards_from_a_safetensors_checkpoint(tmp_path: Path) -
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config)).save_pretrained(tmp_path / "ckpt")
     engine = {k: v for k, v in ENGINE.items() if k != "load_format"}
     expected = [c.token_ids for c in LLM(str(tmp_path / "ckpt"), **engine).generate(PROMPTS, GREEDY)]
-    from flashserve.models.llama import NativeCausalLM
+    from flashserve.models.native import NativeCausalLM
 
     with LLM(str(tmp_path / "ckpt"), tensor_parallel_size=2, **engine) as pair:
         assert isinstance(pair.stack.loaded.model, NativeCausalLM) and pair.stack.loaded.model.model.sharded

@@ -12,7 +12,7 @@ from flashserve.engine.outputs import ScheduledRequest
 from flashserve.entrypoints.llm import LLM
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.models.hf import HFCausalLM
-from flashserve.models.llama import NativeCausalLM
+from flashserve.models.native import NativeCausalLM
 
 
 class RecordingSampler:

@@ -26,7 +26,8 @@ from flashserve.layers.linear import gate_up_silu_for, linear, linear_unscaled
 from flashserve.layers.ops import rope_cos_sin_cache, rope_inv_freq
 from flashserve.model_loader.checkpoint import load_llama
 from flashserve.models.hf import model_shape
-from flashserve.models.llama import LlamaModel, NativeCausalLM
+from flashserve.models.llama import LlamaModel
+from flashserve.models.native import NativeCausalLM
 from fp8_checkpoints import ct_config, with_quantization, write_fp8_checkpoint
 from test_cascade_gpu import scheduled
 from test_flashinfer_backend import (

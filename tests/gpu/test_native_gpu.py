@@ -23,7 +23,8 @@ from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader.checkpoint import load_llama
 from flashserve.model_loader.loader import dummy_hf_config
 from flashserve.models.hf import HFCausalLM, model_shape
-from flashserve.models.llama import LlamaModel, NativeCausalLM
+from flashserve.models.llama import LlamaModel
+from flashserve.models.native import NativeCausalLM
 
 PAGE = 16
 PROMPTS = (100, 37)  # unaligned lengths; decode crosses page boundaries

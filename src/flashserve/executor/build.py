@@ -23,7 +23,7 @@ from flashserve.distributed.comm import SingleRankGroup, TPGroup
 from flashserve.executor.worker import FUSED_ALLREDUCE_MAX_TOKENS, rank_device, shared_kv_pages, take_fused_allreduce
 from flashserve.lora.manager import enable_lora
 from flashserve.model_loader import LoadedModel, load
-from flashserve.models.llama import NativeCausalLM
+from flashserve.models.native import NativeCausalLM
 from flashserve.models.llama_weights import UnsupportedModelError
 from flashserve.worker.assembly import (
     attention_dtype, backend_options, capture_decode_graphs, kv_page_bytes, num_kv_pages, pick_backend, pick_sampler,

@@ -33,7 +33,8 @@ from flashserve.model_loader.hf import (
     generation_config, gguf_read_once, load_pretrained, load_tokenizer, read_config, split_gguf,
 )  # fmt: skip
 from flashserve.models.hf import HFCausalLM, attention_scale, model_shape
-from flashserve.models.llama import LlamaModel, NativeCausalLM
+from flashserve.models.llama import LlamaModel
+from flashserve.models.native import NativeCausalLM
 from flashserve.models.llama_weights import LlamaSpec, UnsupportedModelError
 from flashserve.worker.runner import StepModel
 
