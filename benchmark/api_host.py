@@ -153,7 +153,8 @@ def load_instant_core(args: Any) -> Any:
 def serve_in_processes(port: int, step_ms: float, tokenizer_path: str | None, stats_path: str,
                        api_server_count: int) -> int:
     """`flashserve serve`'s supervisor, engine core and front ends, over `InstantExecutor`."""
-    from flashserve.cli import build_parser, to_configs
+    from flashserve.cli import build_parser
+    from flashserve.serve_args import to_configs
     from flashserve.entrypoints.serve import run
 
     os.environ.update(FLASHSERVE_BENCH_STEP_MS=str(step_ms), FLASHSERVE_BENCH_STATS=stats_path,

@@ -73,7 +73,8 @@ def run_batch(llm: Any, prompts: list[list[int]], out: int, model: str, workdir:
     import io
     import re
 
-    from flashserve.cli import build_parser, to_batch_args
+    from flashserve.cli import build_parser
+    from flashserve.serve_args import to_batch_args
     from flashserve.entrypoints.run_batch.main import main as run_batch_main
 
     src, dst = workdir / "batch_in.jsonl", workdir / "batch_out.jsonl"

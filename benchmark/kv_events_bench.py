@@ -182,7 +182,8 @@ def load_instant_core_with_events(args: Any) -> Any:
 
 
 def serve(port: int, events: str | None, stats: str) -> int:
-    from flashserve.cli import build_parser, to_configs
+    from flashserve.cli import build_parser
+    from flashserve.serve_args import to_configs
     from flashserve.entrypoints.serve import run
 
     os.environ.update(FLASHSERVE_BENCH_STEP_MS="2", FLASHSERVE_BENCH_STATS=stats, FLASHSERVE_BENCH_TOKENIZER="")

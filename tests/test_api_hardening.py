@@ -14,7 +14,8 @@ import pytest
 from fake_engine import MODEL, FakeEngine, api_client
 from flashserve.api.options import APIOptions
 from flashserve.api.server import build_app
-from flashserve.cli import build_parser, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_configs
 from production_helpers import assert_openai_error
 
 pytestmark = pytest.mark.anyio

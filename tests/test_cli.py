@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from flashserve.cli import SERVE_OPTIONS, build_parser, to_configs
+from flashserve.cli import SERVE_OPTIONS, build_parser
+from flashserve.serve_args import to_configs
 
 
 def test_defaults_serve_the_embedded_model_on_localhost_8000():

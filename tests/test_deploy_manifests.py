@@ -9,7 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from flashserve.cli import build_parser, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_configs
 
 KUBERNETES = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 # The oldest release the manifests use features of (the preStop `sleep` action is 1.30's).

@@ -12,7 +12,8 @@ from transformers import LlamaConfig
 
 from flashserve.attention import get_backend_cls
 from flashserve.attention.kv_quant import FP8_KV_DTYPE, resolve_kv_cache_dtype
-from flashserve.cli import build_parser, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_configs
 from flashserve.entrypoints.llm import LLM
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.models.llama import LlamaModel

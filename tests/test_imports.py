@@ -96,7 +96,7 @@ def test_the_engine_kv_cache_client_and_api_import_no_torch() -> None:
 # before it. "" is the package's own __init__ (the lazy `LLM` and `SamplingParams`).
 LAYERS = ["message", "spec_decode", "config", "metrics_vllm", "metrics", "tracing", "pinned_staging", "kv_cache",
           "structured", "detokenizer", "engine", "layers", "attention", "distributed", "lora", "sample", "worker", "models", "model_loader",
-          "executor", "client", "api", "cli", "entrypoints", "__main__", ""]
+          "executor", "client", "api", "cli", "serve_args", "entrypoints", "__main__", ""]
 # Imports from a lower package to a higher one that are still there, each to be removed by moving
 # what it needs down; nothing may be added here. Empty: every package imports only those below it.
 ALLOWED_UPWARD: set[tuple[str, str]] = set()

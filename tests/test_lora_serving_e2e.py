@@ -190,7 +190,8 @@ def test_llm_generate_with_a_lora_request_runs_the_adapter(llm: Any, adapters: d
 
 
 def test_run_batch_lines_name_adapters_as_their_model(llm: Any, adapters: dict[str, str], tmp_path: Path) -> None:
-    from flashserve.cli import build_parser, to_batch_args
+    from flashserve.cli import build_parser
+    from flashserve.serve_args import to_batch_args
     from flashserve.entrypoints.run_batch.main import main
     from flashserve.message.lora import LoRARequest
     from flashserve.message.sampling_params import SamplingParams

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from flashserve.cli import build_parser, to_batch_args, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_batch_args, to_configs
 from flashserve.client.dp_client import DataParallelClient
 from flashserve.client.router import PrefixRouter
 from flashserve.config import LoRAConfig

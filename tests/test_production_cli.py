@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashserve.cli import build_parser, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_configs
 
 
 def test_production_options_default_to_open_unbounded_and_a_thirty_second_drain() -> None:

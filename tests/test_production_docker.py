@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from flashserve.cli import build_parser, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_configs
 from production_helpers import free_port, serve_engine
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,8 @@ from flashserve.api import messages_protocol as mp
 from flashserve.api import responses_protocol as rp
 from flashserve.api.errors import APIError
 from flashserve.api.response_store import MissingResponse, ResponseStore, SharedResponseStore, StoredResponse
-from flashserve.cli import build_parser, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_configs
 
 
 class Clock:

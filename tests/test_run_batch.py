@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from flashserve.cli import RUN_BATCH_OPTIONS, SERVER_ONLY_FLAGS, build_parser, to_batch_args
+from flashserve.cli import RUN_BATCH_OPTIONS, SERVER_ONLY_FLAGS, build_parser
+from flashserve.serve_args import to_batch_args
 from flashserve.entrypoints.run_batch.lines import BatchRequest, LineError, parse_line, plan_requests
 from flashserve.entrypoints.run_batch.main import main
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from flashserve.cli import build_parser, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_configs
 from flashserve.config import ModelConfig
 from flashserve.spec_decode.config import SpeculativeConfig
 from flashserve.entrypoints.speculative import check_speculative

@@ -198,7 +198,8 @@ def test_structured_output_follows_its_grammar_with_speculation(llm):
 
 
 def test_run_batch_serves_speculative_requests(llm, tmp_path):
-    from flashserve.cli import build_parser, to_batch_args
+    from flashserve.cli import build_parser
+    from flashserve.serve_args import to_batch_args
     from flashserve.entrypoints.run_batch.main import main
 
     body = {"messages": [{"role": "user", "content": QUOTE}], "max_tokens": 24, "temperature": 0}

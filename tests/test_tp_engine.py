@@ -22,7 +22,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from flashserve.cli import build_parser, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_configs
 from flashserve.entrypoints.llm import LLM
 from flashserve.executor.launch import RankFailed
 from flashserve.message.sampling_params import SamplingParams

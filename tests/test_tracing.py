@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from flashserve.api.options import APIOptions
-from flashserve.cli import build_parser, to_configs
+from flashserve.cli import build_parser
+from flashserve.serve_args import to_configs
 from flashserve.entrypoints.serve import run as serve_run
 from flashserve.tracing import build_tracer
 from live_server import live_server

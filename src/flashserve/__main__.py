@@ -7,7 +7,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flashserve.cli import build_parser, to_batch_args, to_configs
+    from flashserve.cli import build_parser
+    from flashserve.serve_args import to_batch_args, to_configs
 
     parser = build_parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -27,7 +27,7 @@ from flashserve.entrypoints.processes import FRONTEND_NAME, become_child
 from flashserve.message.codec import Dead, EngineSetup, Hello, PROTOCOL_VERSION, recv, send
 
 if TYPE_CHECKING:
-    from flashserve.cli import ServeArgs
+    from flashserve.serve_args import ServeArgs
 
 logger = logging.getLogger("flashserve")
 

@@ -18,7 +18,7 @@ from flashserve.entrypoints.processes import ENGINE_CORE_NAME, become_child
 from flashserve.message.codec import Dead, EngineSetup, PROTOCOL_VERSION, recv, send
 
 if TYPE_CHECKING:
-    from flashserve.cli import ServeArgs
+    from flashserve.serve_args import ServeArgs
 
 logger = logging.getLogger("flashserve")
 

@@ -48,7 +48,7 @@ from flashserve.entrypoints import api_server, core_process
 from flashserve.entrypoints.processes import DP_ENGINE_CORE_NAME, ENGINE_CORE_NAME
 
 if TYPE_CHECKING:
-    from flashserve.cli import ServeArgs
+    from flashserve.serve_args import ServeArgs
 
 logger = logging.getLogger("flashserve")
 

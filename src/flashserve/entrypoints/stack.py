@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 # transformers among them) then belong to start-up, not to the first request or batch line.
 from flashserve.api.options import ServerState
 from flashserve.api.server import build_app
-from flashserve.cli import ServeArgs
+from flashserve.serve_args import ServeArgs
 from flashserve.client.async_engine import AsyncEngine
 from flashserve.metrics import Metrics
 

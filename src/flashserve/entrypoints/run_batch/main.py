@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from flashserve.cli import BatchArgs
+from flashserve.serve_args import BatchArgs
 from flashserve.engine.engine_core import EngineCore
 from flashserve.engine.prefix_pins import GroupPins
 from flashserve.entrypoints.core_process import core_parts
