@@ -93,7 +93,7 @@ SMOKE = Plan(phases=("floor", "serve-small", "offline", "peers"), budget_s=210.0
              goodput_large_step=20.0, goodput_large_max=40.0, goodput_slo_ms=10_000.0, offline_requests=4,
              offline_phases=("fixed512x128",), peer_requests=4, peer_batch=2, peer_latency_repeats=1,
              caps={"floor": 30, "start": 60, "latency": 40, "concurrency": 40, "random": 30, "goodput": 40,
-                   "offline": 40, "hf-generate": 40, "hf-continuous-batching": 40})
+                   "offline": 40, "hf-generate": 90, "hf-continuous-batching": 40})
 PRESETS = {"default": Plan(), "full": FULL, "smoke": SMOKE}
 
 
