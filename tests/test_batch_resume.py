@@ -89,12 +89,13 @@ def test_a_rerun_over_a_finished_output_ends_at_once_without_loading_the_model(t
 def test_a_run_interrupted_halfway_is_finished_by_a_rerun_that_runs_only_the_rest(
         tmp_path: Path, tiny_llama_config: Path) -> None:
     total = 40
-    # 64 tokens a request, two at a time: the first run is still busy for seconds after its fifth
-    # line, so the interrupt lands halfway however fast the machine is.
-    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     (tmp_path / "in.jsonl").write_text("\n".join(line(f"r{i}", body) for i in range(total)) + "\n")
     out = tmp_path / "out.jsonl"
-    first = run_batch(tmp_path, tiny_llama_config, start_new_session=True)
+    # Ctrl-C in a terminal: SIGINT at its default in the run, even where the tests themselves were
+    # started in the background (which ignores SIGINT, and a child inherits that).
+    first = run_batch(tmp_path, tiny_llama_config, start_new_session=True,
+                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while not (out.exists() and len(out.read_text().splitlines()) >= 5):
         assert first.poll() is None and time.monotonic() < deadline
