@@ -4,29 +4,18 @@ target's own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
 from flashserve.entrypoints.llm import LLM
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader.loader import embedded_gguf_path
+from spec_helpers import speculation_off
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-
-
-@contextmanager
-def speculation_off(llm: LLM) -> Iterator[None]:
-    scheduler = llm.engine.scheduler
-    speculator, scheduler.speculator = scheduler.speculator, None
-    try:
-        yield
-    finally:
-        scheduler.speculator = speculator
 
 
 def chats(llm: LLM) -> list[list[int]]:

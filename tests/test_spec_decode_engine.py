@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
 from flashserve.entrypoints.llm import LLM, Completion
 from flashserve.message.sampling_params import SamplingParams
+from spec_helpers import speculation_off
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +29,6 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM("", num_pages=160, max_num_seqs=8, speculative_config=SPEC)
-
-
-@contextmanager
-def speculation_off(llm: LLM) -> Iterator[None]:
-    scheduler = llm.engine.scheduler
-    speculator, scheduler.speculator = scheduler.speculator, None
-    try:
-        yield
-    finally:
-        scheduler.speculator = speculator
 
 
 def chat(llm: LLM, text: str) -> list[int]:
