@@ -19,7 +19,8 @@ float16's range wherever V does.
 `fused_decode` (off by default): RoPE in the append kernel (`paged_append`) and decode steps of a
 few requests through `triton_decode`; see the class.
 
-CUDA graphs (decode only): `flashinfer_graphs.CudaGraphDecode`, whose methods the backend has.
+CUDA graphs: decode steps through `flashinfer_graphs.CudaGraphDecode`, uniform verify steps of
+speculative decoding through `flashinfer_verify.CudaGraphVerify`, whose methods the backend has.
 
 `flashinfer` is imported in the constructor only, so this module imports without it.
 """
@@ -36,6 +37,7 @@ import torch
 from flashserve.attention import triton_decode
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.flashinfer_graphs import CudaGraphDecode, GraphBuffers, StepIndices, TritonDecode
+from flashserve.attention.flashinfer_verify import CudaGraphVerify, VerifyGraphBuffers
 from flashserve.attention.kv_quant import is_fp8, to_cache
 from flashserve.attention.paged_append import Rope, append_paged, fuses_rope
 from flashserve.layers.ops import apply_rope_torch
@@ -53,7 +55,7 @@ _HEAD_DIMS = (64, 128, 256)
 TRITON_DECODE_MAX_BATCH = 4
 
 
-class FlashInferAttentionBackend(CudaGraphDecode):
+class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
     """Owns per-layer K/V pages `[num_pages, page_size, Hkv, D]` (NHD) in `dtype` and attends.
 
     Same positional constructor as `TorchAttentionBackend`. `dtype` is the cache and attention
@@ -139,6 +141,7 @@ class FlashInferAttentionBackend(CudaGraphDecode):
         self._staging = PinnedStaging(self.device)
         self._step: StepIndices | None = None
         self._graph: GraphBuffers | None = None
+        self._verify: VerifyGraphBuffers | None = None
 
     # ---- eager steps -------------------------------------------------------------------------
 

@@ -74,10 +74,13 @@ def build_engine(
         from flashserve.executor.tensor_parallel import start_tensor_parallel
 
         runner, loaded, num_pages = start_tensor_parallel(model, cache, cuda_graph=cuda_graph,
-                                                          max_batch_size=scheduler.max_num_seqs)
+                                                          max_batch_size=scheduler.max_num_seqs,
+                                                          speculative=scheduler.speculative)
     else:
+        # With a draft model, the runner's builder loads it too (its weights and KV count in the sizing).
         runner, loaded, num_pages = build_runner(model, cache, cuda_graph=cuda_graph,
-                                                 max_batch_size=scheduler.max_num_seqs)
+                                                 max_batch_size=scheduler.max_num_seqs,
+                                                 speculative=scheduler.speculative)
     budget = scheduler.max_num_batched_tokens
     if budget is None:
         from flashserve.worker.step_budget import default_prefill_only_budget, default_step_budget
@@ -92,10 +95,6 @@ def build_engine(
         sched.max_loras = model.lora.max_loras  # a step never uses more adapters than the runner's slots
     overlap = scheduler.overlap_scheduling and runner.overlap_capable
     if scheduler.speculative is not None and scheduler.speculative.method == "draft_model":
-        from flashserve.executor.draft import build_drafter
-
-        assert scheduler.speculative.model is not None
-        runner.drafter, _ = build_drafter(scheduler.speculative.model, model, num_pages, cache.page_size)
         # The draft reads each step's tokens on the host: a token still in flight has none there.
         overlap = False
     tokenizer = loaded.tokenizer if detokenize else None

@@ -25,9 +25,10 @@ from flashserve.lora.manager import enable_lora
 from flashserve.model_loader import LoadedModel, load
 from flashserve.models.native import NativeCausalLM
 from flashserve.models.llama_weights import UnsupportedModelError
+from flashserve.spec_decode.config import SpeculativeConfig
 from flashserve.worker.assembly import (
-    attention_dtype, backend_options, capture_decode_graphs, kv_page_bytes, num_kv_pages, pick_backend, pick_sampler,
-    warm_up,
+    attention_dtype, backend_options, capture_decode_graphs, capture_verify_graphs, kv_page_bytes, num_kv_pages,
+    pick_backend, pick_sampler, warm_up,
 )  # fmt: skip
 from flashserve.worker.runner import ModelRunner
 
@@ -42,11 +43,16 @@ def build_runner(
     *,
     cuda_graph: bool = True,
     max_batch_size: int = 256,
+    speculative: SpeculativeConfig | None = None,
 ) -> tuple[ModelRunner, LoadedModel, int]:
     """Loads the model (`group`'s rank's shard; default: one rank, the whole model), sizes and
     allocates the KV cache, builds the backend, sampler and runner; on CUDA (or compiled) warms
     the kernels up, and with FlashInfer captures decode graphs before returning. Collective over
     several ranks: every rank calls it.
+
+    `speculative`: speculative decoding's config. Its draft model (one rank only) loads before the
+    KV cache is sized, which leaves room for the draft's weights and its KV pool
+    (`executor/draft.py`); with FlashInfer, verify steps of its k drafts get CUDA graphs too.
 
     Returns (runner, loaded model with max_model_len capped by the cache, number of pages).
     """
@@ -80,8 +86,14 @@ def build_runner(
     kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, attn_dtype)
     page_size = cache_config.page_size
     t_loaded = time.perf_counter()
+    draft = None
+    if speculative is not None and speculative.method == "draft_model" and not several:
+        from flashserve.executor.draft import load_draft
+
+        assert speculative.model is not None
+        draft = load_draft(speculative.model, model_config, device, page_size)
     page_bytes = kv_page_bytes(shape.num_layers, page_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
-    num_pages = num_kv_pages(cache_config, page_bytes, device)
+    num_pages = num_kv_pages(cache_config, page_bytes, device, draft.page_bytes if draft is not None else 0)
     if several:
         num_pages = shared_kv_pages(num_pages, page_bytes, device, group)
     backend = get_backend_cls(backend_name)(
@@ -117,11 +129,19 @@ def build_runner(
     cascade = None if several else cascade_policy(model_config.cascade_attention)
     runner = ModelRunner(model, device, backend, sampler, page_size, cascade, group)
     runner.lora = lora
+    runner.speculative = speculative is not None
+    if draft is not None:
+        from flashserve.executor.draft import build_drafter
+
+        runner.drafter = build_drafter(draft, num_pages, page_size, device)
     compiled = isinstance(model, NativeCausalLM) and model.model.compiled
     if device.type == "cuda" or compiled:
         warm_up(runner, num_pages)
         if cuda_graph and backend_name == "flashinfer":
             capture_decode_graphs(runner, model, max_batch_size)
+            if speculative is not None:
+                capture_verify_graphs(runner, model, max_batch_size, speculative.num_speculative_tokens,
+                                      speculative.disable_by_batch_size)  # fmt: skip
         elif cuda_graph and group.rank == 0:
             logger.info("CUDA graphs need the FlashInfer backend; decoding eagerly")
     return runner, loaded, num_pages

@@ -45,6 +45,7 @@ from flashserve.executor.worker import (
 )  # fmt: skip
 from flashserve.message.lora import LoRARequest
 from flashserve.model_loader import LoadedModel
+from flashserve.spec_decode.config import SpeculativeConfig
 from flashserve.worker.assembly import pick_device
 from flashserve.worker.runner import LaunchedStep, ModelRunner, StepModel
 
@@ -177,7 +178,8 @@ class TensorParallelExecutor:
 
 
 def run_worker(model_config: ModelConfig, cache_config: CacheConfig, channel_path: str | None = None,
-               cuda_graph: bool = True, max_batch_size: int = 256) -> None:  # fmt: skip
+               cuda_graph: bool = True, max_batch_size: int = 256,
+               speculative: SpeculativeConfig | None = None) -> None:  # fmt: skip
     """A worker rank (1..N-1): joins the group, builds its shard's runner (`build_runner`, as
     rank 0 does, with the same warm-up and decode graphs), then runs steps until rank 0 sends the
     end (or dies: the launcher's parent watch ends this process). Steps come through rank 0's
@@ -199,7 +201,7 @@ def run_worker(model_config: ModelConfig, cache_config: CacheConfig, channel_pat
         steps = channel
     try:
         runner, _, _ = build_runner(model_config, cache_config, group, cuda_graph=cuda_graph,
-                                    max_batch_size=max_batch_size)  # fmt: skip
+                                    max_batch_size=max_batch_size, speculative=speculative)  # fmt: skip
         while True:
             step = steps.receive()
             if step is None:
@@ -258,6 +260,7 @@ def check_visible_gpus(device: str, world_size: int) -> None:
 
 def start_tensor_parallel(
     model_config: ModelConfig, cache_config: CacheConfig, *, cuda_graph: bool = True, max_batch_size: int = 256,
+    speculative: SpeculativeConfig | None = None,
 ) -> tuple[TensorParallelExecutor, LoadedModel, int]:
     """Builds rank 0's runner in this process (`build_runner`) and the executor that drives it and
     ranks 1..N-1 beside
@@ -274,7 +277,7 @@ def start_tensor_parallel(
     rank = launched_rank(world_size)
     if rank is not None and rank != 0:
         logger.info("rank %d of %d: running rank 0's steps until it ends them", rank, world_size)
-        run_worker(model_config, cache_config, None, cuda_graph, max_batch_size)
+        run_worker(model_config, cache_config, None, cuda_graph, max_batch_size, speculative)
         raise SystemExit(0)
     threads = torch.get_num_threads()  # build_runner shares the cores out on a CPU; close restores it
     channel = None
@@ -287,7 +290,7 @@ def start_tensor_parallel(
         port = free_port(_MASTER_ADDR)
         env = rank_env(0, world_size, _MASTER_ADDR, port)
         args = (model_config, cache_config, str(channel.path) if channel is not None else None, cuda_graph,
-                max_batch_size)
+                max_batch_size, speculative)
         try:
             workers = RankProcesses.start(run_worker, args, world_size=world_size, ranks=range(1, world_size),
                                           master_addr=_MASTER_ADDR, master_port=port)  # fmt: skip
@@ -307,7 +310,7 @@ def start_tensor_parallel(
             channel.unlink()
         control = control_group()
         runner, loaded, num_pages = build_runner(model_config, cache_config, group, cuda_graph=cuda_graph,
-                                                 max_batch_size=max_batch_size)  # fmt: skip
+                                                 max_batch_size=max_batch_size, speculative=speculative)  # fmt: skip
     except BaseException as exc:
         try:
             workers.check()

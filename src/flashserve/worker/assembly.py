@@ -57,20 +57,30 @@ def kv_page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: 
     return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def num_kv_pages(cache: CacheConfig, page_bytes: int, device: torch.device) -> int:
-    """Explicit `num_pages`, else `gpu_memory_utilization` of the GPU memory left free after the
-    model loaded (CUDA), or `cpu_kv_cache_gb` (CPU)."""
-    if cache.num_pages is not None:
-        return cache.num_pages
+def kv_cache_budget(cache: CacheConfig, device: torch.device) -> int:
+    """Bytes for KV pages: `gpu_memory_utilization` of the GPU memory free now, after the models
+    loaded (CUDA), or `cpu_kv_cache_gb` (CPU)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * cache.gpu_memory_utilization)
-    else:
-        budget = int(cache.cpu_kv_cache_gb * (1 << 30))
-    pages = budget // page_bytes
+        return int(free * cache.gpu_memory_utilization)
+    return int(cache.cpu_kv_cache_gb * (1 << 30))
+
+
+def num_kv_pages(cache: CacheConfig, page_bytes: int, device: torch.device, draft_page_bytes: int = 0) -> int:
+    """Explicit `num_pages`, else as many pages as `kv_cache_budget` holds.
+
+    `draft_page_bytes`: with speculative decoding's draft model, one page of its KV. Its pool has
+    as many pages as the target's, addressed by the same ids, so each page of the budget pays for
+    both: `page_bytes + draft_page_bytes`. (The draft's weights are loaded before, so that on a
+    GPU they are out of the free memory measured.)"""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    budget = kv_cache_budget(cache, device)
+    pages = budget // (page_bytes + draft_page_bytes)
     if pages < 1:
-        raise RuntimeError(f"no memory left for the KV cache: {budget} bytes for pages of {page_bytes} bytes")
+        raise RuntimeError(f"no memory left for the KV cache: {budget} bytes for pages of "
+                           f"{page_bytes + draft_page_bytes} bytes")
     return pages
 
 
@@ -145,3 +155,30 @@ def capture_decode_graphs(runner: ModelRunner, model: StepModel, max_batch_size:
     runner.graphs = graphs
     logger.info("captured decode CUDA graphs%s for batch sizes %s in %.1f s", " (flat and cascade)" if cascade else "",
                 sizes, time.perf_counter() - t0)
+
+
+def capture_verify_graphs(runner: ModelRunner, model: StepModel, max_batch_size: int, num_draft_tokens: int,
+                          disable_by_batch_size: int | None) -> None:  # fmt: skip
+    """Captures the graphs of uniform verify steps of `num_draft_tokens` drafts a request
+    (`worker/verify_graph.py`), in the decode graphs' memory pool; none for a model with LoRA
+    adapters (its verify steps run eagerly) or a forward that synchronises with the host."""
+    from flashserve.worker.cuda_graph import NotCapturableError
+    from flashserve.worker.verify_graph import VerifyGraphRunner, verify_capture_sizes
+
+    if runner.lora is not None:
+        logger.info("speculative decoding: verify steps run eagerly with LoRA adapters")
+        return
+    sizes = verify_capture_sizes(max_batch_size, num_draft_tokens, disable_by_batch_size)
+    if not sizes:
+        return
+    t0 = time.perf_counter()
+    graphs = VerifyGraphRunner(model.decode_logits(runner.backend), runner.backend, sizes,  # type: ignore[arg-type]
+                               num_draft_tokens)
+    try:
+        graphs.capture(runner.graphs.pool if runner.graphs is not None else None)
+    except NotCapturableError as exc:
+        logger.warning("verifying drafts eagerly, without CUDA graphs: %s", exc)
+        return
+    runner.verify_graphs = graphs
+    logger.info("captured verify CUDA graphs (%d draft tokens a request) for batch sizes %s in %.1f s",
+                num_draft_tokens, sizes, time.perf_counter() - t0)

@@ -42,6 +42,20 @@ def capture_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes
 
 
+def check_no_host_sync(forward: ForwardFn, ids: torch.Tensor, pos: torch.Tensor) -> None:
+    """Runs `forward` once with host syncs made errors: NotCapturableError if it synchronises."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        forward(ids, pos)
+    except RuntimeError as exc:
+        if "synchroniz" not in str(exc):
+            raise
+        raise NotCapturableError(f"the forward synchronises with the host: {exc}") from exc
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
 class CudaGraphRunner:
     """Runs a step's forward from a captured graph when it can, eagerly otherwise.
 
@@ -76,6 +90,7 @@ class CudaGraphRunner:
         self._input_ids: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
+        self.pool: tuple[int, int] | None = None  # the graphs' memory pool, once captured (verify graphs share it)
 
     @property
     def captured(self) -> bool:
@@ -129,19 +144,11 @@ class CudaGraphRunner:
                     self._out[:bs].copy_(forward(ids, pos))
                 pool = graph.pool()
                 self._graphs[bs, cascade, plain] = graph
+        self.pool = pool
         torch.cuda.synchronize(device)
 
     def _check_no_host_sync(self, forward: ForwardFn, ids: torch.Tensor, pos: torch.Tensor) -> None:
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            forward(ids, pos)
-        except RuntimeError as exc:
-            if "synchroniz" not in str(exc):
-                raise
-            raise NotCapturableError(f"the forward synchronises with the host: {exc}") from exc
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
+        check_no_host_sync(forward, ids, pos)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  plain: bool = False) -> torch.Tensor:  # fmt: skip

@@ -15,7 +15,6 @@ tokens are written into the rows here, before the target's forward reads them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,22 +23,11 @@ from flashserve.attention.base import BatchLayout
 from flashserve.worker.input_batch import BatchRow
 
 
-@dataclass(slots=True)
-class _DraftRow:
-    """A row as the draft's layout reads it (`attention.layout_row.LayoutRow`)."""
-
-    request_id: str
-    num_computed_tokens: int
-    page_ids: Sequence[int]
-    new_token_ids: list[int]
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.new_token_ids)
-
-    @property
-    def kv_len(self) -> int:
-        return self.num_computed_tokens + len(self.new_token_ids)
+def _draft_row(row: BatchRow, num_computed_tokens: int, new_token_ids: list[int]) -> BatchRow:
+    """The request's row as one draft forward reads it: `new_token_ids` after `num_computed_tokens`
+    (its state shared with the step's row, not copied)."""
+    return BatchRow(row.request_id, row.params, row.prompt_token_ids, row.output_token_ids, row.page_ids,
+                    new_token_ids, num_computed_tokens)
 
 
 class Drafter:
@@ -52,8 +40,8 @@ class Drafter:
     def fill(self, rows: Sequence[BatchRow]) -> None:
         """Computes the draft's K/V of the step's known tokens and writes each row's draft tokens
         (its last `num_draft_tokens` of `new_token_ids`, reserved by the scheduler) in place."""
-        known = [_DraftRow(r.request_id, r.num_computed_tokens, r.page_ids,
-                           list(r.new_token_ids[: len(r.new_token_ids) - r.num_draft_tokens])) for r in rows]
+        known = [_draft_row(r, r.num_computed_tokens, r.new_token_ids[: r.num_new_tokens - r.num_draft_tokens])
+                 for r in rows]
         drafting = [i for i, r in enumerate(rows) if r.num_draft_tokens]
         with torch.inference_mode():
             tokens = self._forward(known, [known[i] for i in drafting])
@@ -62,14 +50,13 @@ class Drafter:
                 for i, token in zip(drafting, tokens):
                     rows[i].new_token_ids[len(rows[i].new_token_ids) - rows[i].num_draft_tokens + j] = token
                 # Draft j fed back: its K/V, and draft j + 1 from its logits for the rows that want one.
-                fed = [_DraftRow(rows[i].request_id, known[i].kv_len + j, rows[i].page_ids, [token])
-                       for i, token in zip(drafting, tokens)]
+                fed = [_draft_row(rows[i], known[i].kv_len + j, [token]) for i, token in zip(drafting, tokens)]
                 after = self._forward(fed, fed)
                 wanting = [k for k, i in enumerate(drafting) if rows[i].num_draft_tokens > j + 1]
                 drafting, tokens = [drafting[k] for k in wanting], [after[k] for k in wanting]
                 j += 1
 
-    def _forward(self, rows: list[_DraftRow], sampled: list[_DraftRow]) -> list[int]:
+    def _forward(self, rows: list[BatchRow], sampled: list[BatchRow]) -> list[int]:
         """One draft forward over `rows`; the argmax after each of `sampled`'s last token."""
         rows = [r for r in rows if r.new_token_ids]
         if not rows:

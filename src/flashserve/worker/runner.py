@@ -25,6 +25,7 @@ from flashserve.structured.grammar import TokenBitmask
 from flashserve.worker.input_batch import BatchRow, InputBatch, append_sampled
 from flashserve.worker.launched_step import LaunchedStep
 from flashserve.worker.step_inputs import StepInputBuilder, StepInputs
+from flashserve.worker.verify_graph import is_uniform_verify_step
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepModel", "TokenSampler"]
 
@@ -87,6 +88,10 @@ class ModelRunner:
         self.page_size = page_size
         self.cascade = cascade  # None: every step attends flat
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
+        self.verify_graphs: Any = None  # a VerifyGraphRunner for uniform verify steps, once captured
+        # Speculative decoding is configured (n-gram drafts from the scheduler, or `drafter`): steps
+        # may carry draft tokens to verify. Off: `_launch` never looks for them.
+        self.speculative = False
         self.batch = InputBatch()  # the running requests, kept across steps
         self.inputs = StepInputBuilder(self.device, page_size)
         self.drafter: Any = None  # speculative decoding's draft model (`worker/drafter.py`), if any
@@ -123,6 +128,12 @@ class ModelRunner:
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
                 plain = self.lora is not None and not self.lora.stack.active  # no adapter rows: the graph without them
                 return self.graphs(inputs.input_ids, inputs.positions, inputs.layout, plain=plain)
+            if self.verify_graphs is not None and is_uniform_verify_step(rows, self.verify_graphs.num_draft_tokens,
+                                                                         prompt_rows):
+                # The logits of every token, which are the sampled ones in a uniform verify step.
+                logits = self.verify_graphs(inputs.input_ids, inputs.positions, inputs.layout)
+                if logits is not None:
+                    return logits
             self.backend.plan(inputs.layout)
             return self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.logits_indices)
 
@@ -174,7 +185,9 @@ class ModelRunner:
         logits = self.forward(out, step.prompt_logprobs.rows if step.prompt_logprobs is not None else (), previous,
                               rows)
         with torch.inference_mode():
-            num_positions = len(sampling) + sum(r.num_draft_tokens for r in requests)
+            num_positions = len(sampling)
+            if self.speculative:
+                num_positions += sum(r.num_draft_tokens for r in requests)
             if step.prompt_logprobs is not None:
                 step.prompt_logprobs.compute(logits[num_positions:])
             if not sampling:
