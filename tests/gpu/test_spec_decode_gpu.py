@@ -1,20 +1,31 @@
 """Speculative decoding on the GPU: FlashInfer's chain_speculative_sampling keeps the target's
-distribution, and greedy verify steps (eager, bf16) give plain decoding's tokens except where the
-top-2 logit gap is a near-tie (a verify step sums in another order than a decode step)."""
+distribution; a verify step replayed from its CUDA graph gives the logits of the same step run
+eagerly; and greedy verify steps (bf16, eager and from graphs) give plain decoding's tokens except
+where the top-2 logit gap is a near-tie (a verify step sums in another order than a decode step)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from flashserve.attention.base import BatchLayout
+from flashserve.config import CacheConfig, ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.entrypoints.llm import LLM
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.sample.flashinfer import FlashInferSampler
 from flashserve.sample.rejection import verify
+from flashserve.spec_decode.config import SpeculativeConfig
 from flashserve.worker.input_batch import InputBatch
 
 NEAR_TIE = 0.05  # logits closer than this may flip between a verify step and a decode step in bf16
+# A verify step from its graph against the same step eager, both bf16: the graph's plan always
+# splits the KV (its launch shape is fixed), the eager plan need not, so the sums round apart.
+GRAPH_TOL = 2e-2  # relative error (Frobenius norm) of the step's logits
+PAGE = 16
+K = 3
 
 
 def test_chain_speculative_sampling_keeps_the_targets_distribution():
@@ -31,6 +42,56 @@ def test_chain_speculative_sampling_keeps_the_targets_distribution():
         counts[verify(sampler, logits, rows)[0][0]] += 1
     expected = torch.softmax(logits[0].float(), -1).cpu() * draws
     assert float(((counts - expected) ** 2 / expected).sum()) < 20.52  # chi-square, 5 dof, p = 0.001
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tmp_path_factory):  # noqa: ANN001
+    """A two-layer bf16 Llama of dummy weights built as the server builds it, speculating K drafts:
+    decode and verify graphs of batch sizes 1, 2 and 4."""
+    from flashserve.executor.build import build_runner
+
+    path = tmp_path_factory.mktemp("tiny-verify")
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }))  # fmt: skip
+    spec = SpeculativeConfig("ngram", K, prompt_lookup_min=2, prompt_lookup_max=2)
+    runner, _, _ = build_runner(ModelConfig(model=str(path), load_format="dummy", device="cuda"),
+                                CacheConfig(num_pages=64, page_size=PAGE), max_batch_size=4, speculative=spec)
+    assert runner.verify_graphs is not None and runner.verify_graphs.batch_sizes == [1, 2, 4]
+    return runner
+
+
+def run_eager(runner, rows: list[ScheduledRequest]) -> torch.Tensor:  # noqa: ANN001
+    """The step's logits at every token, eagerly (`rows` as new rows: whole page tables)."""
+    layout = BatchLayout.build(rows, PAGE)
+    ids = torch.tensor([t for r in rows for t in r.new_token_ids], device="cuda")
+    runner.backend.plan(layout)
+    return runner.model.forward(ids, torch.tensor(layout.positions, device="cuda"), runner.backend, None)
+
+
+@pytest.mark.parametrize("batch,first_page", [(1, 1), (3, 20)], ids=["batch-1", "3-rows-in-the-4-row-graph"])
+def test_a_verify_step_replayed_from_its_graph_gives_the_eager_logits(tiny_runner, batch, first_page):
+    params = SamplingParams(temperature=0.0)
+    lengths = [13, 16, 30][:batch]  # the verify tokens cross a page boundary in the last two
+    pages = [list(range(first_page + 3 * i, first_page + 3 * i + 3)) for i in range(batch)]
+    prompts = [[(11 * i + 7 * j) % 512 for j in range(n)] for i, n in enumerate(lengths)]
+    with torch.inference_mode():
+        run_eager(tiny_runner, [ScheduledRequest(str(i), p, 0, pg, True, params) for i, (p, pg) in
+                                enumerate(zip(prompts, pages))])  # fmt: skip
+        step = [ScheduledRequest(str(i), [p[-1], 5, 6, 7], n, pg, True, params, num_draft_tokens=K)
+                for i, (p, n, pg) in enumerate(zip(prompts, lengths, pages))]
+        layout = BatchLayout.build(step, PAGE)
+        ids = torch.tensor([t for r in step for t in r.new_token_ids], device="cuda")
+        graphed = tiny_runner.verify_graphs(ids, torch.tensor(layout.positions, device="cuda"), layout)
+        assert graphed is not None, "no verify graph took the step"
+        graphed = graphed.clone()
+        eager = run_eager(tiny_runner, step)  # the same K/V written again, then the same attention
+    assert graphed.shape == eager.shape == (batch * (K + 1), 512)
+    err = ((graphed - eager).norm() / eager.norm()).item()
+    assert err < GRAPH_TOL, f"graph vs eager verify logits: relative error {err:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +113,20 @@ class Replay:
         return [t if (done + j) % 3 else (t + 1) % 1000 for j, t in enumerate(drafts)]
 
 
-def test_greedy_tokens_match_plain_decoding_up_to_near_ties(llm):
+@pytest.mark.parametrize("verify_steps", ["eager", "from-graphs"])
+def test_greedy_tokens_match_plain_decoding_up_to_near_ties(llm, verify_steps, monkeypatch):
     prompt = list(range(100, 140)) * 4
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=2)
+    runner = llm.engine.executor
+    assert runner.verify_graphs is not None and runner.verify_graphs.captured
+    replays = []
+    if verify_steps == "eager":
+        monkeypatch.setattr(runner, "verify_graphs", None)
+    else:
+        plan = runner.backend.plan_verify_graph
+        monkeypatch.setattr(runner.backend, "plan_verify_graph", lambda *a: (replays.append(a[1]), plan(*a))[1])
     scheduler = llm.engine.scheduler
+    accepted_before = scheduler.spec_stats.num_accepted_tokens if scheduler.spec_stats is not None else 0
     speculator, scheduler.speculator = scheduler.speculator, None
     try:
         off = llm.generate([prompt], params)[0]
@@ -63,7 +134,8 @@ def test_greedy_tokens_match_plain_decoding_up_to_near_ties(llm):
         scheduler.speculator = speculator
     speculator.proposer = Replay(prompt, off.token_ids)
     on = llm.generate([prompt], params)[0]
-    assert scheduler.spec_stats is not None and scheduler.spec_stats.num_accepted_tokens > 0
+    assert scheduler.spec_stats is not None and scheduler.spec_stats.num_accepted_tokens > accepted_before
+    assert (replays != []) == (verify_steps == "from-graphs")  # the verify steps took the path asked
     first_diff = next((i for i, (a, b) in enumerate(zip(on.token_ids, off.token_ids)) if a != b), None)
     if first_diff is None:
         return
