@@ -27,8 +27,8 @@ from flashserve.attention.flashinfer_graphs import StepIndices
 
 
 def padding_pages(num_query_tokens: int, page_size: int) -> int:
-    """Scratch-page entries of one padding request of `num_query_tokens` tokens: one page, two
-    when k + 1 tokens overflow a page (k <= 16 < 2 * page_size for page size >= 9)."""
+    """Scratch-page entries of one padding request of `num_query_tokens` tokens: as many pages as
+    the tokens fill (at page size 16: one, two when k = 16), each the scratch page again."""
     return -(-num_query_tokens // page_size)
 
 
