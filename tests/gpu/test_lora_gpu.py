@@ -88,16 +88,19 @@ def run(runner: Any, lids: list[int], tag: str) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.inference_mode()
-def merge(runner: Any, lid: int, sign: float) -> None:
-    """Adds (sign 1) or subtracts (sign -1) adapter `lid`'s scaling * B @ A into the model's fused
-    projections, computed in float32 from its host weights."""
+def merge(runner: Any, lid: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Adds adapter `lid`'s scaling * B @ A into the model's fused projections, computed in float32
+    from its host weights; returns each changed weight with a copy of what it held, for `restore`
+    (subtracting the product again would leave the weights rounded twice)."""
     native = runner.model.model
     adapter = runner.lora.cache[lid]
     shapes = module_shapes(native.spec)
+    saved = []
     for layer, proj in enumerate(native.layers):
         for kind, modules in FUSED.items():
             weight = getattr(proj, {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj",
                                     "down": "down_proj"}[kind]).weight  # fmt: skip
+            saved.append((weight, weight.clone()))
             row = 0
             for module in modules:
                 out_f = shapes[module][0]
@@ -105,8 +108,15 @@ def merge(runner: Any, lid: int, sign: float) -> None:
                 if ab is not None:
                     a, b = (t.to(weight.device) for t in ab)
                     part = weight[row : row + out_f]
-                    part.copy_((part.float() + sign * (b @ a)).to(weight.dtype))
+                    part.copy_((part.float() + b @ a).to(weight.dtype))
                 row += out_f
+    return saved
+
+
+@torch.inference_mode()
+def restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for weight, original in saved:
+        weight.copy_(original)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -145,9 +155,9 @@ def check_against_merged(model_config: ModelConfig, cache_config: CacheConfig, t
     found = {}
     for lid, rank in enumerate(RANKS, start=1):
         runner.lora.slots_for([lid])  # its weights stay in the host cache (3 adapters, 3 entries)
-        merge(runner, lid, 1.0)
+        saved = merge(runner, lid)
         merged = run(runner, [0] * len(ROWS), f"merged{lid}")
-        merge(runner, lid, -1.0)
+        restore(saved)
         rows = [i for i, x in enumerate(ROWS) if x == lid]
         for phase, name in ((0, "prefill"), (1, "decode")):
             err = rel(mixed[phase][rows], merged[phase][rows])

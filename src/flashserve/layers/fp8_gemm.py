@@ -5,7 +5,12 @@ On CUDA the product is `torch._scaled_mm` with row-wise scales (cuBLASLt / CUTLA
 epilogue, no host sync, so a CUDA graph can hold it. Up to `SMALL_M` rows (decode) cuBLASLt's
 row-wise kernels are no faster than bfloat16 on an H100 (8B o projection at 1 row: 15 us against
 10.5), so there FlashInfer's `bmm_fp8` (per-tensor scales, 6.4 us) runs with unit scales and one
-Triton kernel applies both scales (and the bias) to its bfloat16 output in place.
+Triton kernel applies both scales (and the bias) to its bfloat16 output in place. Only under CUDA-graph
+capture, though: `bmm_fp8`'s Python layers (backend checks, its autotuner's lookups) cost about
+0.5 ms of host time a call, which a replayed graph never pays but an eager step does on every
+projection. An eager step of 128 prefill tokens of the 8B took 65 ms with it (kernels 3.7 ms, the
+rest host time; H200, `benchmark.tp_prefill --quantization fp8 --profile-len 128`): eager steps
+take `_scaled_mm` at every size.
 
 One bfloat16 row (a decode step of one sequence) takes neither: `fp8_weight_gemv` multiplies the
 row as it is by the FP8 weights widened in registers, the channel scales after its loop, so no
@@ -194,8 +199,8 @@ def fp8_linear(
     multiplies the activation as it is (neither `input_scale` nor `input_scale_ub` applies: no
     activation is quantized). Otherwise activations are quantized per token, or with `input_scale`
     (static, per tensor) when given; `QuantizedRows` [M, K] arrive quantized already (from a
-    bfloat16 model's kernels: the output is bfloat16). Up to SMALL_M rows FlashInfer's bmm_fp8 and
-    the scaling kernel, above it row-wise `_scaled_mm`; both write bfloat16, and another activation
+    bfloat16 model's kernels: the output is bfloat16). Up to SMALL_M rows under CUDA-graph capture
+    FlashInfer's bmm_fp8 and the scaling kernel, otherwise row-wise `_scaled_mm`; both write bfloat16, and another activation
     dtype is cast back. `defer_scales`: up to SMALL_M rows, return bmm_fp8's product as
     `UnscaledRows` for a fused kernel to scale as it reads it (a bfloat16 activation only).
     """
@@ -209,7 +214,11 @@ def fp8_linear(
         x2 = x.reshape(-1, shape[-1])
         xq, xs = quantize_static(x2, input_scale) if input_scale is not None else quantize_rows(x2, input_scale_ub)
     out: Tensor | UnscaledRows
-    if 0 < xq.shape[0] <= SMALL_M and xq.is_cuda and _bmm_fp8() is not None:
+    small = 0 < xq.shape[0] <= SMALL_M and xq.is_cuda and _bmm_fp8() is not None
+    if small and not torch.cuda.is_current_stream_capturing():
+        _unit_scale(xq.device)  # made by the eager warm-up, for the graphs captured after it
+        small = False
+    if small:
         unscaled = UnscaledRows(_bmm_fp8_unscaled(xq, weight), xs, weight_scale, bias)
         if defer_scales and dtype == torch.bfloat16 and len(shape) == 2:
             return unscaled
