@@ -118,6 +118,8 @@ def profile_step(runner: Any, step: Any, out: Path, steps: int = 3) -> dict[str,
 
 def tables(doc: dict[str, Any]) -> str:
     fmt = f", {doc['quantization']} weights, {doc['kv_cache_dtype']} KV" if doc.get("quantization") else ""
+    if doc.get("overlap_min_tokens"):
+        fmt += f", all-reduces overlapped in two chunks from {doc['overlap_min_tokens']} tokens"
     lines = [f"{doc['gpu']} x {doc['tp']}: {doc['model']}{fmt} (dummy weights), a lone prompt at TP={doc['tp']}; "
              f"bf16 matmul {doc['rates']['matmul_TFLOP_per_s']:.0f} TFLOP/s, copy {doc['rates']['copy_GB_per_s']:.0f} GB/s",
              "", "| prompt | step ms | TTFT ms (engine) | floor ms | step / floor | TTFT / floor |", "|---|---|---|---|---|---|"]  # fmt: skip
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--fused", choices=("auto", "on", "off"), default="auto", help="the fused all-reduce")
     p.add_argument("--quantization", default=None, help="fp8: FP8 weights (dynamic activations)")
+    p.add_argument("--overlap-min-tokens", type=int, default=None,
+                   help="--tp-overlap-min-tokens: steps this large run in two chunks, all-reduces overlapped")
     p.add_argument("--kv-cache-dtype", default="auto", help="fp8: an FP8 KV cache")
     p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
@@ -166,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, load_format="dummy", tensor_parallel_size=args.tp, max_num_seqs=16,
               max_model_len=max(lens) + 64, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_flashinfer_allreduce_fusion=fused, cuda_graph=False, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+              kv_cache_dtype=args.kv_cache_dtype, tp_overlap_min_tokens=args.overlap_min_tokens)  # fmt: skip
     runner: Any = llm.engine.executor
     doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "model": args.model,
                            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+                           "overlap_min_tokens": args.overlap_min_tokens,
                            "rates": rates.to_json(), "profile_len": args.profile_len, "rows": []}  # fmt: skip
     for n in lens:
         floor = first_token_floor_s(shape, rates, [n]) * 1e3 / args.tp

@@ -30,7 +30,7 @@ from flashserve.executor.launch import RankFailed, RankProcesses
 from flashserve.layers.ops import torch_ops
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader.checkpoint import load_llama
-from flashserve.models.llama import LlamaModel
+from flashserve.models.llama import LlamaModel, LlamaSpec
 
 WORLD = 2
 PAGE = 16
@@ -125,6 +125,11 @@ class RecordingFusedAllReduce:
         pass
 
 
+# Steps of this many tokens or more run in token chunks whose all-reduces overlap (the 21- and
+# 23-token steps of SCHEDULE; not its 3-token decode steps).
+OVERLAP_MIN_TOKENS = 16
+
+
 def _rank_main(checkpoints: str, names: list[str], out_dir: str) -> None:
     """One rank: loads each checkpoint's shard two ways, runs the steps, saves what it saw."""
     torch.set_num_threads(1)  # two ranks share the machine's cores
@@ -142,6 +147,11 @@ def _rank_main(checkpoints: str, names: list[str], out_dir: str) -> None:
             "heads": (from_state.shard.num_heads, from_state.shard.num_kv_heads),
             "shapes": {n: tuple(p.shape) for n, p in from_state.named_parameters()},
         }
+    overlapped = LlamaModel.from_hf(load_file(os.path.join(checkpoints, names[0], "model.safetensors")), config_of(
+        os.path.join(checkpoints, names[0])), torch.float32, "cpu", ops="torch", group=group)
+    overlapped.overlap_min_tokens = OVERLAP_MIN_TOKENS
+    found["overlap"] = {"logits": run_schedule(overlapped),
+                        "chunks": {n: len(overlapped.token_chunks(n)) for n in (3, 21, 23)}}  # fmt: skip
     fused = RecordingFusedAllReduce(group)
     model = LlamaModel.from_hf(load_file(os.path.join(checkpoints, names[0], "model.safetensors")), config_of(
         os.path.join(checkpoints, names[0])), torch.float32, "cpu", ops="torch", group=group)
@@ -206,6 +216,30 @@ def test_only_steps_within_the_fused_allreduce_s_tokens_take_it(runs: dict[str, 
         # One per row-parallel projection (o_proj and down_proj of each layer), for each of the two
         # 3-token decode steps; the 21- and 23-token steps went through the group's all-reduce.
         assert runs["ranks"][rank]["fused"]["tokens"] == [3] * (2 * layers) * len(DECODE)
+
+
+def test_steps_run_in_token_chunks_with_overlapped_all_reduces_give_the_logits_of_one_rank(runs: dict[str, Any]) -> None:
+    for rank in range(WORLD):
+        assert runs["ranks"][rank]["overlap"]["chunks"] == {3: 1, 21: 2, 23: 2}
+        for step, got in enumerate(runs["ranks"][rank]["overlap"]["logits"]):
+            torch.testing.assert_close(got, runs["one_rank"][NAMES[0]][step], atol=1e-5, rtol=1e-4)
+
+
+def test_a_large_step_over_several_ranks_splits_into_chunks_of_whole_16_token_rows() -> None:
+    from flashserve.distributed.comm import SingleRankGroup
+
+    class TwoRanks(SingleRankGroup):
+        rank, world_size = 0, 2
+
+    model = LlamaModel(LlamaSpec.from_hf_config(configs()[NAMES[0]]), torch_ops(), group=TwoRanks())
+    assert model.token_chunks(2048) == [slice(0, 2048)]  # off until overlap_min_tokens is set
+    model.overlap_min_tokens = 1024
+    assert model.token_chunks(2048) == [slice(0, 1024), slice(1024, 2048)]
+    assert model.token_chunks(1000) == [slice(0, 1000)]
+    assert model.token_chunks(1030) == [slice(0, 528), slice(528, 1030)]
+    single = LlamaModel(LlamaSpec.from_hf_config(configs()[NAMES[0]]), torch_ops())
+    single.overlap_min_tokens = 1024
+    assert single.token_chunks(2048) == [slice(0, 2048)]  # one rank has nothing to overlap
 
 
 def test_every_rank_returns_the_whole_vocabulary(runs: dict[str, Any]) -> None:

@@ -35,6 +35,10 @@ class ModelConfig:
     # True: forced; False: NCCL; None: where it can run and NVLink links the GPUs
     # (`executor/worker.py`, take_fused_allreduce).
     enable_flashinfer_allreduce_fusion: bool | None = None
+    # Under tensor parallelism: steps of at least this many tokens run each layer's token-wise part
+    # in two chunks, one chunk's all-reduce beside the other's GEMMs (`models/llama.py`,
+    # token_chunks). None: off.
+    tp_overlap_min_tokens: int | None = None
     # "fp8": quantize a high-precision checkpoint's projections at load (per-channel weights,
     # per-token activations). FP8 checkpoints (config.json's quantization_config) need no flag.
     quantization: str | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 from itertools import combinations
-from typing import MutableMapping, Protocol, Sequence, runtime_checkable
+from typing import Any, MutableMapping, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,11 @@ class TPGroup(Protocol):
         """Sums `t` over the ranks in place and returns it."""
         ...
 
+    def all_reduce_start(self, t: Tensor) -> PendingSum:
+        """Starts summing `t` over the ranks in place; `wait()` on the result returns it summed.
+        On CUDA the sum runs on the communicator's stream, beside the kernels enqueued after it."""
+        ...
+
     def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
         """Concatenates every rank's `t` (same shape on all) along `dim`, in rank order."""
         ...
@@ -61,6 +66,26 @@ class TPGroup(Protocol):
     def broadcast(self, t: Tensor) -> Tensor:
         """Overwrites `t` on every rank with rank 0's `t` (same shape and dtype on all), in place."""
         ...
+
+
+class PendingSum:
+    """An all-reduce in flight (`TPGroup.all_reduce_start`). `wait()` returns the summed tensor; on
+    CUDA the current stream then waits for the sum, the host does not."""
+
+    __slots__ = ("_t", "_work")
+
+    def __init__(self, t: Tensor, work: Any = None) -> None:
+        self._t, self._work = t, work
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._t.shape
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._t
 
 
 class SingleRankGroup:
@@ -71,6 +96,9 @@ class SingleRankGroup:
 
     def all_reduce(self, t: Tensor) -> Tensor:
         return t
+
+    def all_reduce_start(self, t: Tensor) -> PendingSum:
+        return PendingSum(t)
 
     def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
         return t
@@ -101,6 +129,9 @@ class TorchDistGroup:
     def all_reduce(self, t: Tensor) -> Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group)
         return t
+
+    def all_reduce_start(self, t: Tensor) -> PendingSum:
+        return PendingSum(t, dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group, async_op=True))
 
     def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
         t = t.contiguous()

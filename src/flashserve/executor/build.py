@@ -79,6 +79,9 @@ def build_runner(
     if fused:
         assert isinstance(model, NativeCausalLM)
         model.model.use_fused_allreduce(FUSED_ALLREDUCE_MAX_TOKENS)  # before the KV cache takes the memory left
+    if several and model_config.tp_overlap_min_tokens is not None:
+        assert isinstance(model, NativeCausalLM)
+        model.model.overlap_min_tokens = model_config.tp_overlap_min_tokens
     # The adapters' device slots, before the KV cache takes the memory left too.
     lora = enable_lora(model, model_config.lora) if model_config.lora is not None else None
     backend_name = pick_backend(model_config.attention_backend, device)

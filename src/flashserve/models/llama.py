@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashserve.attention.base import AttentionBackend
-from flashserve.distributed.comm import FlashInferAllReduceNorm, FusedAllReduceNorm, SingleRankGroup, TPGroup
+from flashserve.distributed.comm import (FlashInferAllReduceNorm, FusedAllReduceNorm, PendingSum, SingleRankGroup,
+                                         TPGroup)
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
 from flashserve.layers.linear import (
@@ -64,6 +65,8 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "LlamaModel", "LlamaSpec", "NativeCausalLM
 
 # Positions covered by the RoPE table when neither the caller nor the config bounds them.
 _DEFAULT_MAX_POSITIONS = 8192
+# Chunks of a large step's tokens over several ranks (`LlamaModel.token_chunks`).
+OVERLAP_CHUNKS = 2
 # Compiled variants of one piece a process may hold (about 6 per model: several models fit).
 _RECOMPILE_LIMIT = 64
 
@@ -98,6 +101,9 @@ class LlamaModel(nn.Module):
         # The all-reduce of a row-parallel projection fused with the residual add and RMSNorm after
         # it, for steps of up to its `max_tokens` (`use_fused_allreduce`); None: NCCL, then the norm.
         self.fused_allreduce: FusedAllReduceNorm | None = None
+        # Steps of at least this many tokens over several ranks run their token-wise parts in
+        # chunks whose all-reduces overlap the next chunk's GEMMs (`token_chunks`); None: never.
+        self.overlap_min_tokens: int | None = None
         # A rank of several holds its (padded) rows of the vocabulary, as of the LM head.
         embed_rows = self.shard.vocab_size if self.sharded else spec.vocab_size
         self.embed_tokens = nn.ParameterDict({"weight": meta_param(embed_rows, spec.hidden_size)})
@@ -231,37 +237,63 @@ class LlamaModel(nn.Module):
         # One rank leaves an FP8 projection's scales to the norm that reads its output; over several
         # ranks the output is summed first, so its scales are applied before the all-reduce.
         defer = not self.sharded
-        residual = self.embed(input_ids)
-        partial: Tensor | UnscaledRows | None = None
+        num_tokens = input_ids.shape[0]
         lora = self.lora if self.lora is not None and self.lora.active else None
         if lora is not None:
-            lora.begin(input_ids.shape[0])
+            lora.begin(num_tokens)
+        chunks = self.token_chunks(num_tokens) if lora is None else [slice(0, num_tokens)]
+        overlap = len(chunks) > 1
+        residual = self.embed(input_ids)
+        # Per chunk of tokens: its residual stream and the row-parallel output that joins it next.
+        residuals = [residual[c] for c in chunks] if overlap else [residual]
+        partials: list[Tensor | UnscaledRows | PendingSum | None] = [None] * len(chunks)
         for i, layer in enumerate(self.layers):
             qkv, gate_up = layer.qkv_proj.args, layer.gate_up_proj.args
-            # With adapters the norms write plain rows (the adapters read them; an FP8 projection
-            # quantizes them itself).
-            normed, residual = self.reduce_add_norm(partial, residual, layer.input_layernorm["weight"],
-                                                    qkv if lora is None else None)  # fmt: skip
-            q, k, v = self._qkv_rope(
-                spec, ops, normed, positions, cos_sin, qkv,
-                layer.q_norm["weight"] if spec.qk_norm else None, layer.k_norm["weight"] if spec.qk_norm else None,
-                rope is None, None if lora is None else lora.apply(i, "qkv", normed, linear(normed, *qkv)),
-            )  # fmt: skip
-            attn = attend(backend, i, q, k, v, rope).reshape(q.shape[0], spec.q_size)
-            partial = linear_unscaled(attn, *layer.o_proj.args, defer=defer)
-            if lora is not None:  # a row-parallel partial delta joins the partial output before the all-reduce
-                partial = lora.apply(i, "o", attn, dense(partial))
+            q_norm = layer.q_norm["weight"] if spec.qk_norm else None
+            k_norm = layer.k_norm["weight"] if spec.qk_norm else None
+            qkvs = []
+            for j, c in enumerate(chunks):
+                # With adapters the norms write plain rows (the adapters read them; an FP8 projection
+                # quantizes them itself).
+                normed, residuals[j] = self.reduce_add_norm(partials[j], residuals[j], layer.input_layernorm["weight"],
+                                                            qkv if lora is None else None)  # fmt: skip
+                qkvs.append(self._qkv_rope(
+                    spec, ops, normed, positions[c] if overlap else positions, cos_sin, qkv, q_norm, k_norm,
+                    rope is None, None if lora is None else lora.apply(i, "qkv", normed, linear(normed, *qkv)),
+                ))  # fmt: skip
+            q, k, v = qkvs[0] if not overlap else (torch.cat(parts) for parts in zip(*qkvs))
+            attn = attend(backend, i, q, k, v, rope).reshape(num_tokens, spec.q_size)
+            for j, c in enumerate(chunks):
+                partial = linear_unscaled(attn[c] if overlap else attn, *layer.o_proj.args, defer=defer)
+                if lora is not None:  # a row-parallel partial delta joins the partial output before the all-reduce
+                    partial = lora.apply(i, "o", attn, dense(partial))
+                partials[j] = self.all_reduce_start(partial) if overlap else partial
             post_norm = layer.post_attention_layernorm["weight"]
-            normed, residual = self.reduce_add_norm(partial, residual, post_norm, gate_up if lora is None else None)
-            if lora is None:
-                partial = self._gated_mlp(ops, normed, gate_up, layer.down_proj.args, defer)
-            else:
-                assert isinstance(normed, Tensor)
-                act = ops.silu_and_mul(lora.apply(i, "gate_up", normed, dense(linear_unscaled(normed, *gate_up))))
-                partial = lora.apply(i, "down", act, dense(linear_unscaled(act, *layer.down_proj.args)))
-        final, _ = self.reduce_add_norm(partial, residual, self.norm["weight"], None)
+            for j in range(len(chunks)):
+                normed, residuals[j] = self.reduce_add_norm(partials[j], residuals[j], post_norm,
+                                                            gate_up if lora is None else None)  # fmt: skip
+                if lora is None:
+                    partial = self._gated_mlp(ops, normed, gate_up, layer.down_proj.args, defer)
+                else:
+                    assert isinstance(normed, Tensor)
+                    act = ops.silu_and_mul(lora.apply(i, "gate_up", normed, dense(linear_unscaled(normed, *gate_up))))
+                    partial = lora.apply(i, "down", act, dense(linear_unscaled(act, *layer.down_proj.args)))
+                partials[j] = self.all_reduce_start(partial) if overlap else partial
+        finals = [self.reduce_add_norm(partials[j], residuals[j], self.norm["weight"], None)[0] for j in range(len(chunks))]
+        final = finals[0] if not overlap else torch.cat(finals)  # type: ignore[arg-type]
         assert not isinstance(final, QuantizedRows)
         return final
+
+    def token_chunks(self, num_tokens: int) -> list[slice]:
+        """The step's tokens in the chunks each layer's token-wise part runs in: one, or over several
+        ranks for a step of `overlap_min_tokens` or more, `OVERLAP_CHUNKS` of them (multiples of 16
+        tokens), so that a chunk's all-reduce runs while the next chunk's GEMMs do. Only
+        attention sees the whole step."""
+        least = self.overlap_min_tokens
+        if not self.sharded or least is None or num_tokens < max(least, 2 * OVERLAP_CHUNKS):
+            return [slice(0, num_tokens)]
+        size = -(-num_tokens // (16 * OVERLAP_CHUNKS)) * 16
+        return [slice(a, min(a + size, num_tokens)) for a in range(0, num_tokens, size)]
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """The embedding rows of `input_ids`. Over several ranks each rank looks the ids up in its
@@ -279,8 +311,13 @@ class LlamaModel(nn.Module):
             return partial
         return self.group.all_reduce(dense(partial))
 
+    def all_reduce_start(self, partial: Tensor | UnscaledRows) -> PendingSum:
+        """Starts the all-reduce of a row-parallel output (`reduce_add_norm` waits for it)."""
+        return self.group.all_reduce_start(dense(partial))
+
     def reduce_add_norm(
-        self, partial: Tensor | UnscaledRows | None, residual: Tensor, norm_w: Tensor, proj: LinearArgs | None
+        self, partial: Tensor | UnscaledRows | PendingSum | None, residual: Tensor, norm_w: Tensor,
+        proj: LinearArgs | None,
     ) -> tuple[Tensor | QuantizedRows, Tensor]:  # fmt: skip
         """A row-parallel projection's `partial` output summed over the ranks (`all_reduce`), added
         into `residual` and RMSNormed for projection `proj` (None: the final norm): (normed,
@@ -290,6 +327,8 @@ class LlamaModel(nn.Module):
         Steps the fused all-reduce takes (`use_fused_allreduce`; the token count is the same on
         every rank, so all ranks choose alike) run the sum, the add and the norm as one kernel,
         which quantizes for an FP8 `proj` with dynamic activations too."""
+        if isinstance(partial, PendingSum):  # its all-reduce started already (`token_chunks`)
+            return self._add_norm(proj, self.ops, partial.wait(), residual, norm_w, self.spec.rms_norm_eps)
         fused = self.fused_allreduce
         if partial is not None and fused is not None and partial.shape[0] <= fused.max_tokens:
             return fused(dense(partial), residual, norm_w, self.spec.rms_norm_eps, takes_dynamic_fp8(proj, residual))
