@@ -12,12 +12,17 @@ so per row the relative error of the adapter path against the merged one must be
 under a fifth of the adapter's own effect (merged against base), which dummy weights put near 1.
 Base rows in the mixed step must be exact (a zero mask adds exact zeros).
 
+Two short tests check the Triton kernels that decode-sized steps run (`lora/triton_lora.py`) by
+themselves, on one layer of the 8B's shapes: against the masked GEMMs of a float32 stack, and
+replayed from a CUDA graph with other steps' slots.
+
 Smoke-runnable on a CPU with a small model: `python tests/gpu/test_lora_gpu.py` (float32, the
 PyTorch attention, eager; bf16, since float32 weights are packed for oneDNN on a CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -198,6 +203,80 @@ def test_adapters_on_fp8_weights_move_the_logits_as_on_bf16_weights() -> None:
         fp8_error = rel(fp_base[phase], bf_base[phase]).max().item()
         err = rel(fp_mixed[phase][adapter_rows], bf_mixed[phase][adapter_rows])
         assert (err <= 2 * fp8_error + 1e-2).all(), (phase, err, fp8_error)
+
+
+def lora_stack(dtype: torch.dtype, device: str, ranks: tuple[int, ...] = (16, 8, 16, 4)) -> Any:
+    """A `LoRAStack` of one layer of the Llama-3.1-8B shapes whose slots hold random adapters of
+    `ranks` (padded to the largest), the same weights for every dtype."""
+    from flashserve.distributed.sharding import ShardLayout
+    from flashserve.lora.adapter import LoRAAdapter
+    from flashserve.lora.layers import LoRAStack
+    from flashserve.model_loader.loader import dummy_hf_config
+    from flashserve.models.llama_weights import LlamaSpec
+
+    spec = dataclasses.replace(LlamaSpec.from_hf_config(dummy_hf_config("llama-3.1-8b")), num_layers=1)
+    stack = LoRAStack(spec, ShardLayout.for_spec(spec, 0, 1), len(ranks), max(ranks), dtype, device)
+    for slot, rank in enumerate(ranks):
+        gen = torch.Generator().manual_seed(slot)
+        weights = {(0, m): (torch.randn(rank, i, generator=gen) * 0.02, torch.randn(o, rank, generator=gen) * 0.02)
+                   for m, (o, i) in module_shapes(spec).items()}  # fmt: skip
+        stack.write_slot(slot, LoRAAdapter(slot + 1, f"a{slot}", rank, 1.0, weights))
+    return stack
+
+
+# Each step's slot + 1 per row (0: the base model), over the 4 slots of `lora_stack`.
+KERNEL_STEPS = {1: [2], 7: [1, 0, 3, 2, 0, 4, 1], 32: [i % 5 for i in range(32)]}
+
+
+def test_triton_lora_kernels_give_the_float32_masked_delta_and_leave_base_rows_alone() -> None:
+    """The Triton kernels a decode-sized bfloat16 step runs, against the masked GEMMs of a float32
+    stack of the same adapters (the reference), for every fused projection at 1, 7 and 32 rows
+    over 4 slots and base rows. Tolerance: per adapter row, the delta's relative error under 1e-2
+    (x, A, B and the output in bfloat16, 2^-9 each rounding; u in TF32); added into a projection's
+    output y it is y + delta to 1e-2, and base rows of y keep their bits."""
+    fast, ref = lora_stack(torch.bfloat16, "cuda"), lora_stack(torch.float32, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, slots in KERNEL_STEPS.items():
+        token_slots = torch.tensor(slots, device="cuda")
+        adapted, base = token_slots > 0, token_slots == 0
+        for stack in (fast, ref):
+            stack.set_step(token_slots, True)
+            stack.begin(rows)
+        for kind, (in_f, outs) in fast.shapes.items():
+            x = torch.randn(rows, in_f, device="cuda", generator=gen).to(torch.bfloat16)
+            y = torch.randn(rows, sum(outs), device="cuda", generator=gen).to(torch.bfloat16)
+            assert fast.uses_triton(x, y)
+            expected = ref.delta(0, kind, x.float())
+            err = rel(fast.delta(0, kind, x)[adapted], expected[adapted])
+            assert (err < 1e-2).all(), (kind, rows, err)
+            out = fast.apply(0, kind, x, y.clone())
+            torch.testing.assert_close(out[base], y[base], atol=0, rtol=0)
+            torch.testing.assert_close(out[adapted].float(), (y.float() + expected)[adapted], atol=1e-2, rtol=1e-2)
+
+
+def test_triton_lora_kernels_in_a_cuda_graph_replay_with_each_steps_slots() -> None:
+    """Captured once over the persistent slot buffer, the kernels' graph gives each later step's
+    delta (other slots, base rows only, one adapter) bit for bit as the kernels run eagerly."""
+    stack = lora_stack(torch.bfloat16, "cuda")
+    in_f, outs = stack.shapes["qkv"]
+    x = torch.randn(32, in_f, device="cuda").to(torch.bfloat16)
+    y = torch.empty(32, sum(outs), device="cuda", dtype=torch.bfloat16)
+    stack.set_step(torch.tensor(KERNEL_STEPS[32], device="cuda"), True)
+    stack.begin(32)
+    assert stack.uses_triton(x, y)
+
+    def step() -> None:
+        y.zero_()
+        stack.apply(0, "qkv", x, y)
+
+    step()  # builds the kernels before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for slots in ([4 - i % 5 for i in range(32)], [0] * 32, [3] * 32):
+        stack.set_step(torch.tensor(slots, device="cuda"), True)
+        graph.replay()
+        torch.testing.assert_close(y, stack.delta(0, "qkv", x), atol=0, rtol=0)
 
 
 if __name__ == "__main__":  # a CPU smoke run on a small model

@@ -20,6 +20,25 @@ the base projection: at 8B with 4 slots of rank 16 about 4% of the projection's 
 the others 2-4%), and the slots' bytes are read once a step. With LoRA off the model holds no
 stack and its forward is unchanged; an eager step whose rows are all the base model's skips it.
 
+On a GPU the masked GEMMs are launches, not bytes: on an H200 under a CUDA graph each projection's
+three kernels took 10-13 us whatever the rows (1..128), and the 8B's decode step of 32 rows went
+from 6.115 ms to 8.30 (1.36x) with one adapter or four. So a CUDA step of up to
+`TRITON_MAX_TOKENS` rows (decode steps, their graphs) of bfloat16 / float16 weights runs two Triton
+kernels instead (`triton_lora`, Punica's shrink and expand): each row reads only its own slot's A,
+and only its own module's R columns of B (q's rows of the fused output use q's block of the slot),
+slots no row uses are skipped and base rows are neither read nor written, the slot index read on
+the device from the same persistent buffer. Larger (prefill) steps keep the masked GEMMs.
+
+    H200, lora_bench: 8B decode step of 32 rows    masked GEMMs       Triton kernels
+    at kv 1024 from CUDA graphs, ms (x base)
+      base model, LoRA off                         6.115
+      base rows (the graph without adapters)       6.268 (1.025x)     the same graph
+      1 adapter                                    8.307 (1.358x)     to be measured
+      1 adapter, a stack of 1 slot                 8.264 (1.351x)     to be measured
+      4 adapters                                   8.304 (1.358x)     to be measured
+    one projection's delta, 1..128 rows (us)       10-13              to be measured
+    FlashInfer's SegmentGEMMWrapper: 36-580 us a projection; a gather + bmm 14-180.
+
 On a CPU, where steps run eagerly and the slot index is on the host already, a step whose
 adapters each have several tokens runs per segment instead: each adapter's rows through its own
 slot's A and B (`_SEGMENT_MIN_TOKENS`). Measured on the embedded SmolLM2-135M's shapes (30
@@ -42,6 +61,7 @@ from typing import Any
 import torch
 
 from flashserve.distributed.sharding import ShardLayout
+from flashserve.lora import triton_lora
 from flashserve.lora.adapter import LoRAAdapter
 
 Tensor = torch.Tensor
@@ -63,6 +83,11 @@ _SEGMENT_MIN_TOKENS = 8
 # Step tokens whose slot index lives in the persistent buffer (what CUDA graphs capture); a
 # larger (prefill) step gets a tensor of its own.
 DEFAULT_TOKEN_CAPACITY = 8192
+# A CUDA step of bfloat16 / float16 weights with up to this many tokens (decode steps, their CUDA
+# graphs) runs the Triton kernels (`triton_lora`); larger ones the masked GEMMs. To be measured
+# (lora_bench's kernel table): the Triton path's cost grows with the rows, the masked one's is
+# launches up to 128 rows.
+TRITON_MAX_TOKENS = 256
 
 
 class LoRAStack:
@@ -89,6 +114,15 @@ class LoRAStack:
                             for _ in range(spec.num_layers)]  # fmt: skip
         self.slot_ids = torch.arange(1, max_loras + 1, dtype=torch.long, device=self.device)
         self._slots_buffer = torch.zeros(token_capacity, dtype=torch.long, device=self.device)
+        # Steps of up to this many tokens run the Triton kernels (0: none do), which write their
+        # float32 partials into one scratch buffer.
+        self.triton_max_tokens = 0
+        self._partials: Tensor | None = None
+        if self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and triton_lora.available():
+            self.triton_max_tokens = min(TRITON_MAX_TOKENS, token_capacity)
+            width = max(len(outs) for _, outs in self.shapes.values()) * max_rank
+            self._partials = torch.empty(triton_lora.partials_numel(self.triton_max_tokens, width),
+                                         dtype=torch.float32, device=self.device)  # fmt: skip
         self._large: Tensor | None = None
         self.mask: Tensor | None = None  # [T, S] of the forward running now (`begin`)
         # A CPU step's (slot, its token rows; None: every row) when it runs per segment.
@@ -166,16 +200,36 @@ class LoRAStack:
         return self._large
 
     def begin(self, num_tokens: int) -> None:
-        """Builds the forward's row mask [T, S] from the step's slot index (no host sync)."""
-        self.mask = (self.token_slots(num_tokens).unsqueeze(1) == self.slot_ids).to(self.dtype)
+        """Builds the forward's row mask [T, S] from the step's slot index (no host sync), for a
+        step the masked GEMMs apply (the Triton kernels read the slot index itself)."""
+        self.mask = None if num_tokens <= self.triton_max_tokens else self._build_mask(num_tokens)
+
+    def _build_mask(self, num_tokens: int) -> Tensor:
+        return (self.token_slots(num_tokens).unsqueeze(1) == self.slot_ids).to(self.dtype)
+
+    def uses_triton(self, x: Tensor, y: Tensor) -> bool:
+        """Whether `apply` runs the Triton kernels on these rows (a CUDA step of up to
+        `triton_max_tokens` rows in the stack's dtype)."""
+        return x.shape[0] <= self.triton_max_tokens and x.dtype == y.dtype == self.dtype and x.is_cuda
 
     def apply(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
         """`y` [T, out], the output of projection `kind` of `layer` on `x` [T, in], plus the
         adapters' delta. `y` is the projection's own fresh output: it may be updated in place."""
         if self.segments is not None:
             return self._apply_by_segment(layer, kind, x, y, self.segments)
+        if self.uses_triton(x, y):
+            return self._apply_triton(layer, kind, x, y)
+        return self._apply_masked(layer, kind, x, y)
+
+    def _apply_triton(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
+        assert self._partials is not None, "the Triton kernels need a CUDA stack of bfloat16 / float16 weights"
+        return triton_lora.add_lora(x, y, self.a[kind][layer], self.b[kind][layer], self.token_slots(x.shape[0]),
+                                    self.num_slots, self.max_rank, self.shapes[kind][1], self._partials)  # fmt: skip
+
+    def _apply_masked(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
         mask = self.mask
-        assert mask is not None, "begin() before apply()"
+        if mask is None or mask.shape[0] != x.shape[0]:  # a step `begin` left to the Triton kernels
+            mask = self._build_mask(x.shape[0])
         u = torch.nn.functional.linear(x, self.a[kind][layer])
         t = u.shape[0]
         u = (u.view(t, self.num_slots, -1) * mask.unsqueeze(-1)).view(t, -1)

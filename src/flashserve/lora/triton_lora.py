@@ -1,0 +1,190 @@
+"""The adapters' delta of a decode-sized step on a GPU: two Triton kernels, Punica's shrink and expand.
+
+`LoRAStack`'s masked path runs every slot's shrink GEMM, a mask multiply and every slot's expand
+GEMM: three launches, about 11 us a projection on an H200 under a CUDA graph whatever the rows
+(1..128), where the bytes take under 2. Here each row reads its own slot's weights only:
+
+    shrink  grid (slot x rank-column block, K split, row block): u_part[k, t] = x[t, K_k] @ A_s[:, K_k].T
+            for the rows t of slot s, A_s = the slot's n*R rows of A (every fused module's shrink),
+            in float32, one partial a K split (no atomics: deterministic, and nothing to zero).
+    expand  grid (output column block, row block): y[t, c] += sum_k u_part[k, t, j R : (j+1) R] @
+            B[c, s n R + j R : s n R + (j+1) R] for each row t of slot s, j the fused module that
+            output column c belongs to (q, k or v; gate or up): a module's rows of B hold only its
+            own R columns of the slot.
+
+Slots no row of the block uses are skipped (a step over one adapter reads one slot), rows of the
+base model (slot index 0) are neither read nor written. The slot index is read on the device from
+`LoRAStack`'s persistent buffer, so there is no host sync and a CUDA graph replays with any step's
+slots. The expand's product runs in TF32 (u keeps 10 mantissa bits where the masked path rounds it
+to bfloat16's 7), the shrink's in the model dtype with a float32 accumulator; y is read and
+written once, in its dtype.
+
+Both kernels launch with PDL on Hopper (`layers/pdl.py`): the shrink loads its first tile of A
+before waiting for the kernel before it (which writes x), the expand waits before it reads the
+partials or y.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from flashserve.layers.pdl import triton_pdl
+
+Tensor = torch.Tensor
+
+# The shrink's K splits (at most; fewer when the input is narrow): with 4 slots, 64 programs of
+# 256 (4096 inputs) to 896 (14336) columns each. The expand sums the splits' partials per row.
+SPLIT_K = 16
+BLOCK_K = 64
+# The shrink's largest tile of rank columns, and the row blocks of both kernels.
+MAX_BLOCK_NR = 64
+MAX_BLOCK_M = 64
+
+
+def available() -> bool:
+    """Whether Triton is installed (the kernels build on first use)."""
+    return _kernels() is not None
+
+
+def partials_numel(max_tokens: int, max_width: int) -> int:
+    """float32 elements of the scratch the shrink writes for up to `max_tokens` rows and
+    `max_width` (n * R) rank columns a slot."""
+    return SPLIT_K * max_tokens * max_width
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+@functools.cache
+def _kernels() -> Any:
+    try:
+        import triton.language as tl
+        from triton import jit
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:
+        return None
+
+    @jit
+    def lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, u_ptr, num_tokens, in_features, width, k_per_split, x_stride,
+               NR_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NR: tl.constexpr, BLOCK_K: tl.constexpr,
+               PDL: tl.constexpr):  # fmt: skip
+        s = tl.program_id(0) // NR_BLOCKS  # the slot
+        rc = (tl.program_id(0) % NR_BLOCKS) * BLOCK_NR + tl.arange(0, BLOCK_NR)  # its rank columns
+        split = tl.program_id(1)
+        rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        m_in = rm < num_tokens
+        # The slot index is written before the step (not by the kernel before): read before the wait.
+        mine = (tl.load(slots_ptr + rm, mask=m_in, other=0) == s + 1) & m_in
+        used = tl.sum(mine.to(tl.int32), axis=0) > 0
+        c_in = rc < width
+        k_lo = split * k_per_split
+        k_hi = tl.where(used, tl.minimum(k_lo + k_per_split, in_features), k_lo)  # nothing to read: unused
+        a_rows = a_ptr + (s * width + rc)[:, None].to(tl.int64) * in_features
+        a = tl.load(a_rows + k_lo + rk[None, :], mask=c_in[:, None] & (k_lo + rk < k_hi)[None, :], other=0.0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        if used:
+            x_rows = x_ptr + rm[:, None].to(tl.int64) * x_stride
+            acc = tl.zeros((BLOCK_M, BLOCK_NR), tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                k_in = k0 + rk < k_hi
+                if k0 > k_lo:
+                    a = tl.load(a_rows + k0 + rk[None, :], mask=c_in[:, None] & k_in[None, :], other=0.0)
+                x = tl.load(x_rows + k0 + rk[None, :], mask=mine[:, None] & k_in[None, :], other=0.0)
+                acc += tl.dot(x, tl.trans(a))
+            u = u_ptr + (split * num_tokens + rm)[:, None].to(tl.int64) * width + rc[None, :]
+            tl.store(u, acc, mask=mine[:, None] & c_in[None, :])
+
+    @jit
+    def lora_expand_kernel(u_ptr, b_ptr, slots_ptr, y_ptr, num_tokens, out_features, end0, end1, rank, width,
+               num_splits, y_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_R: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        n0 = tl.program_id(0) * BLOCK_N
+        rn = n0 + tl.arange(0, BLOCK_N)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rr = tl.arange(0, BLOCK_R)
+        m_in = rm < num_tokens
+        n_in = rn < out_features
+        r_in = rr < rank
+        slots = tl.load(slots_ptr + rm, mask=m_in, other=0)
+        adapted = (slots > 0) & (slots <= NUM_SLOTS) & m_in
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        if tl.sum(adapted.to(tl.int32), axis=0) > 0:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            # The fused modules (q, k, v; gate, up) the block's columns fall in: end0 and end1 are
+            # where the first and second end (the output's end when there are fewer).
+            last = tl.minimum(n0 + BLOCK_N, out_features) - 1
+            j_lo = (n0 >= end0).to(tl.int32) + (n0 >= end1).to(tl.int32)
+            j_hi = (last >= end0).to(tl.int32) + (last >= end1).to(tl.int32)
+            for j in range(j_lo, j_hi + 1):
+                start = tl.where(j == 0, 0, tl.where(j == 1, end0, end1))
+                stop = tl.where(j == 0, end0, tl.where(j == 1, end1, out_features))
+                cols = n_in & (rn >= start) & (rn < stop)
+                # Module j's R columns of each row's u: the sum of the shrink's K splits.
+                u_rows = u_ptr + rm[:, None].to(tl.int64) * width + j * rank + rr[None, :]
+                u_in = adapted[:, None] & r_in[None, :]
+                u = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+                for split in range(num_splits):
+                    u += tl.load(u_rows + split * num_tokens * width, mask=u_in, other=0.0)
+                b_rows = b_ptr + rn[:, None].to(tl.int64) * (NUM_SLOTS * width) + j * rank + rr[None, :]
+                for s in range(NUM_SLOTS):
+                    mine = slots == s + 1
+                    if tl.sum((mine & m_in).to(tl.int32), axis=0) > 0:
+                        b = tl.load(b_rows + s * width, mask=cols[:, None] & r_in[None, :], other=0.0)
+                        acc += tl.dot(tl.where(mine[:, None], u, 0.0), tl.trans(b.to(tl.float32)),
+                                      input_precision="tf32")  # fmt: skip
+            y = y_ptr + rm[:, None].to(tl.int64) * y_stride + rn[None, :]
+            y_in = adapted[:, None] & n_in[None, :]
+            out = tl.load(y, mask=y_in, other=0.0).to(tl.float32) + acc
+            tl.store(y, out.to(y_ptr.dtype.element_ty), mask=y_in)
+
+    return lora_shrink_kernel, lora_expand_kernel
+
+
+def add_lora(x: Tensor, y: Tensor, a: Tensor, b: Tensor, token_slots: Tensor, num_slots: int, rank: int,
+             outs: tuple[int, ...], partials: Tensor) -> Tensor:  # fmt: skip
+    """`y` [T, out] += each row's adapter delta, in place; returns `y`.
+
+    x [T, in]; a [S * n * R, in] and b [out, S * n * R] (`LoRAStack`'s layout: slot s's module j
+    holds A's rows and B's columns s n R + j R .. + R, and module j's output rows of B are zero
+    outside them); token_slots int64 [T] (0: base model, s + 1: slot s); outs: the n fused
+    modules' output rows; partials: float32 scratch of at least `partials_numel(T, n * R)`
+    elements (one buffer for every call: the kernels of one call run before the next's)."""
+    shrink, expand = _kernels()
+    t, in_f = x.shape
+    out_f, width = y.shape[1], len(outs) * rank
+    if x.stride(1) != 1 or y.stride(1) != 1 or not a.is_contiguous() or not b.is_contiguous() or len(outs) > 3:
+        raise ValueError(f"add_lora: x {tuple(x.shape)} {x.stride()}, y {tuple(y.shape)} {y.stride()}, "
+                         f"{len(outs)} fused modules")  # fmt: skip
+    if t == 0:
+        return y
+    pdl = triton_pdl(x.device)
+    block_m = min(MAX_BLOCK_M, _pow2(t))
+    m_blocks = _cdiv(t, block_m)
+    block_nr = min(MAX_BLOCK_NR, _pow2(width))
+    nr_blocks = _cdiv(width, block_nr)
+    k_per_split = _cdiv(_cdiv(in_f, SPLIT_K), BLOCK_K) * BLOCK_K
+    splits = _cdiv(in_f, k_per_split)
+    shrink[(num_slots * nr_blocks, splits, m_blocks)](
+        x, a, token_slots, partials, t, in_f, width, k_per_split, x.stride(0), NR_BLOCKS=nr_blocks,
+        BLOCK_M=block_m, BLOCK_NR=block_nr, BLOCK_K=BLOCK_K, num_warps=4, **pdl,
+    )  # fmt: skip
+    ends = [sum(outs[: j + 1]) for j in range(len(outs))][:-1] + [out_f] * (4 - len(outs))
+    block_n = 64 if out_f <= 8192 else 128
+    expand[(_cdiv(out_f, block_n), m_blocks)](
+        partials, b, token_slots, y, t, out_f, ends[0], ends[1], rank, width, splits, y.stride(0),
+        NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_pow2(rank), num_warps=4, **pdl,
+    )  # fmt: skip
+    return y
