@@ -6,15 +6,18 @@
    as the runner replays it for such steps), every row on one adapter, and the rows
    spread over 4 adapters, of rank `--rank` (16); and one adapter in a stack of one slot
    (`--max-loras 1`: the masked GEMMs' cost grows with the slots, not with the adapters used). The ratios to the base step are the issue's targets (<= 1.1x
-   with one adapter, <= 1.2x with four).
+   with one adapter, <= 1.2x with four). The steps apply the adapters as `LoRAStack.apply` chooses
+   (the Triton kernels on a GPU: column `kernel`); the one- and four-adapter steps run once more
+   with the masked GEMMs forced, for the comparison.
 2. Prefill: `--prompts` x `--prompt-len` tokens (4 x 512), eager, base against rows spread over 4
    adapters.
-3. The adapters' two GEMMs of each projection (fused qkv, o, fused gate_up, down) at 1..256 rows
-   over 4 adapters, GPU time from CUDA graphs: the torch path the model runs (`LoRAStack.delta`:
-   every slot's shrink, a mask, every slot's expand), a gather + bmm of each row's adapter, and
-   FlashInfer's `SegmentGEMMWrapper` (one segment a row, as a decode step under a graph has them);
-   on a CPU also the per-segment path (`LoRAStack._apply_by_segment`). Each adds into the
-   projection's output, as the model does.
+3. The adapters' two GEMMs of each projection (fused qkv, o, fused gate_up, down) at 1..512 rows
+   over 4 adapters, GPU time from CUDA graphs: the masked torch path (`LoRAStack._apply_masked`:
+   every slot's shrink, a mask, every slot's expand), the Triton kernels (`lora/triton_lora.py`,
+   which decode steps of up to `TRITON_MAX_TOKENS` rows run; measured here at every row count,
+   for the threshold), a gather + bmm of each row's adapter, and FlashInfer's `SegmentGEMMWrapper`
+   (one segment a row, as a decode step under a graph has them); on a CPU also the per-segment
+   path (`LoRAStack._apply_by_segment`). Each adds into the projection's output, as the model does.
 
     python -m benchmark.lora_bench [--out-dir DIR]        # on a GPU
     python -m benchmark.lora_bench --smoke                # a small model on the CPU, eager
@@ -111,10 +114,16 @@ def bench_decode(model: Any, args: argparse.Namespace, device: str) -> list[dict
     ids = torch.randint(0, model.spec.vocab_size, (b,), device=device)
     pos = torch.tensor(layout.positions, device=device)
     rows = []
-    for case in ("base model, LoRA off", "base rows", "1 adapter", "1 adapter, 1 slot", f"{NUM_ADAPTERS} adapters"):
+    cases = ("base model, LoRA off", "base rows", "1 adapter", "1 adapter, 1 slot", f"{NUM_ADAPTERS} adapters",
+             "1 adapter, masked", f"{NUM_ADAPTERS} adapters, masked")  # fmt: skip
+    for case in cases:
         model.lora = None
+        kernel = "none"
         if case != "base model, LoRA off":
-            attach(model, args.rank, 1 if case.endswith("1 slot") else NUM_ADAPTERS)
+            stack = attach(model, args.rank, 1 if case.endswith("1 slot") else NUM_ADAPTERS)
+            if case.endswith("masked"):
+                stack.triton_max_tokens = 0  # as a stack without Triton: the masked GEMMs at every size
+            kernel = "none" if case == "base rows" else "triton" if b <= stack.triton_max_tokens else "torch"
         backend = backend_for(model, num_pages, device)
         native = NativeCausalLM(model)
         step, plain = native.decode_logits(backend), case == "base rows"
@@ -132,7 +141,8 @@ def bench_decode(model: Any, args: argparse.Namespace, device: str) -> list[dict
         if model.lora is not None:
             model.lora.set_step(slots_of(b, case, device), True)
         ms = median_time_s(run, device, args.warmup, args.iters) * 1e3
-        rows.append({"case": case, "batch": b, "kv_len": args.kv_len, "rank": args.rank, "step_ms": ms})
+        rows.append({"case": case, "kernel": kernel, "batch": b, "kv_len": args.kv_len, "rank": args.rank,
+                     "step_ms": ms})  # fmt: skip
         del backend
     base = rows[0]["step_ms"]
     for r in rows:
@@ -187,8 +197,15 @@ def graph_or_eager_us(fn: Callable[[], Any], device: str, args: argparse.Namespa
 
 
 def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
-    """The adapters' GEMMs of layer 0's projections, three ways."""
+    """The adapters' GEMMs of layer 0's projections, four ways."""
+    from flashserve.lora import triton_lora
+
     stack = attach(model, args.rank)
+    if stack.triton_max_tokens:  # the kernels at every row count here, beyond the threshold too
+        width = max(len(outs) for _, outs in stack.shapes.values()) * stack.max_rank
+        stack.triton_max_tokens = max(args.kernel_rows)
+        stack._partials = torch.empty(triton_lora.partials_numel(stack.triton_max_tokens, width), dtype=torch.float32,
+                                      device=device)  # fmt: skip
     seg = segment_gemm() if device == "cuda" else None
     rows = []
     for kind, (in_f, outs) in stack.shapes.items():
@@ -204,11 +221,20 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
             slots = slots_of(t, f"{NUM_ADAPTERS} adapters", device)
             stack.set_step(slots, True)
             stack.segments = None  # the masked GEMMs, as on a GPU
-            stack.begin(t)
+            stack.mask = stack._build_mask(t)  # once a forward, as `begin` builds it for the masked GEMMs
             index = stack.token_slots(t) - 1  # 0..S-1 here (no base rows)
             r: dict[str, Any] = {"projection": kind, "rows": t, "rank": args.rank, "adapters": NUM_ADAPTERS}
             y = torch.zeros(t, sum(outs), dtype=a_all.dtype, device=device)
-            r["torch_masked_us"] = graph_or_eager_us(lambda: stack.apply(0, kind, x, y), device, args)
+            r["torch_masked_us"] = graph_or_eager_us(lambda: stack._apply_masked(0, kind, x, y), device, args)
+            if stack.uses_triton(x, y):
+                try:
+                    y.zero_()
+                    torch.testing.assert_close(stack._apply_triton(0, kind, x, y).float(),
+                                               stack._apply_masked(0, kind, x, torch.zeros_like(y)).float(),
+                                               atol=2e-2, rtol=2e-2)  # fmt: skip
+                    r["triton_us"] = graph_or_eager_us(lambda: stack._apply_triton(0, kind, x, y), device, args)
+                except Exception as exc:  # noqa: BLE001 - one failing path must not end the benchmark
+                    r["triton_error"] = f"{type(exc).__name__}: {exc}"[:300]
             if device == "cpu":  # each adapter's rows through its own slot (the CPU's choice for longer steps)
                 segs = [(s, (slots == s + 1).nonzero().squeeze(1)) for s in range(NUM_ADAPTERS)]
                 r["torch_per_segment_us"] = graph_or_eager_us(lambda: stack._apply_by_segment(0, kind, x, y, segs),
@@ -242,16 +268,17 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
 
 def table(results: dict[str, Any]) -> str:
     lines = [f"LoRA on {results['device']} ({results['model']}), rank {results['rank']}", "",
-             "decode step                  ms     x base"]  # fmt: skip
+             "decode step                        ms     x base  kernel"]  # fmt: skip
     for r in results["decode"]:
-        lines.append(f"  {r['case']:<24} {r['step_ms']:8.3f}   {r['x_base']:.3f}")
+        lines.append(f"  {r['case']:<30} {r['step_ms']:8.3f}   {r['x_base']:.3f}  {r.get('kernel', '')}")
     lines += ["", "prefill                      ms     x base"]
     for r in results["prefill"]:
         lines.append(f"  {r['case']:<24} {r['prefill_ms']:8.3f}   {r.get('x_base', 1.0):.3f}")
-    lines += ["", "adapter GEMMs (us)   rows  masked  gather+bmm  segment_gemm  per_segment (CPU)"]
+    lines += ["", "adapter GEMMs (us)   rows  masked  triton  gather+bmm  segment_gemm  per_segment (CPU)"]
     for r in results["kernels"]:
         seg, per = r.get("segment_gemm_us", r.get("segment_gemm_error")), r.get("torch_per_segment_us")
-        lines.append(f"  {r['projection']:<18} {r['rows']:4d} {r['torch_masked_us']:8.1f} {r['torch_gather_bmm_us']:10.1f}"
+        tri = f"{r['triton_us']:7.1f}" if "triton_us" in r else "  error" if "triton_error" in r else "      -"
+        lines.append(f"  {r['projection']:<18} {r['rows']:4d} {r['torch_masked_us']:8.1f} {tri} {r['torch_gather_bmm_us']:10.1f}"
                      f"  {seg if not isinstance(seg, float) else round(seg, 1)}  {per if per is None else round(per, 1)}")  # fmt: skip
     return "\n".join(lines)
 
@@ -265,7 +292,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    parser.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 8, 32, 128, 256, 512])
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
