@@ -209,8 +209,9 @@ class LoRAStack:
 
     def uses_triton(self, x: Tensor, y: Tensor) -> bool:
         """Whether `apply` runs the Triton kernels on these rows (a CUDA step of up to
-        `triton_max_tokens` rows in the stack's dtype)."""
-        return x.shape[0] <= self.triton_max_tokens and x.dtype == y.dtype == self.dtype and x.is_cuda
+        `triton_max_tokens` rows in the stack's dtype, each row's values contiguous)."""
+        return (x.shape[0] <= self.triton_max_tokens and x.dtype == y.dtype == self.dtype and x.is_cuda
+                and x.stride(-1) == 1 and y.stride(-1) == 1)  # fmt: skip
 
     def apply(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
         """`y` [T, out], the output of projection `kind` of `layer` on `x` [T, in], plus the

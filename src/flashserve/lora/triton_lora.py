@@ -42,6 +42,10 @@ BLOCK_K = 64
 # The shrink's largest tile of rank columns, and the row blocks of both kernels.
 MAX_BLOCK_NR = 64
 MAX_BLOCK_M = 64
+# The expand's register tiles: its slots' rank columns a product (a group of slots: 4 of rank 16),
+# and the elements of its B tile and of its load of partials.
+EXPAND_GROUP_COLUMNS = 64
+TILE_ELEMENTS = 8192
 
 
 def available() -> bool:
@@ -61,6 +65,10 @@ def _cdiv(a: int, b: int) -> int:
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 @functools.cache
@@ -107,15 +115,20 @@ def _kernels() -> Any:
 
     @jit
     def lora_expand_kernel(u_ptr, b_ptr, slots_ptr, y_ptr, num_tokens, out_features, end0, end1, rank, width,
-               num_splits, y_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_R: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+               num_splits, y_stride, NUM_SLOTS: tl.constexpr, GROUP: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         n0 = tl.program_id(0) * BLOCK_N
         rn = n0 + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rr = tl.arange(0, BLOCK_R)
+        rsplit = tl.arange(0, SPLIT_CHUNK)
+        # The rank columns of a group of GROUP slots, slot by slot: one product for the group.
+        rk = tl.arange(0, GROUP * BLOCK_R)
+        k_slot, k_r = rk // BLOCK_R, rk % BLOCK_R
+        # Spreads a row's R columns over the group's slots: a product by 0/1 (exact in float32).
+        spread = (rr[:, None] == k_r[None, :]).to(tl.float32)
         m_in = rm < num_tokens
         n_in = rn < out_features
-        r_in = rr < rank
         slots = tl.load(slots_ptr + rm, mask=m_in, other=0)
         adapted = (slots > 0) & (slots <= NUM_SLOTS) & m_in
         if PDL:
@@ -132,19 +145,26 @@ def _kernels() -> Any:
                 start = tl.where(j == 0, 0, tl.where(j == 1, end0, end1))
                 stop = tl.where(j == 0, end0, tl.where(j == 1, end1, out_features))
                 cols = n_in & (rn >= start) & (rn < stop)
-                # Module j's R columns of each row's u: the sum of the shrink's K splits.
-                u_rows = u_ptr + rm[:, None].to(tl.int64) * width + j * rank + rr[None, :]
-                u_in = adapted[:, None] & r_in[None, :]
+                # Module j's R columns of each row's u: the shrink's K splits summed, SPLIT_CHUNK
+                # of them a load.
+                u_rows = u_ptr + rm[None, :, None].to(tl.int64) * width + j * rank + rr[None, None, :]
+                u_in = adapted[None, :, None] & (rr < rank)[None, None, :]
                 u = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
-                for split in range(num_splits):
-                    u += tl.load(u_rows + split * num_tokens * width, mask=u_in, other=0.0)
-                b_rows = b_ptr + rn[:, None].to(tl.int64) * (NUM_SLOTS * width) + j * rank + rr[None, :]
-                for s in range(NUM_SLOTS):
-                    mine = slots == s + 1
-                    if tl.sum((mine & m_in).to(tl.int32), axis=0) > 0:
-                        b = tl.load(b_rows + s * width, mask=cols[:, None] & r_in[None, :], other=0.0)
-                        acc += tl.dot(tl.where(mine[:, None], u, 0.0), tl.trans(b.to(tl.float32)),
-                                      input_precision="tf32")  # fmt: skip
+                for s0 in range(0, num_splits, SPLIT_CHUNK):
+                    sp = s0 + rsplit
+                    part = tl.load(u_rows + (sp * num_tokens * width)[:, None, None],
+                                   mask=u_in & (sp < num_splits)[:, None, None], other=0.0)  # fmt: skip
+                    u += tl.sum(part, axis=0)
+                u_group = tl.dot(u, spread, input_precision="ieee")  # [BLOCK_M, GROUP * BLOCK_R]
+                b_rows = b_ptr + rn[:, None].to(tl.int64) * (NUM_SLOTS * width) + j * rank
+                for g0 in range(0, NUM_SLOTS, GROUP):
+                    mine = slots[:, None] == (g0 + k_slot + 1)[None, :]  # [BLOCK_M, GROUP * BLOCK_R]
+                    used = tl.max(mine.to(tl.int32), axis=0) > 0  # some row of the block uses the slot
+                    if tl.sum(used.to(tl.int32), axis=0) > 0:
+                        k_in = used & (k_r < rank) & (g0 + k_slot < NUM_SLOTS)
+                        b = tl.load(b_rows + ((g0 + k_slot) * width + k_r)[None, :], mask=cols[:, None] & k_in[None, :],
+                                    other=0.0)  # fmt: skip
+                        acc += tl.dot(tl.where(mine, u_group, 0.0), tl.trans(b.to(tl.float32)), input_precision="tf32")
             y = y_ptr + rm[:, None].to(tl.int64) * y_stride + rn[None, :]
             y_in = adapted[:, None] & n_in[None, :]
             out = tl.load(y, mask=y_in, other=0.0).to(tl.float32) + acc
@@ -182,9 +202,13 @@ def add_lora(x: Tensor, y: Tensor, a: Tensor, b: Tensor, token_slots: Tensor, nu
         BLOCK_M=block_m, BLOCK_NR=block_nr, BLOCK_K=BLOCK_K, num_warps=4, **pdl,
     )  # fmt: skip
     ends = [sum(outs[: j + 1]) for j in range(len(outs))][:-1] + [out_f] * (4 - len(outs))
-    block_n = 64 if out_f <= 8192 else 128
+    block_r = _pow2(rank)
+    group = min(_pow2(num_slots, 1), max(1, EXPAND_GROUP_COLUMNS // block_r))
+    block_n = max(16, min(64 if out_f <= 8192 else 128, TILE_ELEMENTS // (group * block_r)))
+    chunk = min(_pow2(splits, 1), max(1, _floor_pow2(TILE_ELEMENTS // (block_m * block_r))))
     expand[(_cdiv(out_f, block_n), m_blocks)](
         partials, b, token_slots, y, t, out_f, ends[0], ends[1], rank, width, splits, y.stride(0),
-        NUM_SLOTS=num_slots, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_pow2(rank), num_warps=4, **pdl,
+        NUM_SLOTS=num_slots, GROUP=group, SPLIT_CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        num_warps=8 if block_m * block_n >= 4096 else 4, **pdl,
     )  # fmt: skip
     return y
