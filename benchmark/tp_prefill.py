@@ -118,6 +118,8 @@ def profile_step(runner: Any, step: Any, out: Path, steps: int = 3) -> dict[str,
 
 def tables(doc: dict[str, Any]) -> str:
     fmt = f", {doc['quantization']} weights, {doc['kv_cache_dtype']} KV" if doc.get("quantization") else ""
+    if doc.get("prefill_backend"):
+        fmt += f", {doc['prefill_backend']} prefill"
     if doc.get("overlap_min_tokens"):
         fmt += f", all-reduces overlapped in two chunks from {doc['overlap_min_tokens']} tokens"
     lines = [f"{doc['gpu']} x {doc['tp']}: {doc['model']}{fmt} (dummy weights), a lone prompt at TP={doc['tp']}; "
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--fused", choices=("auto", "on", "off"), default="auto", help="the fused all-reduce")
     p.add_argument("--quantization", default=None, help="fp8: FP8 weights (dynamic activations)")
+    p.add_argument("--prefill-backend", choices=("fa2", "fa3"), default=None,
+                   help="FlashInfer's prefill kernels at TP 1 (default: the server's, attention/flashinfer.py PREFILL_BACKEND)")
     p.add_argument("--overlap-min-tokens", type=int, default=None,
                    help="--tp-overlap-min-tokens: steps this large run in two chunks, all-reduces overlapped")
     p.add_argument("--kv-cache-dtype", default="auto", help="fp8: an FP8 KV cache")
@@ -160,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmark.suite import model_config
     from flashserve.entrypoints.llm import LLM
 
+    if args.prefill_backend is not None:  # before any backend is built (this process: at TP 1 only)
+        from flashserve.attention import flashinfer as flashinfer_backend
+
+        flashinfer_backend.PREFILL_BACKEND = args.prefill_backend
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rates = measure_rates("cuda")
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     runner: Any = llm.engine.executor
     doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "model": args.model,
                            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                           "overlap_min_tokens": args.overlap_min_tokens,
+                           "overlap_min_tokens": args.overlap_min_tokens, "prefill_backend": args.prefill_backend,
                            "rates": rates.to_json(), "profile_len": args.profile_len, "rows": []}  # fmt: skip
     for n in lens:
         floor = first_token_floor_s(shape, rates, [n]) * 1e3 / args.tp

@@ -7,9 +7,13 @@ One runner is built as the server builds it (`build_runner` with a `LoRAConfig` 
 a decode step replayed from a graph, run rows of the three adapters and of the base model at once.
 Then, per adapter, its weights are merged into the model's own projections and the same rows run
 as base rows (no adapter) through the same runner, whose decode steps of base rows alone replay
-the graphs captured without the adapters: the reference. Tolerance: bf16 on both sides,
-so per row the relative error of the adapter path against the merged one must be under 5e-2 and
-under a fifth of the adapter's own effect (merged against base), which dummy weights put near 1.
+the graphs captured without the adapters: the reference. Tolerance: bf16 on both sides, and the
+merged weights are themselves rounded to bf16, which over 32 layers of dummy weights moves the
+logits by several percent; so the same merge is also rounded a second way (the product rounded to
+bf16 before it is added) and the distance between the two merged runs is the reference's noise.
+Per row the relative error of the adapter path against the merged one must be under 5e-2 or twice
+that noise, whichever is larger, and under a fifth of the adapter's own effect (merged against
+base), which dummy weights put near 1.
 Base rows in the mixed step must be exact (a zero mask adds exact zeros).
 
 Two short tests check the Triton kernels that decode-sized steps run (`lora/triton_lora.py`) by
@@ -93,10 +97,12 @@ def run(runner: Any, lids: list[int], tag: str) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.inference_mode()
-def merge(runner: Any, lid: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def merge(runner: Any, lid: int, rounded_first: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Adds adapter `lid`'s scaling * B @ A into the model's fused projections, computed in float32
-    from its host weights; returns each changed weight with a copy of what it held, for `restore`
-    (subtracting the product again would leave the weights rounded twice)."""
+    from its host weights and the sum rounded to the weights' dtype (`rounded_first`: the product
+    rounded to that dtype first, then added in it: the same merge, rounded otherwise); returns each
+    changed weight with a copy of what it held, for `restore` (subtracting the product again would
+    leave the weights rounded twice)."""
     native = runner.model.model
     adapter = runner.lora.cache[lid]
     shapes = module_shapes(native.spec)
@@ -113,7 +119,10 @@ def merge(runner: Any, lid: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
                 if ab is not None:
                     a, b = (t.to(weight.device) for t in ab)
                     part = weight[row : row + out_f]
-                    part.copy_((part.float() + b @ a).to(weight.dtype))
+                    if rounded_first:
+                        part.add_((b @ a).to(weight.dtype))
+                    else:
+                        part.copy_((part.float() + b @ a).to(weight.dtype))
                 row += out_f
     return saved
 
@@ -163,13 +172,18 @@ def check_against_merged(model_config: ModelConfig, cache_config: CacheConfig, t
         saved = merge(runner, lid)
         merged = run(runner, [0] * len(ROWS), f"merged{lid}")
         restore(saved)
+        saved = merge(runner, lid, rounded_first=True)
+        merged_otherwise = run(runner, [0] * len(ROWS), f"merged{lid}b")
+        restore(saved)
         rows = [i for i, x in enumerate(ROWS) if x == lid]
         for phase, name in ((0, "prefill"), (1, "decode")):
             err = rel(mixed[phase][rows], merged[phase][rows])
             effect = rel(merged[phase][rows], base[phase][rows])
-            found[f"rank {rank} {name}"] = (err.max().item(), effect.min().item())
-            assert (err < tol).all(), (rank, name, err, effect)
-            assert (err < effect / 5).all(), (rank, name, err, effect)
+            # How far two roundings of the same merged weights land apart: the reference's own noise.
+            noise = rel(merged_otherwise[phase][rows], merged[phase][rows]).max().item()
+            found[f"rank {rank} {name}"] = (err.max().item(), effect.min().item(), noise)
+            assert (err < max(tol, 2 * noise)).all(), (rank, name, err, effect, noise)
+            assert (err < effect / 5).all(), (rank, name, err, effect, noise)
     return found
 
 

@@ -53,6 +53,10 @@ _HEAD_DIMS = (64, 128, 256)
 # On an H100 (8B, FP8) the Triton decode was faster at 1-4 requests of 512 and 4,096 tokens and
 # even at 8.
 TRITON_DECODE_MAX_BATCH = 4
+# FlashInfer's backend for prefill steps (no cascade level, the KV cache in the attention dtype):
+# "fa2", or "fa3" (Hopper's FlashAttention-3 kernels, sm_90 only). `benchmark.prefill_attention`
+# measures the two.
+PREFILL_BACKEND = "fa2"
 
 
 class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
@@ -94,6 +98,7 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         scratch_page: int = 0,
         kv_cache_dtype: torch.dtype | None = None,
         fused_decode: bool = False,
+        prefill_backend: str | None = None,
     ) -> None:
         if dtype not in _ATTENTION_DTYPES:
             raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {dtype}")
@@ -138,6 +143,12 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             self._workspace, "NHD", use_tensor_cores=True, backend="fa2"
         )
         self._prefix: Any = None  # cascade prefix passes' wrapper, built when first needed
+        # FA3 for plain prefill steps where it can run (see PREFILL_BACKEND): Hopper, and q, K/V and
+        # output in one 16-bit dtype (cascade levels write float16, an FP8 cache mixes dtypes).
+        fa3 = (prefill_backend or PREFILL_BACKEND) == "fa3"
+        self._prefill_fa3 = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa3") \
+            if fa3 and self.cache_dtype == dtype and self.device.type == "cuda" \
+            and torch.cuda.get_device_capability(self.device)[0] == 9 else None
         self._staging = PinnedStaging(self.device)
         self._step: StepIndices | None = None
         self._graph: GraphBuffers | None = None
@@ -177,7 +188,8 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             wrapper, args = self._decode, (attend_indptr_h, attend_indices_d, last_h)
             kwargs = self._plan_kwargs(out_dtype)
         else:
-            wrapper, args = self._prefill, (qo_h, attend_indptr_h, attend_indices_d, last_h)
+            plain = self._prefill_fa3 if not levels and self._prefill_fa3 is not None else self._prefill
+            wrapper, args = plain, (qo_h, attend_indptr_h, attend_indices_d, last_h)
             kwargs = {**self._plan_kwargs(out_dtype), "causal": True}
         prefix_wrapper = merge = None
         if levels:
