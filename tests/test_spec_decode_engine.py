@@ -91,6 +91,17 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_as_without_speculati
     assert on.text == off.text[: off.text.index(word)] and on.finish_reason == "stop"
 
 
+def test_a_stop_string_inside_an_accepted_run_keeps_no_token_after_it(llm, quote):
+    """The tokens (and so usage) end where they end without speculation: the accepted tokens after
+    the one that completed the stop string are dropped."""
+    prompt, off = quote
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop=[off.text.split()[6]])
+    before = drafts_accepted(llm)
+    (on,), (plain,) = both(llm, [prompt], params)
+    assert drafts_accepted(llm) > before
+    assert on.token_ids == plain.token_ids and on.text == plain.text
+
+
 def test_a_stop_token_inside_an_accepted_run_ends_the_output_there(llm, quote):
     prompt, off = quote
     token = off.token_ids[12]

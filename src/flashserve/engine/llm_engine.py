@@ -200,12 +200,20 @@ class LLMEngine:
     def _detokenize(self, live: _Live, new_ids: list[int]) -> None:
         detok = live.detokenizer
         assert detok is not None
-        for token_id in new_ids:
+        for i, token_id in enumerate(new_ids):
             live.new_text.append(detok.add(token_id))
             if detok.stopped:
-                reason = check_stop(live.request, self.scheduler.max_model_len, stop_string=True)
+                req = live.request
+                if i + 1 < len(new_ids):
+                    # Several tokens came in one step (accepted draft tokens): those after the one
+                    # that completed the stop string are not output (ids, logprobs, usage).
+                    keep = req.num_output_tokens - (len(new_ids) - i - 1)
+                    del req.output_token_ids[keep:]
+                    del req.output_logprobs[keep:]
+                    live.num_processed_tokens = keep
+                reason = check_stop(req, self.scheduler.max_model_len, stop_string=True)
                 assert reason is not None  # a stop string always stops
-                self.scheduler.finish(live.request.request_id, reason)
+                self.scheduler.finish(req.request_id, reason)
                 return
         if live.request.is_finished and not detok.stopped:
             live.new_text.append(detok.flush())
