@@ -206,7 +206,7 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
         stack.triton_max_tokens = max(args.kernel_rows)
         stack._partials = torch.empty(triton_lora.partials_numel(stack.triton_max_tokens, width), dtype=torch.float32,
                                       device=device)  # fmt: skip
-    seg = segment_gemm() if device == "cuda" else None
+    seg = segment_gemm() if device == "cuda" and not args.no_segment_gemm else None
     rows = []
     for kind, (in_f, outs) in stack.shapes.items():
         n = len(outs)
@@ -293,6 +293,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--kernel-rows", type=int, nargs="+", default=[1, 8, 32, 128, 256, 512])
+    parser.add_argument("--no-segment-gemm", action="store_true",
+                        help="leave FlashInfer's SegmentGEMMWrapper out (its module builds for minutes on a fresh machine)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
