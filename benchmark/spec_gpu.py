@@ -12,7 +12,9 @@ Dummy weights (`--load-format dummy` shapes): their acceptance means nothing and
 nothing in their output, so this measures the mechanics only, and says so in its output.
 
 1. Steps, timed with CUDA events over the runner (`runner.forward`: the model's forward and the
-   logits of the positions that need them), median over `--steps`: a decode step of `batch`
+   logits of the positions that need them) of an engine built for speculation, so that its verify
+   graphs are captured and a step made by hand with k drafts in every row replays them; median
+   over `--steps`: a decode step of `batch`
    one-token rows at `kv-len` cached tokens each, and the verify step of the same rows carrying
    k draft tokens each (k + 1 tokens a row, logits at all of them). Both read the weights once, so
    at batch 1 the verify step should cost little more than the decode step (target <= 1.15x). The
@@ -23,12 +25,16 @@ nothing in their output, so this measures the mechanics only, and says so in its
    length of tokens, so the per-token latency is verify / mean length (n-gram: proposing costs
    nothing on the GPU), or (verify + k draft steps) / mean length with a draft model.
 3. Measured, not inferred: `LLM.generate` at batch `--e2e-batches` with speculation off, and on
-   with a benchmark-only proposer (`ReplayProposer`) that replays the recorded greedy output of the
-   same model and prompts (the run with speculation off), a miss injected after a number of
-   accepted drafts drawn from the acceptance above. Per-token latency is the time of
-   `--e2e-tokens` + 1 output tokens less that of 1, over `--e2e-tokens` (the prompt's prefill
-   taken out); the acceptance the engine counted is reported beside the one injected (in bf16 a
-   verify step may flip a near-tie of the recorded run, which lowers it).
+   with k drafts a request at every step, of which each verify step keeps a number drawn from the
+   acceptance above (`ForcedAcceptance`, `--e2e-drafts forced`, the default): the real verify
+   steps, graphs, bookkeeping and KV writes run, only which tokens are kept is forced. Dummy
+   weights need that: on an H200 their logits were so flat that a replay of the off run's greedy
+   output (`ReplayProposer`, `--e2e-drafts replay`, for weights whose greedy runs repeat) had its
+   first draft rejected every time (mean accepted length 1.0 against 3.82 injected) and no output
+   equal to the off run's, a verify step summing in another order than a decode step. Per-token
+   latency is the time of `--e2e-tokens` + 1 output tokens less that of 1, over `--e2e-tokens` (the
+   prompt's prefill taken out); the acceptance the engine counted is reported beside the one
+   injected.
 
 Prints a table; writes spec_gpu.json under `--out`/<GPU name>/spec_decode/ (default
 benchmark/results/local/; "cpu" names the folder of a CPU run).
@@ -37,6 +43,7 @@ benchmark/results/local/; "cpu" names the folder of a CPU run).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import re
@@ -87,6 +94,45 @@ class ReplayProposer:
         if matched < len(drafts):
             drafts[matched] = (drafts[matched] + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
         return drafts
+
+
+class EveryStepProposer:
+    """Benchmark-only: k draft tokens for every decoding request at every step (its last token
+    repeated), so that every verify step is uniform (k drafts a row) and replays its graph."""
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        return [int(token_ids[-1])] * k if len(token_ids) and k > 0 else []
+
+
+class ForcedAcceptance:
+    """Benchmark-only: each verify step keeps, per row, a number of its drafts drawn at the given
+    acceptance per position (the draft at position i kept with probability `acceptance[i]`
+    overall), whatever the target's logits say, then one more token (the target's first). The real
+    verification runs first, so its cost counts; only the tokens kept are forced. Dummy weights
+    make this necessary: their logits are so flat that a verify step and a decode step, which sum
+    in other orders, pick different greedy tokens (a replayed run diverges at once)."""
+
+    def __init__(self, acceptance: Sequence[float], seed: int = 0) -> None:
+        self.acceptance = list(acceptance)
+        self.rng = random.Random(seed)
+
+    def kept(self, num_drafts: int) -> int:
+        draw = self.rng.random()
+        return min(num_drafts, sum(draw < a for a in self.acceptance))
+
+    def __call__(self, real: Callable[..., Any], sampler: Any, logits: Any, rows: Sequence[Any], bitmask: Any = None) -> Any:
+        from flashserve.engine.outputs import SampledTokens
+        from flashserve.sample.rejection import drafts_of
+
+        results = real(sampler, logits, rows, bitmask)
+        forced = []
+        for row, result in zip(rows, results):
+            drafts = drafts_of(row)
+            if not drafts or not result.token_ids:
+                forced.append(result)
+                continue
+            forced.append(SampledTokens(drafts[: self.kept(len(drafts))] + [result.token_ids[0]]))
+        return forced
 
 
 def acceptance_from(source: Sequence[str], k: int) -> tuple[list[float], str]:
@@ -204,16 +250,24 @@ def per_token_ms(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[float
 
 
 def end_to_end(args: argparse.Namespace, acceptance: list[float], build: Callable[..., Any]) -> list[dict[str, Any]]:
-    """Per batch of `--e2e-batches`: per-token latency with speculation off, then on with the
-    replay proposer, `--repeat` times each in turn (the best kept)."""
+    """Per batch of `--e2e-batches`: per-token latency with speculation off, then on, `--repeat`
+    times each in turn (the best kept). On: drafts from `EveryStepProposer`, kept at the given
+    acceptance by `ForcedAcceptance` (`--e2e-drafts forced`), or replayed from the off run's greedy
+    output with misses injected (`replay`: for real weights, whose greedy runs repeat)."""
+    import flashserve.worker.runner as runner_module
+
     off = build(None)
     on = build({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 1,
                 "min_acceptance_rate": 0.0})  # fmt: skip
     scheduler = on.engine.scheduler
     if getattr(getattr(scheduler, "speculator", None), "proposer", None) is None:
         raise RuntimeError("the scheduler has no speculator.proposer to replace")
+    forced = args.e2e_drafts == "forced"
+    if forced:
+        scheduler.speculator.proposer = EveryStepProposer()
     vocab = off.stack.loaded.vocab_size
     rng = random.Random(args.seed)
+    real_verify = runner_module.verify_step
     rows = []
     for b in args.e2e_batches:
         prompts = [[rng.randrange(1000, vocab - 1) for _ in range(args.kv_len)] for _ in range(b)]
@@ -223,24 +277,29 @@ def end_to_end(args: argparse.Namespace, acceptance: list[float], build: Callabl
         for _ in range(args.repeat):
             ms, outputs = per_token_ms(off, prompts, args.e2e_tokens)
             off_ms.append(ms)
-            if recorded is None:
+            if recorded is None and not forced:
                 recorded = {tuple(p): o for p, o in zip(prompts, outputs)}
                 scheduler.speculator.proposer = ReplayProposer(recorded, acceptance, vocab, args.seed)
             before = spec_counts(on)
-            ms, spec_outputs = per_token_ms(on, prompts, args.e2e_tokens)
+            if forced:
+                runner_module.verify_step = functools.partial(ForcedAcceptance(acceptance, args.seed), real_verify)
+            try:
+                ms, spec_outputs = per_token_ms(on, prompts, args.e2e_tokens)
+            finally:
+                runner_module.verify_step = real_verify
             on_ms.append(ms)
             after = spec_counts(on)
             counts.append([a - c for a, c in zip(after, before)])
         drafts, draft_tokens, accepted = (sum(c[i] for c in counts) for i in range(3))
-        identical = sum(a == b for a, b in zip(spec_outputs, outputs))
-        rows.append({"batch": b, "prompt_len": args.kv_len, "tokens": args.e2e_tokens,
+        identical = "forced" if forced else f"{sum(a == b for a, b in zip(spec_outputs, outputs))}/{b}"
+        rows.append({"batch": b, "prompt_len": args.kv_len, "tokens": args.e2e_tokens, "drafts": args.e2e_drafts,
                      "off_ms_per_token": min(off_ms), "on_ms_per_token": min(on_ms),
                      "on_over_off": min(on_ms) / min(off_ms),
                      "off_tokens_per_s": b / min(off_ms) * 1e3, "on_tokens_per_s": b / min(on_ms) * 1e3,
                      "injected_mean_accepted_length": 1 + sum(acceptance),
                      "measured_mean_accepted_length": 1 + accepted / drafts if drafts else None,
                      "measured_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-                     "identical_outputs": f"{identical}/{b}"})  # fmt: skip
+                     "identical_outputs": identical})  # fmt: skip
         print(f"  e2e batch {b}: off {min(off_ms):.2f} ms/token, on {min(on_ms):.2f} ms/token "
               f"({min(on_ms) / min(off_ms):.2f}x), mean accepted length {rows[-1]['measured_mean_accepted_length']}",
               flush=True)
@@ -271,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e2e-batches", type=int, nargs="*", default=[1, 64])
     p.add_argument("--e2e-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=2, help="end-to-end runs of each, in turn (the best kept)")
+    p.add_argument("--e2e-drafts", choices=("forced", "replay"), default="forced",
+                   help="forced: drafts kept at the acceptance whatever the logits (dummy weights); replay: the "
+                        "off run's greedy output replayed with misses injected (weights whose greedy runs repeat)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="each engine's KV share of the free memory")
     p.add_argument("--out", type=Path, default=LOCAL_RESULTS)
@@ -319,10 +381,13 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(json.dumps(doc, indent=1) + "\n")
 
     def steps_of(model: str, k: int) -> list[dict[str, Any]]:
-        llm = build(None, model)
+        # With k > 0 the engine is built for speculation, so that it captures its verify graphs
+        # (the n-gram proposer never runs here: the steps are made by hand).
+        llm = build({"method": "ngram", "num_speculative_tokens": k} if k else None, model)
         try:
             if model == args.model:
                 doc["decode_graphs"] = llm.engine.executor.graphs is not None
+                doc["verify_graphs"] = getattr(llm.engine.executor, "verify_graphs", None) is not None
             return step_times(llm, args.batches, args.kv_len, k, args.device, args.steps)
         finally:
             llm.close()
@@ -351,7 +416,7 @@ def table(doc: dict[str, Any]) -> str:
                      f"| {num(r.get('draft_decode_ms'))} | {r['ngram_ms_per_token']:.3f} ({r['ngram_over_decode']:.2f}x) "
                      f"| {num(r.get('draft_model_ms_per_token'))} ({num(r.get('draft_model_over_decode'), '.2f')}x) |")
     if doc.get("end_to_end"):
-        lines += ["", "| batch | off ms/token | on ms/token (replayed drafts) | on / off | tokens/s off -> on "
+        lines += ["", "| batch | off ms/token | on ms/token | on / off | tokens/s off -> on "
                   "| mean accepted length injected / measured | identical outputs |", "|---" * 7 + "|"]
         for r in doc["end_to_end"]:
             lines.append(f"| {r['batch']} | {r['off_ms_per_token']:.3f} | {r['on_ms_per_token']:.3f} | {r['on_over_off']:.2f}x "
