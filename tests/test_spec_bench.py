@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmark.spec_bench import Run, summarize
-from benchmark.spec_gpu import ReplayProposer, acceptance_from
+from benchmark.spec_gpu import EveryStepProposer, ForcedAcceptance, ReplayProposer, acceptance_from
 from benchmark.spec_workload import KINDS, SpecPrompt, _renamed, build_workload
 
 
@@ -112,6 +112,20 @@ def test_replay_proposer_misses_at_the_acceptance_given_per_position() -> None:
         for i in range(run):
             matched[i] += 1
     assert [m / (trials - 4) for m in matched] == pytest.approx(acceptance, abs=0.04)
+
+
+def test_forced_acceptance_keeps_drafts_at_the_acceptance_given_per_position() -> None:
+    acceptance = [0.8, 0.6, 0.4, 0.2]
+    forced = ForcedAcceptance(acceptance, seed=3)
+    trials = 4000
+    kept = [forced.kept(4) for _ in range(trials)]
+    assert [sum(m > i for m in kept) / trials for i in range(4)] == pytest.approx(acceptance, abs=0.03)
+    assert max(forced.kept(2) for _ in range(100)) <= 2  # never more than the row drafted
+
+
+def test_every_step_proposer_drafts_k_tokens_for_every_request() -> None:
+    assert EveryStepProposer().propose([5, 6, 7], 4) == [7, 7, 7, 7]
+    assert EveryStepProposer().propose([5], 0) == []
 
 
 def test_gpu_benchmark_reads_the_acceptance_of_the_cpu_run_of_the_same_k(tmp_path: Path) -> None:
