@@ -232,7 +232,7 @@ class LlamaModel(nn.Module):
         cos_sin = self.cos_sin_cache
         if cos_sin is None:
             raise RuntimeError("LlamaModel has no RoPE table: build it with LlamaModel.from_weights")
-        spec, ops = self.rank_spec, self.ops
+        spec = self.rank_spec
         rope = backend_rope(backend, positions, cos_sin, spec.head_dim)
         # One rank leaves an FP8 projection's scales to the norm that reads its output; over several
         # ranks the output is summed first, so its scales are applied before the all-reduce.
@@ -242,47 +242,62 @@ class LlamaModel(nn.Module):
         if lora is not None:
             lora.begin(num_tokens)
         chunks = self.token_chunks(num_tokens) if lora is None else [slice(0, num_tokens)]
-        overlap = len(chunks) > 1
         residual = self.embed(input_ids)
         # Per chunk of tokens: its residual stream and the row-parallel output that joins it next.
-        residuals = [residual[c] for c in chunks] if overlap else [residual]
+        residuals = [residual[c] for c in chunks] if len(chunks) > 1 else [residual]
         partials: list[Tensor | UnscaledRows | PendingSum | None] = [None] * len(chunks)
         for i, layer in enumerate(self.layers):
-            qkv, gate_up = layer.qkv_proj.args, layer.gate_up_proj.args
-            q_norm = layer.q_norm["weight"] if spec.qk_norm else None
-            k_norm = layer.k_norm["weight"] if spec.qk_norm else None
-            qkvs = []
-            for j, c in enumerate(chunks):
-                # With adapters the norms write plain rows (the adapters read them; an FP8 projection
-                # quantizes them itself).
-                normed, residuals[j] = self.reduce_add_norm(partials[j], residuals[j], layer.input_layernorm["weight"],
-                                                            qkv if lora is None else None)  # fmt: skip
-                qkvs.append(self._qkv_rope(
-                    spec, ops, normed, positions[c] if overlap else positions, cos_sin, qkv, q_norm, k_norm,
-                    rope is None, None if lora is None else lora.apply(i, "qkv", normed, linear(normed, *qkv)),
-                ))  # fmt: skip
-            q, k, v = qkvs[0] if not overlap else (torch.cat(parts) for parts in zip(*qkvs))
+            q, k, v = self._qkv(i, layer, chunks, partials, residuals, positions, rope is None, lora)
             attn = attend(backend, i, q, k, v, rope).reshape(num_tokens, spec.q_size)
-            for j, c in enumerate(chunks):
-                partial = linear_unscaled(attn[c] if overlap else attn, *layer.o_proj.args, defer=defer)
-                if lora is not None:  # a row-parallel partial delta joins the partial output before the all-reduce
-                    partial = lora.apply(i, "o", attn, dense(partial))
-                partials[j] = self.all_reduce_start(partial) if overlap else partial
-            post_norm = layer.post_attention_layernorm["weight"]
-            for j in range(len(chunks)):
-                normed, residuals[j] = self.reduce_add_norm(partials[j], residuals[j], post_norm,
-                                                            gate_up if lora is None else None)  # fmt: skip
-                if lora is None:
-                    partial = self._gated_mlp(ops, normed, gate_up, layer.down_proj.args, defer)
-                else:
-                    assert isinstance(normed, Tensor)
-                    act = ops.silu_and_mul(lora.apply(i, "gate_up", normed, dense(linear_unscaled(normed, *gate_up))))
-                    partial = lora.apply(i, "down", act, dense(linear_unscaled(act, *layer.down_proj.args)))
-                partials[j] = self.all_reduce_start(partial) if overlap else partial
+            self._o_and_mlp(i, layer, chunks, attn, partials, residuals, defer, lora)
         finals = [self.reduce_add_norm(partials[j], residuals[j], self.norm["weight"], None)[0] for j in range(len(chunks))]
-        final = finals[0] if not overlap else torch.cat(finals)  # type: ignore[arg-type]
+        final = finals[0] if len(chunks) == 1 else torch.cat(finals)  # type: ignore[arg-type]
         assert not isinstance(final, QuantizedRows)
         return final
+
+    def _qkv(self, i: int, layer: LlamaDecoderLayer, chunks: list[slice], partials: list[Any], residuals: list[Tensor],
+             positions: Tensor, rotate: bool, lora: LoRAStack | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """Layer `i` up to attention, chunk by chunk: the row-parallel output of the layer before
+        joins the residual (`reduce_add_norm`), then the input norm, qkv and RoPE. q, k, v of the
+        whole step."""
+        spec, qkv = self.rank_spec, layer.qkv_proj.args
+        q_norm = layer.q_norm["weight"] if spec.qk_norm else None
+        k_norm = layer.k_norm["weight"] if spec.qk_norm else None
+        parts = []
+        for j, c in enumerate(chunks):
+            # With adapters the norms write plain rows (the adapters read them; an FP8 projection
+            # quantizes them itself).
+            normed, residuals[j] = self.reduce_add_norm(partials[j], residuals[j], layer.input_layernorm["weight"],
+                                                        qkv if lora is None else None)  # fmt: skip
+            parts.append(self._qkv_rope(
+                spec, self.ops, normed, positions[c] if len(chunks) > 1 else positions, self.cos_sin_cache, qkv,
+                q_norm, k_norm, rotate, None if lora is None else lora.apply(i, "qkv", normed, linear(normed, *qkv)),
+            ))  # fmt: skip
+        return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
+
+    def _o_and_mlp(self, i: int, layer: LlamaDecoderLayer, chunks: list[slice], attn: Tensor, partials: list[Any],
+                   residuals: list[Tensor], defer: bool, lora: LoRAStack | None) -> None:  # fmt: skip
+        """Layer `i` after attention, chunk by chunk: o_proj, its all-reduce into the residual and
+        the post-attention norm, the MLP; each chunk's down_proj output is left in `partials` for
+        the next layer. Over several chunks each all-reduce starts as soon as its GEMM is enqueued
+        (`all_reduce_start`), so that it runs beside the next chunk's GEMMs."""
+        overlap = len(chunks) > 1
+        for j, c in enumerate(chunks):
+            partial = linear_unscaled(attn[c] if overlap else attn, *layer.o_proj.args, defer=defer)
+            if lora is not None:  # a row-parallel partial delta joins the partial output before the all-reduce
+                partial = lora.apply(i, "o", attn, dense(partial))
+            partials[j] = self.all_reduce_start(partial) if overlap else partial
+        gate_up, post_norm = layer.gate_up_proj.args, layer.post_attention_layernorm["weight"]
+        for j in range(len(chunks)):
+            normed, residuals[j] = self.reduce_add_norm(partials[j], residuals[j], post_norm,
+                                                        gate_up if lora is None else None)  # fmt: skip
+            if lora is None:
+                partial = self._gated_mlp(self.ops, normed, gate_up, layer.down_proj.args, defer)
+            else:
+                assert isinstance(normed, Tensor)
+                act = self.ops.silu_and_mul(lora.apply(i, "gate_up", normed, dense(linear_unscaled(normed, *gate_up))))
+                partial = lora.apply(i, "down", act, dense(linear_unscaled(act, *layer.down_proj.args)))
+            partials[j] = self.all_reduce_start(partial) if overlap else partial
 
     def token_chunks(self, num_tokens: int) -> list[slice]:
         """The step's tokens in the chunks each layer's token-wise part runs in: one, or over several
