@@ -14,7 +14,7 @@
 3. The adapters' two GEMMs of each projection (fused qkv, o, fused gate_up, down) at 1..512 rows
    over 4 adapters, GPU time from CUDA graphs: the masked torch path (`LoRAStack._apply_masked`:
    every slot's shrink, a mask, every slot's expand), the Triton kernels (`lora/triton_lora.py`,
-   which decode steps of up to `TRITON_MAX_TOKENS` rows run; measured here at every row count,
+   which decode steps of up to `TRITON_MAX_TOKENS` rows (per projection) run; measured here at every row count,
    for the threshold), a gather + bmm of each row's adapter, and FlashInfer's `SegmentGEMMWrapper`
    (one segment a row, as a decode step under a graph has them); on a CPU also the per-segment
    path (`LoRAStack._apply_by_segment`). Each adds into the projection's output, as the model does.
@@ -122,8 +122,9 @@ def bench_decode(model: Any, args: argparse.Namespace, device: str) -> list[dict
         if case != "base model, LoRA off":
             stack = attach(model, args.rank, 1 if case.endswith("1 slot") else NUM_ADAPTERS)
             if case.endswith("masked"):
-                stack.triton_max_tokens = 0  # as a stack without Triton: the masked GEMMs at every size
-            kernel = "none" if case == "base rows" else "triton" if b <= stack.triton_max_tokens else "torch"
+                stack.set_triton_rows({})  # as a stack without Triton: the masked GEMMs at every size
+            triton = sorted(k for k, n in stack.triton_rows.items() if b <= n)
+            kernel = "none" if case == "base rows" else f"triton: {', '.join(triton)}" if triton else "torch"
         backend = backend_for(model, num_pages, device)
         native = NativeCausalLM(model)
         step, plain = native.decode_logits(backend), case == "base rows"
@@ -201,11 +202,8 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
     from flashserve.lora import triton_lora
 
     stack = attach(model, args.rank)
-    if stack.triton_max_tokens:  # the kernels at every row count here, beyond the threshold too
-        width = max(len(outs) for _, outs in stack.shapes.values()) * stack.max_rank
-        stack.triton_max_tokens = max(args.kernel_rows)
-        stack._partials = torch.empty(triton_lora.partials_numel(stack.triton_max_tokens, width), dtype=torch.float32,
-                                      device=device)  # fmt: skip
+    if max(stack.triton_rows.values()):  # the kernels at every row count here, beyond the thresholds too
+        stack.set_triton_rows(dict.fromkeys(stack.shapes, max(args.kernel_rows)))
     seg = segment_gemm() if device == "cuda" and not args.no_segment_gemm else None
     rows = []
     for kind, (in_f, outs) in stack.shapes.items():
@@ -226,7 +224,7 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
             r: dict[str, Any] = {"projection": kind, "rows": t, "rank": args.rank, "adapters": NUM_ADAPTERS}
             y = torch.zeros(t, sum(outs), dtype=a_all.dtype, device=device)
             r["torch_masked_us"] = graph_or_eager_us(lambda: stack._apply_masked(0, kind, x, y), device, args)
-            if stack.uses_triton(x, y):
+            if stack.uses_triton(x, y, kind):
                 try:
                     y.zero_()
                     torch.testing.assert_close(stack._apply_triton(0, kind, x, y).float(),

@@ -258,6 +258,7 @@ def test_triton_lora_kernels_give_the_float32_masked_delta_and_leave_base_rows_a
     (x, A, B and the output in bfloat16, 2^-9 each rounding; u in TF32); added into a projection's
     output y it is y + delta to 1e-2, and base rows of y keep their bits."""
     fast, ref = lora_stack(torch.bfloat16, "cuda"), lora_stack(torch.float32, "cuda")
+    fast.set_triton_rows(dict.fromkeys(fast.shapes, max(KERNEL_STEPS)))  # every projection, beyond its threshold too
     gen = torch.Generator(device="cuda").manual_seed(0)
     for rows, slots in KERNEL_STEPS.items():
         token_slots = torch.tensor(slots, device="cuda")
@@ -268,7 +269,7 @@ def test_triton_lora_kernels_give_the_float32_masked_delta_and_leave_base_rows_a
         for kind, (in_f, outs) in fast.shapes.items():
             x = torch.randn(rows, in_f, device="cuda", generator=gen).to(torch.bfloat16)
             y = torch.randn(rows, sum(outs), device="cuda", generator=gen).to(torch.bfloat16)
-            assert fast.uses_triton(x, y)
+            assert fast.uses_triton(x, y, kind)
             expected = ref.delta(0, kind, x.float())
             err = rel(fast.delta(0, kind, x)[adapted], expected[adapted])
             assert (err < 1e-2).all(), (kind, rows, err)
@@ -286,7 +287,7 @@ def test_triton_lora_kernels_in_a_cuda_graph_replay_with_each_steps_slots() -> N
     y = torch.empty(32, sum(outs), device="cuda", dtype=torch.bfloat16)
     stack.set_step(torch.tensor(KERNEL_STEPS[32], device="cuda"), True)
     stack.begin(32)
-    assert stack.uses_triton(x, y)
+    assert stack.uses_triton(x, y, "qkv")
 
     def step() -> None:
         y.zero_()

@@ -22,21 +22,22 @@ stack and its forward is unchanged; an eager step whose rows are all the base mo
 
 On a GPU the masked GEMMs are launches, not bytes: on an H200 under a CUDA graph each projection's
 three kernels took 10-13 us whatever the rows (1..128), and the 8B's decode step of 32 rows went
-from 6.115 ms to 8.30 (1.36x) with one adapter or four. So a CUDA step of up to
-`TRITON_MAX_TOKENS` rows (decode steps, their graphs) of bfloat16 / float16 weights runs two Triton
-kernels instead (`triton_lora`, Punica's shrink and expand): each row reads only its own slot's A,
-and only its own module's R columns of B (q's rows of the fused output use q's block of the slot),
-slots no row uses are skipped and base rows are neither read nor written, the slot index read on
-the device from the same persistent buffer. Larger (prefill) steps keep the masked GEMMs.
+from 6.115 ms to 8.30 (1.36x) with one adapter or four. So a CUDA step of bfloat16 / float16
+weights with few rows (decode steps, their graphs; `TRITON_MAX_TOKENS` per projection) runs two
+Triton kernels instead (`triton_lora`, Punica's shrink and expand): each row reads only its own
+slot's A, and only its own module's R columns of B (q's rows of the fused output use q's block of
+the slot), slots no row uses are skipped and base rows are neither read nor written, the slot
+index read on the device from the same persistent buffer. Larger steps keep the masked GEMMs,
+which the Triton kernels' cost, growing with the rows, passes between 8 and 128 rows.
 
-    H200, lora_bench: 8B decode step of 32 rows    masked GEMMs       Triton kernels
-    at kv 1024 from CUDA graphs, ms (x base)
-      base model, LoRA off                         6.115
-      base rows (the graph without adapters)       6.268 (1.025x)     the same graph
-      1 adapter                                    8.307 (1.358x)     to be measured
-      1 adapter, a stack of 1 slot                 8.264 (1.351x)     to be measured
-      4 adapters                                   8.304 (1.358x)     to be measured
-    one projection's delta, 1..128 rows (us)       10-13              to be measured
+    H200, lora_bench: 8B decode step of 32 rows    masked GEMMs       Triton kernels (every
+    at kv 1024 from CUDA graphs, ms (x base)                          projection)
+      base model, LoRA off                         5.981              -
+      base rows (the graph without adapters)       6.082 (1.017x)     the same graph
+      1 adapter                                    8.228 (1.376x)     7.658 (1.280x)
+      1 adapter, a stack of 1 slot                 -                  7.566 (1.265x)
+      4 adapters                                   8.159 (1.364x)     8.009 (1.339x)
+    one projection's delta at 32 rows (us)         11.7-13.4          6.3-14.3
     FlashInfer's SegmentGEMMWrapper: 36-580 us a projection; a gather + bmm 14-180.
 
 On a CPU, where steps run eagerly and the slot index is on the host already, a step whose
@@ -83,11 +84,13 @@ _SEGMENT_MIN_TOKENS = 8
 # Step tokens whose slot index lives in the persistent buffer (what CUDA graphs capture); a
 # larger (prefill) step gets a tensor of its own.
 DEFAULT_TOKEN_CAPACITY = 8192
-# A CUDA step of bfloat16 / float16 weights with up to this many tokens (decode steps, their CUDA
-# graphs) runs the Triton kernels (`triton_lora`); larger ones the masked GEMMs. To be measured
-# (lora_bench's kernel table): the Triton path's cost grows with the rows, the masked one's is
-# launches up to 128 rows.
-TRITON_MAX_TOKENS = 256
+# The rows up to which a CUDA step of bfloat16 / float16 weights runs each projection's Triton
+# kernels (`triton_lora`); more rows, the masked GEMMs. The largest row count measured where the
+# Triton kernels were faster (H200, lora_bench's kernel table, Llama-3.1-8B, 4 slots of rank 16,
+# 1/8/32/128/256 rows): qkv 7.5 against 12.6 us at 32 rows, 14.1 against 13.5 at 128; o 12.6
+# against 12.8 at 128, 19.8 against 13.6 at 256; gate_up 11.4 against 12.7 at 8, 14.3 against 13.4
+# at 32; down 9.7 against 12.2 at 32, 25.7 against 13.2 at 128.
+TRITON_MAX_TOKENS = {"qkv": 32, "o": 128, "gate_up": 8, "down": 32}
 
 
 class LoRAStack:
@@ -114,15 +117,12 @@ class LoRAStack:
                             for _ in range(spec.num_layers)]  # fmt: skip
         self.slot_ids = torch.arange(1, max_loras + 1, dtype=torch.long, device=self.device)
         self._slots_buffer = torch.zeros(token_capacity, dtype=torch.long, device=self.device)
-        # Steps of up to this many tokens run the Triton kernels (0: none do), which write their
-        # float32 partials into one scratch buffer.
-        self.triton_max_tokens = 0
+        # Per projection, the steps of up to this many tokens that run the Triton kernels (0: none
+        # do), which write their float32 partials into one scratch buffer.
+        self.triton_rows = dict.fromkeys(self.shapes, 0)
         self._partials: Tensor | None = None
         if self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and triton_lora.available():
-            self.triton_max_tokens = min(TRITON_MAX_TOKENS, token_capacity)
-            width = max(len(outs) for _, outs in self.shapes.values()) * max_rank
-            self._partials = torch.empty(triton_lora.partials_numel(self.triton_max_tokens, width),
-                                         dtype=torch.float32, device=self.device)  # fmt: skip
+            self.set_triton_rows({k: min(n, token_capacity) for k, n in TRITON_MAX_TOKENS.items()})
         self._large: Tensor | None = None
         self.mask: Tensor | None = None  # [T, S] of the forward running now (`begin`)
         # A CPU step's (slot, its token rows; None: every row) when it runs per segment.
@@ -199,18 +199,28 @@ class LoRAStack:
         assert self._large is not None and self._large.shape[0] == num_tokens, "set_step before a large step"
         return self._large
 
+    def set_triton_rows(self, rows: dict[str, int]) -> None:
+        """Which steps run the Triton kernels, per projection (`TRITON_MAX_TOKENS`), and their
+        scratch buffer sized for the largest."""
+        self.triton_rows = {k: rows.get(k, 0) for k in self.shapes}
+        most = max(self.triton_rows.values())
+        width = max(len(outs) for _, outs in self.shapes.values()) * self.max_rank
+        self._partials = torch.empty(triton_lora.partials_numel(most, width), dtype=torch.float32,
+                                     device=self.device) if most else None  # fmt: skip
+
     def begin(self, num_tokens: int) -> None:
         """Builds the forward's row mask [T, S] from the step's slot index (no host sync), for a
-        step the masked GEMMs apply (the Triton kernels read the slot index itself)."""
-        self.mask = None if num_tokens <= self.triton_max_tokens else self._build_mask(num_tokens)
+        step the masked GEMMs apply to some projection (the Triton kernels read the slot index
+        itself)."""
+        self.mask = None if num_tokens <= min(self.triton_rows.values()) else self._build_mask(num_tokens)
 
     def _build_mask(self, num_tokens: int) -> Tensor:
         return (self.token_slots(num_tokens).unsqueeze(1) == self.slot_ids).to(self.dtype)
 
-    def uses_triton(self, x: Tensor, y: Tensor) -> bool:
-        """Whether `apply` runs the Triton kernels on these rows (a CUDA step of up to
-        `triton_max_tokens` rows in the stack's dtype, each row's values contiguous)."""
-        return (x.shape[0] <= self.triton_max_tokens and x.dtype == y.dtype == self.dtype and x.is_cuda
+    def uses_triton(self, x: Tensor, y: Tensor, kind: str) -> bool:
+        """Whether `apply` runs the Triton kernels on these rows of projection `kind` (a CUDA step
+        of up to `triton_rows[kind]` rows in the stack's dtype, each row's values contiguous)."""
+        return (x.shape[0] <= self.triton_rows[kind] and x.dtype == y.dtype == self.dtype and x.is_cuda
                 and x.stride(-1) == 1 and y.stride(-1) == 1)  # fmt: skip
 
     def apply(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
@@ -218,7 +228,7 @@ class LoRAStack:
         adapters' delta. `y` is the projection's own fresh output: it may be updated in place."""
         if self.segments is not None:
             return self._apply_by_segment(layer, kind, x, y, self.segments)
-        if self.uses_triton(x, y):
+        if self.uses_triton(x, y, kind):
             return self._apply_triton(layer, kind, x, y)
         return self._apply_masked(layer, kind, x, y)
 
@@ -229,7 +239,7 @@ class LoRAStack:
 
     def _apply_masked(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
         mask = self.mask
-        if mask is None or mask.shape[0] != x.shape[0]:  # a step `begin` left to the Triton kernels
+        if mask is None or mask.shape[0] != x.shape[0]:  # a step `begin` left to the Triton kernels (a test's call)
             mask = self._build_mask(x.shape[0])
         u = torch.nn.functional.linear(x, self.a[kind][layer])
         t = u.shape[0]
