@@ -1,0 +1,127 @@
+"""What P99 TTFT the seed protocol allows for a given prefill speed: a model of the engine's
+scheduling, fed with step costs, not a measurement.
+
+The seed protocol's workload (SGLang's random, range ratio 0.25: inputs uniform in 512-2,048
+tokens, outputs in 64-256, Poisson arrivals) through the scheduler's policy: one step at a time;
+running requests first, oldest first, each a decode token or its next prefill chunk; then waiting
+requests first come, first served, while the step's token budget lasts. A step's time is the
+longer of a decode step (the weights read once, `--decode-ms`, plus `--row-ms` a decode row) and
+its prefill tokens' compute (`--prefill-ms-per-token` each), plus `--row-ms` a decode row: a
+prefill chunk reads the same weights while it computes. Overlap scheduling, the host and the
+network are left out, so the figures are what the step costs alone allow.
+
+    python -m benchmark.ttft_model                        # the 70B at TP 4 on H200s, as measured
+    python -m benchmark.ttft_model --decode-ms 4.9 --prefill-ms-per-token 0.0261 --floor-ms-per-token 0.0183 \\
+        --rates 12 16 20 24                              # the 8B on one H200
+
+For each rate: median and P99 TTFT and ITL at the measured prefill speed (`--prefill-ms-per-token`,
+a lone 2,048-token prompt's TTFT over 2,048) and at fractions of the way to its compute floor
+(`--floor-ms-per-token`). Prints a table; writes ttft_model.json under `--out` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def simulate(rate: float, prefill_ms_per_token: float, decode_ms: float, row_ms: float, budget: int,
+             num_requests: int, seed: int) -> dict[str, float]:  # fmt: skip
+    """Median and P99 TTFT and ITL (ms) of `num_requests` Poisson arrivals at `rate` req/s."""
+    rng = random.Random(seed)
+    t, arrivals = 0.0, []
+    for _ in range(num_requests):
+        t += rng.expovariate(rate) * 1e3
+        arrivals.append((t, rng.randint(512, 2048), rng.randint(64, 256)))
+    waiting: list[dict[str, Any]] = []
+    running: list[dict[str, Any]] = []
+    ttft: list[float] = []
+    itl: list[float] = []
+    now, nxt, done = 0.0, 0, 0
+    while done < num_requests:
+        while nxt < num_requests and arrivals[nxt][0] <= now:
+            a, prompt, out = arrivals[nxt]
+            waiting.append({"arrival": a, "prefill": prompt, "out": out, "last": None})
+            nxt += 1
+        left, rows = budget, []
+        for r in running:
+            if left <= 0:
+                break
+            n = min(r["prefill"], left) if r["prefill"] else 1
+            rows.append((r, n, r["prefill"] > 0))
+            left -= n
+        while waiting and left > 0:
+            r = waiting.pop(0)
+            running.append(r)
+            n = min(r["prefill"], left)
+            rows.append((r, n, True))
+            left -= n
+        if not rows:
+            now = arrivals[nxt][0]
+            continue
+        prefill = sum(n for _, n, is_prefill in rows if is_prefill)
+        decodes = sum(1 for _, _, is_prefill in rows if not is_prefill)
+        now += max(decode_ms, prefill * prefill_ms_per_token) + row_ms * decodes
+        for r, n, is_prefill in rows:
+            if is_prefill:
+                r["prefill"] -= n
+            if r["prefill"]:
+                continue  # a chunk that samples nothing
+            if r["last"] is None:
+                ttft.append(now - r["arrival"])
+            else:
+                itl.append(now - r["last"])
+            r["last"] = now
+            r["out"] -= 1
+            if r["out"] <= 0:
+                running.remove(r)
+                done += 1
+
+    def p99(xs: list[float]) -> float:
+        return sorted(xs)[max(0, int(len(xs) * 0.99) - 1)]
+
+    return {"median_ttft_ms": statistics.median(ttft), "p99_ttft_ms": p99(ttft), "median_itl_ms": statistics.median(itl),
+            "p99_itl_ms": p99(itl)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Defaults: the 70B at TP 4 on H200s (benchmark/results/NVIDIA_H200/seed_protocol): a lone
+    # 2,048-token prompt 145 ms in the engine, floor 88.9 ms; c1 ITL 11.95 ms.
+    p.add_argument("--prefill-ms-per-token", type=float, default=145.0 / 2048)
+    p.add_argument("--floor-ms-per-token", type=float, default=88.9 / 2048)
+    p.add_argument("--decode-ms", type=float, default=11.95)
+    p.add_argument("--row-ms", type=float, default=0.02, help="a decode row's share of a step")
+    p.add_argument("--budget", type=int, default=8192, help="--max-num-batched-tokens")
+    p.add_argument("--rates", type=float, nargs="+", default=[4.0, 5.0])
+    p.add_argument("--requests", type=int, default=4000)
+    p.add_argument("--seeds", type=int, default=3, help="runs per cell, the mean of their figures")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    speeds = [(f"{f:.0%} of the way to the floor", args.prefill_ms_per_token - f * (args.prefill_ms_per_token - args.floor_ms_per_token))
+              for f in (0.0, 0.5, 1.0)]  # fmt: skip
+    rows = []
+    print("| rate (req/s) | prefill speed | ms / 2,048-token prompt | median TTFT | P99 TTFT | median ITL | P99 ITL |")
+    print("|---|---|---|---|---|---|---|")
+    for rate in args.rates:
+        for name, per_token in speeds:
+            runs = [simulate(rate, per_token, args.decode_ms, args.row_ms, args.budget, args.requests, seed)
+                    for seed in range(args.seeds)]  # fmt: skip
+            row = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
+            row.update(rate=rate, speed=name, prompt_2048_ms=per_token * 2048)
+            rows.append(row)
+            print(f"| {rate:g} | {name} | {per_token * 2048:.1f} | {row['median_ttft_ms']:.0f} | {row['p99_ttft_ms']:.0f} "
+                  f"| {row['median_itl_ms']:.1f} | {row['p99_itl_ms']:.0f} |")  # fmt: skip
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ttft_model.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
