@@ -76,6 +76,17 @@ def test_requests_sharing_a_prompt_prefix_are_submitted_together(smollm2_tokeniz
     assert sorted(ids[start:start + 3]) == ["c0", "c1", "c2"]
 
 
+def test_requests_of_different_lora_adapters_never_share_a_prefix_group(smollm2_tokenizer: Any) -> None:
+    system = {"role": "system", "content": "You are a terse assistant for a library. " * 6}
+    models = ["base", "sql-lora", "base", "sql-lora", "other-lora"]
+    requests = [BatchRequest(n, f"c{n}", "/v1/chat/completions", {"model": model, "messages": [
+        system, {"role": "user", "content": f"Question {n}?"}]}) for n, model in enumerate(models)]  # fmt: skip
+    batch = plan_requests(requests, smollm2_tokenizer, 16, 2048, {"sql-lora": 1, "other-lora": 2})
+    groups = [sorted(models[i] for i in group.members) for group in batch.plan.groups if len(group.members) > 1]
+    assert sorted(groups) == [["base", "base"], ["sql-lora", "sql-lora"]]
+    assert batch.lora_keys == [None, "1", None, "1", "2"]  # the keys its pages are hashed with
+
+
 def test_run_batch_options_leave_out_the_listener_and_add_the_batch_ones() -> None:
     flags = {o.flag for o in RUN_BATCH_OPTIONS}
     assert not flags & SERVER_ONLY_FLAGS

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, MutableMapping
 
@@ -150,6 +150,7 @@ class BatchPlan:
     plan: GroupPlan  # its members index `prompts`
     prompts: list[list[int]]  # per request in input order: its prompt's token ids ([] when unread)
     salts: list[str | None]  # per request in input order: its cache_salt
+    lora_keys: list[str | None]  # per request in input order: its LoRA adapter's key in the page hashes
     line_numbers: list[int]  # per request in input order
     largest_request_tokens: int  # the most tokens one request may hold (prompt and outputs)
 
@@ -158,18 +159,28 @@ class BatchPlan:
         return {self.line_numbers[i]: (g, i) for g, group in enumerate(self.plan.groups) for i in group.members}
 
 
-def plan_requests(requests: Sequence[BatchRequest], tokenizer: Any, page_size: int,
-                  max_model_len: int) -> BatchPlan:
+def plan_requests(requests: Sequence[BatchRequest], tokenizer: Any, page_size: int, max_model_len: int,
+                  lora_ids: Mapping[str, int] | None = None) -> BatchPlan:  # fmt: skip
     """The requests in prefix-sharing order (`plan_prefix_groups`): prompts tokenized up front, as
     the server will (chat template, or the first prompt of a completion); a line whose prompt
-    cannot be read here is left alone and the server answers it."""
+    cannot be read here is left alone and the server answers it. `lora_ids`: the loaded LoRA
+    adapters' ids by name; a request whose `model` names one shares a group only with requests of
+    that adapter, whose KV pages are its own (`prefix_cache.lora_key`)."""
     prompts = _prompt_ids(requests, tokenizer)
     expected = [_expected_output(r.body, len(p), max_model_len) for r, p in zip(requests, prompts)]
     salts = [_salt(r.body) for r in requests]
-    keys: list[Hashable] = list(salts)
+    lora_keys = [_lora_key(r.body, lora_ids or {}) for r in requests]
+    keys: list[Hashable] = list(zip(salts, lora_keys))
     plan = plan_prefix_groups(prompts, page_size, expected, keys)
     largest = max((min(len(p) + e, max_model_len) for p, e in zip(prompts, expected)), default=0)
-    return BatchPlan([requests[i] for i in plan.order], plan, prompts, salts, [r.line_no for r in requests], largest)
+    return BatchPlan([requests[i] for i in plan.order], plan, prompts, salts, lora_keys, [r.line_no for r in requests],
+                     largest)  # fmt: skip
+
+
+def _lora_key(body: Any, lora_ids: Mapping[str, int]) -> str | None:
+    model = body.get("model") if isinstance(body, dict) else None
+    lora_id = lora_ids.get(model) if isinstance(model, str) else None
+    return str(lora_id) if lora_id else None
 
 
 def _prompt_ids(requests: Sequence[BatchRequest], tokenizer: Any) -> list[list[int]]:

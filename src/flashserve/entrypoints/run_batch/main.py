@@ -109,10 +109,11 @@ def main(args: BatchArgs, stack: Any = None) -> int:
         scheduler = stack.engine.scheduler
         if args.prefix_grouping and scheduler.kv_cache.enable_caching and requests:
             t0 = time.perf_counter()
-            batch = plan_requests(requests, stack.tokenizer, stack.page_size, stack.max_model_len)
+            lora_ids = {lora.lora_name: lora.lora_int_id for lora in stack.engine.loras.adapters}
+            batch = plan_requests(requests, stack.tokenizer, stack.page_size, stack.max_model_len, lora_ids)
             requests, member_of_line = batch.requests, batch.member_of_line()
             pins = GroupPins(scheduler.kv_cache, scheduler.prefix_cache.hasher, batch.plan, batch.prompts,
-                             batch.largest_request_tokens, batch.salts)
+                             batch.largest_request_tokens, batch.salts, batch.lora_keys)
             logger.info("ordered %d requests by shared prefixes in %.1f s", len(requests), time.perf_counter() - t0)
         _send(conn, app, batch_app.AppSetup(
             served_model_names=served_names(args.serve, stack.loaded.name), api=args.serve.api,
