@@ -68,6 +68,9 @@ class ModelRunner:
     """
 
     overlap_capable = True  # the engine may schedule a step behind one still running
+    # Speculative decoding is configured (n-gram drafts from the scheduler, or `drafter`): steps may
+    # carry draft tokens to verify. Off: `_launch` never looks for them. `build_runner` sets it.
+    speculative = False
 
     def __init__(
         self,
@@ -89,9 +92,6 @@ class ModelRunner:
         self.cascade = cascade  # None: every step attends flat
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
         self.verify_graphs: Any = None  # a VerifyGraphRunner for uniform verify steps, once captured
-        # Speculative decoding is configured (n-gram drafts from the scheduler, or `drafter`): steps
-        # may carry draft tokens to verify. Off: `_launch` never looks for them.
-        self.speculative = False
         self.batch = InputBatch()  # the running requests, kept across steps
         self.inputs = StepInputBuilder(self.device, page_size)
         self.drafter: Any = None  # speculative decoding's draft model (`worker/drafter.py`), if any
