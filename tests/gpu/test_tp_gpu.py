@@ -134,6 +134,45 @@ def test_tp_ranks_generate_the_greedy_tokens_of_one_gpu(model: str, one_gpu_toke
     assert tokens == one_gpu_tokens
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+class AlwaysDrafts:
+    """k drafts for every decoding request (its last token repeated): every verify step uniform."""
+
+    def propose(self, token_ids: Any, k: int) -> list[int]:
+        return [int(token_ids[-1])] * k
+
+
+def test_tp_ranks_with_speculation_generate_the_greedy_tokens_of_one_gpu(model: str, one_gpu_tokens: list[list[int]],
+                                                                          tp: int) -> None:  # fmt: skip
+    """n-gram drafts (the repeated prompts give some) verified over the ranks: one GPU's greedy
+    tokens without speculation, exactly (float32, PyTorch's attention)."""
+    with LLM(model, tensor_parallel_size=tp, attention_backend="torch", speculative_config=SPEC, **ENGINE) as llm:
+        tokens = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+        stats = llm.engine.scheduler.spec_stats
+        assert stats is not None and stats.num_drafts > 0
+    assert tokens == one_gpu_tokens
+
+
+def test_tp_ranks_replay_verify_graphs_with_the_collectives_inside(model: str, tp: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """FlashInfer with CUDA graphs: uniform verify steps (3 drafts a row, from a proposer that
+    always drafts) replay their graphs on every rank, all-reduces inside, and every request ends
+    with its tokens."""
+    with LLM(model, tensor_parallel_size=tp, speculative_config=SPEC, **ENGINE) as llm:
+        runner = llm.engine.executor
+        assert runner.verify_graphs is not None and runner.verify_graphs.captured
+        replays: list[int] = []
+        plan = runner.backend.plan_verify_graph
+        monkeypatch.setattr(runner.backend, "plan_verify_graph", lambda *a: (replays.append(a[1]), plan(*a))[1])
+        llm.engine.scheduler.speculator.proposer = AlwaysDrafts()
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params)
+    assert replays, "no verify step replayed a graph"
+    assert [len(r.token_ids) for r in outputs] == [16] * len(PROMPTS)
+
+
 def test_close_ends_the_workers_promptly(model: str, tp: int) -> None:
     llm = LLM(model, tensor_parallel_size=tp, **ENGINE)
     pids = worker_pids(llm)
