@@ -41,7 +41,4 @@ def check_speculative(spec: SpeculativeConfig, target: Any) -> None:
                 f"--speculative-config: the draft model {spec.model!r} has a vocabulary of {draft_vocab} tokens, "
                 f"the target model {target.model or 'the embedded model'!r} one of {target_vocab}: a draft model "
                 "must share the target's vocabulary")
-        if target.tensor_parallel_size > 1:
-            raise ValueError('--speculative-config: method "draft_model" is not supported yet with '
-                             "--tensor-parallel-size > 1; use \"ngram\"")
     logger.info("%s", spec.describe())

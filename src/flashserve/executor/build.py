@@ -50,9 +50,12 @@ def build_runner(
     the kernels up, and with FlashInfer captures decode graphs before returning. Collective over
     several ranks: every rank calls it.
 
-    `speculative`: speculative decoding's config. Its draft model (one rank only) loads before the
-    KV cache is sized, which leaves room for the draft's weights and its KV pool
-    (`executor/draft.py`); with FlashInfer, verify steps of its k drafts get CUDA graphs too.
+    `speculative`: speculative decoding's config. Its draft model loads on rank 0 alone, whole,
+    before the KV cache is sized, which leaves room for the draft's weights and its KV pool
+    (`executor/draft.py`; over several ranks every rank takes the fewest pages any rank has room
+    for). Rank 0's drafter writes the drafts into the step's rows before the step goes to the
+    other ranks, which verify them in the same forward. With FlashInfer, verify steps of its k
+    drafts get CUDA graphs too.
 
     Returns (runner, loaded model with max_model_len capped by the cache, number of pages).
     """
@@ -90,7 +93,7 @@ def build_runner(
     page_size = cache_config.page_size
     t_loaded = time.perf_counter()
     draft = None
-    if speculative is not None and speculative.method == "draft_model" and not several:
+    if speculative is not None and speculative.method == "draft_model" and group.rank == 0:
         from flashserve.executor.draft import load_draft
 
         assert speculative.model is not None
