@@ -155,6 +155,18 @@ def test_tp_ranks_with_speculation_generate_the_greedy_tokens_of_one_gpu(model: 
     assert tokens == one_gpu_tokens
 
 
+def test_tp_ranks_verify_a_draft_model_s_drafts_made_on_rank_zero(model: str, one_gpu_tokens: list[list[int]],
+                                                                   tp: int) -> None:  # fmt: skip
+    """The model as its own draft, on rank 0's GPU: its drafts reach every rank with the step, are
+    accepted, and the tokens are one GPU's greedy tokens (float32, PyTorch's attention)."""
+    spec = {"model": model, "num_speculative_tokens": 3}
+    with LLM(model, tensor_parallel_size=tp, attention_backend="torch", speculative_config=spec, **ENGINE) as llm:
+        tokens = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+        stats = llm.engine.scheduler.spec_stats
+        assert stats is not None and stats.num_accepted_tokens > 0
+    assert tokens == one_gpu_tokens
+
+
 def test_tp_ranks_replay_verify_graphs_with_the_collectives_inside(model: str, tp: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """FlashInfer with CUDA graphs: uniform verify steps (3 drafts a row, from a proposer that
