@@ -77,10 +77,6 @@ class PendingSum:
     def __init__(self, t: Tensor, work: Any = None) -> None:
         self._t, self._work = t, work
 
-    @property
-    def shape(self) -> torch.Size:
-        return self._t.shape
-
     def wait(self) -> Tensor:
         if self._work is not None:
             self._work.wait()

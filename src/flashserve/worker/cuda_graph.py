@@ -134,7 +134,7 @@ class CudaGraphRunner:
                 with torch.cuda.stream(side):
                     out = forward(ids, pos)
                     if pool is None:
-                        self._check_no_host_sync(forward, ids, pos)
+                        check_no_host_sync(forward, ids, pos)
                 torch.cuda.current_stream(device).wait_stream(side)
                 if self._out is None:
                     # One output buffer for every size: a graph per size would hold its own.
@@ -146,9 +146,6 @@ class CudaGraphRunner:
                 self._graphs[bs, cascade, plain] = graph
         self.pool = pool
         torch.cuda.synchronize(device)
-
-    def _check_no_host_sync(self, forward: ForwardFn, ids: torch.Tensor, pos: torch.Tensor) -> None:
-        check_no_host_sync(forward, ids, pos)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  plain: bool = False) -> torch.Tensor:  # fmt: skip
