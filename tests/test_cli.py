@@ -74,3 +74,14 @@ def test_the_chat_page_is_on_by_default_and_no_ui_or_its_environment_variable_tu
     assert to_configs(build_parser({}).parse_args(["serve"])).api.ui is True
     assert to_configs(build_parser({}).parse_args(["serve", "--no-ui"])).api.ui is False
     assert to_configs(build_parser({"FLASHSERVE_UI": "false"}).parse_args(["serve"])).api.ui is False
+
+
+def test_tp_overlap_min_tokens_reaches_the_model_config_and_takes_only_a_positive_count(capsys):
+    import pytest
+
+    assert to_configs(build_parser({}).parse_args(["serve"])).model.tp_overlap_min_tokens is None
+    ns = build_parser({}).parse_args(["serve", "--tp-overlap-min-tokens", "1024"])
+    assert to_configs(ns).model.tp_overlap_min_tokens == 1024
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["serve", "--tp-overlap-min-tokens", "0"])
+    assert "--tp-overlap-min-tokens" in capsys.readouterr().err

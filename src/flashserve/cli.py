@@ -158,7 +158,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "it can run, a float16/bfloat16 model on GPUs of one node that NVLink connects; "
            "--no-enable-flashinfer-allreduce-fusion: NCCL); FlashInfer builds that kernel at the first "
            "start on a machine, which takes several minutes"),
-    Option("--tp-overlap-min-tokens", int, None, "with --tensor-parallel-size > 1: steps of at least this many "
+    Option("--tp-overlap-min-tokens", _positive_int, None, "with --tensor-parallel-size > 1: steps of at least this many "
            "tokens run each layer's token-wise part (projections, norms, MLP) in two chunks, so that one "
            "chunk's all-reduce runs beside the other chunk's GEMMs (default: off)"),
     Option("--quantization", str, None, "fp8: quantize a bfloat16/float16 checkpoint's projections to FP8 at "
