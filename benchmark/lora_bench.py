@@ -29,9 +29,11 @@ the smoke run: benchmark/results/local/cpu/lora/).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +43,8 @@ from benchmark import LOCAL_RESULTS
 from benchmark.floor import median_time_s
 
 PAGE = 16
+# The decoder layer's attribute holding each fused projection.
+PROJECTION = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 SHAPE = "llama-3.1-8b"
 NUM_ADAPTERS = 4
 
@@ -71,13 +75,17 @@ def random_adapter(spec: Any, lid: int, rank: int) -> Any:
     return LoRAAdapter(lid, f"a{lid}", rank, 2.0, weights)
 
 
-def attach(model: Any, rank: int, slots: int = NUM_ADAPTERS) -> Any:
+def attach(model: Any, rank: int, slots: int = NUM_ADAPTERS, fuse: bool = True) -> Any:
+    """A stack of `slots` random adapters on `model`; with `fuse`, as `enable_lora` builds it (on a
+    GPU the shrink joins each projection's GEMM: `LoRAStack.fuse_shrink`), else kept apart."""
     from flashserve.lora.layers import LoRAStack
 
     weight = model.embed_tokens["weight"]
     stack = LoRAStack(model.spec, model.shard, slots, rank, weight.dtype, weight.device)
     for slot in range(slots):
         stack.write_slot(slot, random_adapter(model.spec, slot + 1, rank))
+    if fuse and max(stack.triton_rows.values()):
+        stack.fuse_shrink(model.layers)
     model.lora = stack
     return stack
 
@@ -105,6 +113,9 @@ def slots_of(rows: int, case: str, device: str) -> torch.Tensor:
 
 
 def bench_decode(model: Any, args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
+    """Every case's step built first (its stack, KV and graphs kept), then timed in `--rounds`
+    interleaved rounds: each case's time is its median over rounds and its ratio the median of
+    each round's ratio to that round's base step (a GPU's clocks drift by a few percent)."""
     from benchmark.decode_bench import decode_layout
     from flashserve.models.native import NativeCausalLM
 
@@ -113,41 +124,56 @@ def bench_decode(model: Any, args: argparse.Namespace, device: str) -> list[dict
     layout = decode_layout(b, args.kv_len)
     ids = torch.randint(0, model.spec.vocab_size, (b,), device=device)
     pos = torch.tensor(layout.positions, device=device)
-    rows = []
-    cases = ("base model, LoRA off", "base rows", "1 adapter", "1 adapter, 1 slot", f"{NUM_ADAPTERS} adapters",
-             "1 adapter, masked", f"{NUM_ADAPTERS} adapters, masked")  # fmt: skip
-    for case in cases:
-        model.lora = None
-        kernel = "none"
-        if case != "base model, LoRA off":
-            stack = attach(model, args.rank, 1 if case.endswith("1 slot") else NUM_ADAPTERS)
-            if case.endswith("masked"):
+    four = f"{NUM_ADAPTERS} adapters"
+    # (stack: None for LoRA off, else (slots, fused, masked)), then its cases.
+    setups = [(None, ("base model, LoRA off",)), ((NUM_ADAPTERS, True, False), ("base rows", "1 adapter", four)),
+              ((1, True, False), ("1 adapter, 1 slot",)),
+              ((NUM_ADAPTERS, False, False), ("1 adapter, apart", f"{four}, apart")),
+              ((NUM_ADAPTERS, False, True), ("1 adapter, masked", f"{four}, masked"))]  # fmt: skip
+    built = []  # (case, kernel, stack, run, what the graphs read: kept alive)
+    for config, cases in setups:
+        model.lora = stack = None
+        if config is not None:
+            slots, fuse, masked = config
+            stack = attach(model, args.rank, slots, fuse=fuse)
+            if masked:
                 stack.set_triton_rows({})  # as a stack without Triton: the masked GEMMs at every size
-            triton = sorted(k for k, n in stack.triton_rows.items() if b <= n)
-            kernel = "none" if case == "base rows" else f"triton: {', '.join(triton)}" if triton else "torch"
+        keep = [p for layer in model.layers for p in layer.parameters()]
         backend = backend_for(model, num_pages, device)
         native = NativeCausalLM(model)
-        step, plain = native.decode_logits(backend), case == "base rows"
+        step = native.decode_logits(backend)
+        graphs = None
         if device == "cuda":  # as the runner captures them: with the adapters, and without for base rows
             from flashserve.worker.cuda_graph import CudaGraphRunner
 
             graphs = CudaGraphRunner(step, backend, [b], plain_forward=native.plain_decode_logits(backend))
             graphs.capture()
-            run: Callable[[], Any] = lambda: graphs(ids, pos, layout, plain=plain)  # noqa: E731
-        else:
-            backend.plan(layout)
-            eager = native.plain_decode_logits(backend) if plain else step
-            assert eager is not None
-            run = lambda: eager(ids, pos)  # noqa: E731
-        if model.lora is not None:
-            model.lora.set_step(slots_of(b, case, device), True)
-        ms = median_time_s(run, device, args.warmup, args.iters) * 1e3
+        for case in cases:
+            plain = case == "base rows"
+            if graphs is not None:
+                run: Callable[[], Any] = functools.partial(graphs, ids, pos, layout, plain=plain)
+            else:
+                eager = native.plain_decode_logits(backend) if plain else step
+                assert eager is not None
+                run = functools.partial(lambda f, be: (be.plan(layout), f(ids, pos)), eager, backend)
+            kernel = "none"
+            if stack is not None and not plain:
+                triton = sorted(k for k, n in stack.triton_rows.items() if b <= n)
+                kernel = f"triton: {', '.join(triton)}" if triton else "torch"
+                kernel += ", shrink in the GEMM" if stack.fused is not None else ""
+            built.append((case, kernel, stack, run, (keep, backend, graphs)))
+    times: dict[str, list[float]] = {case: [] for case, *_ in built}
+    for _ in range(args.rounds):
+        for case, _, stack, run, _ in built:
+            if stack is not None:
+                stack.set_step(slots_of(b, case, device), True)
+            times[case].append(median_time_s(run, device, args.warmup, args.iters) * 1e3)
+    base = times[built[0][0]]
+    rows = []
+    for case, kernel, *_ in built:
         rows.append({"case": case, "kernel": kernel, "batch": b, "kv_len": args.kv_len, "rank": args.rank,
-                     "step_ms": ms})  # fmt: skip
-        del backend
-    base = rows[0]["step_ms"]
-    for r in rows:
-        r["x_base"] = r["step_ms"] / base
+                     "step_ms": statistics.median(times[case]), "rounds_ms": times[case],
+                     "x_base": statistics.median(t / t0 for t, t0 in zip(times[case], base))})  # fmt: skip
     model.lora = None
     return rows
 
@@ -204,6 +230,7 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
     stack = attach(model, args.rank)
     if max(stack.triton_rows.values()):  # the kernels at every row count here, beyond the thresholds too
         stack.set_triton_rows(dict.fromkeys(stack.shapes, max(args.kernel_rows)))
+    layer0 = model.layers[0]
     seg = segment_gemm() if device == "cuda" and not args.no_segment_gemm else None
     rows = []
     for kind, (in_f, outs) in stack.shapes.items():
@@ -224,6 +251,21 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
             r: dict[str, Any] = {"projection": kind, "rows": t, "rank": args.rank, "adapters": NUM_ADAPTERS}
             y = torch.zeros(t, sum(outs), dtype=a_all.dtype, device=device)
             r["torch_masked_us"] = graph_or_eager_us(lambda: stack._apply_masked(0, kind, x, y), device, args)
+            if stack.fused is not None:  # the shrink in the projection's GEMM: what the adapters add to it
+                proj = getattr(layer0, PROJECTION[kind]).args
+                base_us = graph_or_eager_us(lambda: torch.nn.functional.linear(x, proj[0]), device, args)
+                r["fused_triton_us"] = graph_or_eager_us(lambda: stack.project(0, kind, x, proj), device, args) - base_us
+                keep, stack.triton_rows[kind] = stack.triton_rows[kind], 0
+                r["fused_masked_us"] = graph_or_eager_us(lambda: stack.project(0, kind, x, proj), device, args) - base_us
+                stack.triton_rows[kind] = keep
+                if kind == "gate_up":  # with SiLU-and-mul after it (the expand's own, or the model's kernel)
+                    silu = model.ops.silu_and_mul
+                    base_act_us = graph_or_eager_us(lambda: silu(torch.nn.functional.linear(x, proj[0])), device, args)
+                    r["fused_silu_us"] = graph_or_eager_us(lambda: stack.project_gated(0, x, proj, silu), device,
+                                                           args) - base_act_us  # fmt: skip
+                torch.testing.assert_close(stack.project(0, kind, x, proj).float(),
+                                           stack._apply_masked(0, kind, x, torch.nn.functional.linear(x, proj[0])).float(),
+                                           atol=2e-2, rtol=2e-2)  # fmt: skip
             if stack.uses_triton(x, y, kind):
                 try:
                     y.zero_()
@@ -272,7 +314,12 @@ def table(results: dict[str, Any]) -> str:
     lines += ["", "prefill                      ms     x base"]
     for r in results["prefill"]:
         lines.append(f"  {r['case']:<24} {r['prefill_ms']:8.3f}   {r.get('x_base', 1.0):.3f}")
-    lines += ["", "adapter GEMMs (us)   rows  masked  triton  gather+bmm  segment_gemm  per_segment (CPU)"]
+    lines += ["", "the shrink in the projection's GEMM: what the adapters add to it (us)", "  projection   rows  expand kernel  mask + addmm"]
+    for r in results["kernels"]:
+        if "fused_triton_us" in r:
+            silu = f"   (with SiLU-and-mul: {r['fused_silu_us']:.1f})" if "fused_silu_us" in r else ""
+            lines.append(f"  {r['projection']:<12} {r['rows']:4d} {r['fused_triton_us']:14.1f} {r['fused_masked_us']:12.1f}{silu}")
+    lines += ["", "adapter GEMMs apart (us)   rows  masked  triton  gather+bmm  segment_gemm  per_segment (CPU)"]
     for r in results["kernels"]:
         seg, per = r.get("segment_gemm_us", r.get("segment_gemm_error")), r.get("torch_per_segment_us")
         tri = f"{r['triton_us']:7.1f}" if "triton_us" in r else "  error" if "triton_error" in r else "      -"
@@ -295,11 +342,12 @@ def main() -> None:
                         help="leave FlashInfer's SegmentGEMMWrapper out (its module builds for minutes on a fresh machine)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the decode steps")
     args = parser.parse_args()
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     if device == "cpu":
         args.batch, args.kv_len, args.prompts, args.prompt_len = min(args.batch, 8), min(args.kv_len, 64), 2, 64
-        args.kernel_rows, args.warmup, args.iters = [1, 8, 32], 2, 5
+        args.kernel_rows, args.warmup, args.iters, args.rounds = [1, 8, 32], 2, 5, 2
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     default_dir = LOCAL_RESULTS / (re.sub(r"[^A-Za-z0-9._-]+", "_", gpu) if device == "cuda" else "cpu") / "lora"
     out_dir = Path(args.out_dir) if args.out_dir else default_dir

@@ -18,9 +18,11 @@ from flashserve.attention.torch_ref import TorchAttentionBackend
 from flashserve.config import LoRAConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.lora.adapter import load_adapter
+from flashserve.lora.layers import LoRAStack
 from flashserve.lora.manager import enable_lora
 from flashserve.message.lora import LoRAAdapterError, LoRARequest
 from flashserve.message.sampling_params import SamplingParams
+from flashserve.models import llama as llama_module
 from flashserve.models.llama import LlamaModel, LlamaSpec
 from flashserve.models.native import NativeCausalLM
 from flashserve.worker.runner import ModelRunner
@@ -260,3 +262,21 @@ def test_the_generic_transformers_path_refuses_enable_lora() -> None:
 
     with pytest.raises(ValueError, match="--enable-lora needs the native model path"):
         enable_lora(HFCausalLM(tiny_llama()), LoRAConfig())
+
+
+def test_a_stack_whose_shrink_joins_each_projections_gemm_gives_peft_logits(adapters: dict[str, Any],
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`LoRAStack.fuse_shrink` (what a GPU's stack does): each projection's weight and its slots' A
+    in one matrix, the adapters through the masked expand (the CPU's per-segment path off, as on a
+    GPU), against PEFT for mixed steps, and base rows as the base model's."""
+    monkeypatch.setattr(LoRAStack, "_segments", staticmethod(lambda token_slots: None))
+    monkeypatch.setattr(llama_module, "packs_for_onednn", lambda *args: False)  # dense weights, as on a GPU
+    base = tiny_llama()  # the base PEFT wrapped
+    native = LlamaModel.from_hf(base, base.config, torch.float32, "cpu", consume=False, ops="torch")
+    runner = tiny_runner({**adapters, "native": native}, LoRAConfig(max_loras=3, max_lora_rank=8))
+    assert runner.lora is not None and runner.lora.stack.fuse_shrink(runner.model.model.layers)
+    for lid, name in NAMES.items():
+        runner.add_lora(request(adapters, name, lid))
+    for lids in ([1, 2, 0], [2], [3, 0], [1, 3, 1], [0]):
+        for got, want in zip(run_step(runner, lids), expected(adapters, lids)):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

@@ -22,22 +22,26 @@ stack and its forward is unchanged; an eager step whose rows are all the base mo
 
 On a GPU the masked GEMMs are launches, not bytes: on an H200 under a CUDA graph each projection's
 three kernels took 10-13 us whatever the rows (1..128), and the 8B's decode step of 32 rows went
-from 6.115 ms to 8.30 (1.36x) with one adapter or four. So a CUDA step of bfloat16 / float16
-weights with few rows (decode steps, their graphs; `TRITON_MAX_TOKENS` per projection) runs two
-Triton kernels instead (`triton_lora`, Punica's shrink and expand): each row reads only its own
-slot's A, and only its own module's R columns of B (q's rows of the fused output use q's block of
-the slot), slots no row uses are skipped and base rows are neither read nor written, the slot
-index read on the device from the same persistent buffer. Larger steps keep the masked GEMMs,
-which the Triton kernels' cost, growing with the rows, passes between 8 and 128 rows.
+from 6.1 ms to 8.3 (1.35x) with one adapter or four. So on a GPU (bfloat16 / float16 weights, the
+Triton kernels of `triton_lora`) the shrink joins the projection's own GEMM (`fuse_shrink`): each
+projection's weight is stored with every slot's A stacked under it, [out + S n R (padded), in],
+the model's weight a view of its first rows, so the GEMM the projection runs anyway also gives u
+for S n R more output columns (the 8B's qkv 6,144 -> 6,400 rows, 0.3-1.5 us more at 1-32 tokens).
+A step with adapters then adds one kernel a projection: the expand, which reads each row's own
+slot's columns of u and of B (slots no row uses are not read), adds them to the projection's
+output and writes the result (base rows unchanged) into a fresh tensor; for gate_up it applies
+SiLU-and-mul too (`project_gated`), so the model's own SiLU-and-mul kernel does not run. Steps
+of up to `FUSED_TRITON_MAX_TOKENS` rows (decode steps, their graphs) take the kernel, larger ones
+the mask and one addmm on the same u. FP8 weights keep the shrink apart (`apply`: the Triton
+shrink and expand kernels up to `TRITON_MAX_TOKENS` rows, else the masked GEMMs).
 
-    H200, lora_bench: 8B decode step of 32 rows    masked GEMMs       Triton kernels (every
-    at kv 1024 from CUDA graphs, ms (x base)                          projection)
-      base model, LoRA off                         5.981              -
-      base rows (the graph without adapters)       6.082 (1.017x)     the same graph
-      1 adapter                                    8.228 (1.376x)     7.658 (1.280x)
-      1 adapter, a stack of 1 slot                 -                  7.566 (1.265x)
-      4 adapters                                   8.159 (1.364x)     8.009 (1.339x)
-    one projection's delta at 32 rows (us)         11.7-13.4          6.3-14.3
+    H200, lora_bench: 8B decode step of 32 rows at kv 1024, CUDA graphs, rank 16, ms (x base; the
+    median of 5 interleaved rounds)
+      base model, LoRA off                           6.113
+      base rows (the graph without adapters)         6.147 (1.005x)
+      shrink in the GEMM + expand (SiLU) kernel      1 adapter 6.714 (1.098x), 4 adapters 6.751 (1.104x)
+      Triton shrink + expand kernels, apart          1 adapter 8.089 (1.323x), 4 adapters 8.302 (1.358x)
+      masked GEMMs                                   1 adapter 8.256 (1.351x), 4 adapters 8.254 (1.350x)
     FlashInfer's SegmentGEMMWrapper: 36-580 us a projection; a gather + bmm 14-180.
 
 On a CPU, where steps run eagerly and the slot index is on the host already, a step whose
@@ -57,11 +61,12 @@ of `distributed/sharding.py`, zero-padded alike.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from flashserve.distributed.sharding import ShardLayout
+from flashserve.layers.linear import LinearArgs, linear
 from flashserve.lora import triton_lora
 from flashserve.lora.adapter import LoRAAdapter
 
@@ -91,6 +96,19 @@ DEFAULT_TOKEN_CAPACITY = 8192
 # against 12.8 at 128, 19.8 against 13.6 at 256; gate_up 11.4 against 12.7 at 8, 14.3 against 13.4
 # at 32; down 9.7 against 12.2 at 32, 25.7 against 13.2 at 128.
 TRITON_MAX_TOKENS = {"qkv": 32, "o": 128, "gate_up": 8, "down": 32}
+# The same where the shrink is part of the projection's GEMM (`fuse_shrink`): the expand kernel
+# (for gate_up with SiLU-and-mul, `project_gated`) against the mask and one addmm, what each adds
+# to the projection (H200, lora_bench, 1..128 rows over 4 slots of rank 16: at 128 rows qkv 8.5
+# against 12.0 us, o 5.6 against 8.8, gate_up 13.9 against 20.2 + the model's SiLU-and-mul, down
+# 5.6 against 11.0; larger steps were not measured and keep the masked GEMMs).
+FUSED_TRITON_MAX_TOKENS = {"qkv": 128, "o": 128, "gate_up": 128, "down": 128}
+# The rows of a projection's weight with its slots' A under it (`fuse_shrink`) are zero-padded to
+# a multiple of this: cuBLAS's tiles of 128 output columns. On an H200, 8B down_proj (4,096 rows)
+# at 8 / 32 tokens: 32.7 / 33.8 us alone, 34.6 / 35.5 with 64 rows of A, 33.4 / 34.3 padded to
+# 4,224; qkv (6,336 or 6,400) and gate_up (28,800 or 28,928) within 0.5 us either way.
+FUSED_ROWS_MULTIPLE = 128
+# The decoder layer's attribute holding each fused projection.
+_PROJECTION = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
 
 class LoRAStack:
@@ -123,6 +141,9 @@ class LoRAStack:
         self._partials: Tensor | None = None
         if self.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and triton_lora.available():
             self.set_triton_rows({k: min(n, token_capacity) for k, n in TRITON_MAX_TOKENS.items()})
+        # Per projection and layer, its weight with every slot's A stacked under it (and its bias
+        # with zeros), when `fuse_shrink` made the two one matrix; None: apart.
+        self.fused: dict[str, list[tuple[Tensor, Tensor | None]]] | None = None
         self._large: Tensor | None = None
         self.mask: Tensor | None = None  # [T, S] of the forward running now (`begin`)
         # A CPU step's (slot, its token rows; None: every row) when it runs per segment.
@@ -168,6 +189,35 @@ class LoRAStack:
             for layer in range(len(self.a[kind])):
                 self.a[kind][layer][slot * width : (slot + 1) * width].zero_()
                 self.b[kind][layer][:, slot * width : (slot + 1) * width].zero_()
+
+    def fuse_shrink(self, layers: Any) -> bool:
+        """Stacks each projection's slots of A under its weight in one matrix (the projection's
+        weight and `a` become views of it), so that a step's shrink is the projection's own GEMM,
+        `S n R` rows longer, and a projection's adapters cost one kernel more (the expand,
+        `project`). For dense weights of the stack's dtype (`layers`: the model's decoder layers;
+        `enable_lora` asks it where the Triton kernels run); returns whether it was done."""
+        projections = [[getattr(layer, _PROJECTION[kind]) for layer in layers] for kind in self.shapes]
+        if self.fused is not None or any(p.weight.dtype != self.dtype or p.weight.device != self.device
+                                         or p.weight.is_mkldnn for ps in projections for p in ps):  # fmt: skip
+            return False
+        self.fused = {}
+        for kind, ps in zip(self.shapes, projections):
+            self.fused[kind] = []
+            for i, proj in enumerate(ps):
+                out_f, a = proj.weight.shape[0], self.a[kind][i]
+                pad = -(out_f + a.shape[0]) % FUSED_ROWS_MULTIPLE
+                ext = torch.cat([proj.weight.data, a, a.new_zeros(pad, a.shape[1])])
+                proj.weight = torch.nn.Parameter(ext[:out_f], requires_grad=False)
+                self.a[kind][i] = ext[out_f : out_f + a.shape[0]]
+                bias = None
+                if proj.bias is not None:
+                    bias = torch.cat([proj.bias.data, proj.bias.new_zeros(a.shape[0] + pad)])
+                    proj.bias = torch.nn.Parameter(bias[:out_f], requires_grad=False)
+                self.fused[kind].append((ext, bias))
+        if self.device.type == "cuda":  # the replaced weights' blocks, before the KV cache is sized
+            torch.cuda.empty_cache()
+        self.set_triton_rows({k: min(n, self._slots_buffer.shape[0]) for k, n in FUSED_TRITON_MAX_TOKENS.items()})
+        return True
 
     # A step's rows.
 
@@ -223,6 +273,33 @@ class LoRAStack:
         return (x.shape[0] <= self.triton_rows[kind] and x.dtype == y.dtype == self.dtype and x.is_cuda
                 and x.stride(-1) == 1 and y.stride(-1) == 1)  # fmt: skip
 
+    def project(self, layer: int, kind: str, x: Tensor, args: LinearArgs) -> Tensor:
+        """Projection `kind` of `layer` (`args`: its `Linear.args`) on `x` [T, in], plus the
+        adapters' delta: with the shrink in the projection's GEMM (`fuse_shrink`), that GEMM and the
+        expand; otherwise the projection, then `apply`."""
+        fused = None if self.fused is None or self.segments is not None else self.fused[kind][layer]
+        if fused is None or x.dtype != self.dtype:
+            return self.apply(layer, kind, x, linear(x, *args))
+        out_f = args[0].shape[0]
+        y_ext = torch.nn.functional.linear(x, *fused)
+        if self.uses_triton(x, y_ext, kind):
+            return triton_lora.add_lora_fused(y_ext, out_f, self.b[kind][layer], self.token_slots(x.shape[0]),
+                                              self.num_slots, self.max_rank, self.shapes[kind][1])  # fmt: skip
+        u = y_ext[:, out_f : out_f + self.a[kind][layer].shape[0]].unflatten(1, (self.num_slots, -1))
+        u = u * self._row_mask(x.shape[0]).unsqueeze(-1)
+        return torch.addmm(y_ext[:, :out_f], u.flatten(1), self.b[kind][layer].t())
+
+    def project_gated(self, layer: int, x: Tensor, args: LinearArgs, silu_and_mul: Callable[[Tensor], Tensor]) -> Tensor:
+        """`silu_and_mul` of `project(layer, "gate_up", x, args)`: where the expand kernel runs on
+        a shrink in the GEMM, it applies SiLU-and-mul itself (one kernel, the gate_up output never
+        written whole)."""
+        fused = None if self.fused is None or self.segments is not None else self.fused["gate_up"][layer]
+        if fused is not None and x.dtype == self.dtype and x.shape[0] <= self.triton_rows["gate_up"] and x.is_cuda:
+            y_ext = torch.nn.functional.linear(x, *fused)
+            return triton_lora.add_lora_fused_silu(y_ext, args[0].shape[0] // 2, self.b["gate_up"][layer],
+                                                   self.token_slots(x.shape[0]), self.num_slots, self.max_rank)  # fmt: skip
+        return silu_and_mul(self.project(layer, "gate_up", x, args))
+
     def apply(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
         """`y` [T, out], the output of projection `kind` of `layer` on `x` [T, in], plus the
         adapters' delta. `y` is the projection's own fresh output: it may be updated in place."""
@@ -238,13 +315,16 @@ class LoRAStack:
                                     self.num_slots, self.max_rank, self.shapes[kind][1], self._partials)  # fmt: skip
 
     def _apply_masked(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
-        mask = self.mask
-        if mask is None or mask.shape[0] != x.shape[0]:  # a step `begin` left to the Triton kernels (a test's call)
-            mask = self._build_mask(x.shape[0])
         u = torch.nn.functional.linear(x, self.a[kind][layer])
         t = u.shape[0]
-        u = (u.view(t, self.num_slots, -1) * mask.unsqueeze(-1)).view(t, -1)
+        u = (u.view(t, self.num_slots, -1) * self._row_mask(t).unsqueeze(-1)).view(t, -1)
         return torch.addmm(y, u, self.b[kind][layer].t())
+
+    def _row_mask(self, num_tokens: int) -> Tensor:
+        """The forward's row mask [T, S] (`begin`'s, or built now for a step `begin` left to the
+        Triton kernels: a test's call)."""
+        mask = self.mask
+        return mask if mask is not None and mask.shape[0] == num_tokens else self._build_mask(num_tokens)
 
     def delta(self, layer: int, kind: str, x: Tensor) -> Tensor:
         """The adapters' delta [T, out] alone (what `apply` adds)."""

@@ -119,4 +119,6 @@ def enable_lora(model: Any, config: Any) -> LoRAManager:
     weight = native.embed_tokens["weight"]
     stack = LoRAStack(native.spec, native.shard, config.max_loras, config.max_lora_rank, weight.dtype, weight.device)
     native.lora = stack
+    if max(stack.triton_rows.values()):  # a GPU's decode steps: the shrink joins each projection's GEMM
+        stack.fuse_shrink(native.layers)
     return LoRAManager(stack, native.spec, config.cpu_capacity)

@@ -1,4 +1,4 @@
-"""The adapters' delta of a decode-sized step on a GPU: two Triton kernels, Punica's shrink and expand.
+"""The adapters' delta of a decode-sized step on a GPU: Triton kernels after Punica's shrink and expand.
 
 `LoRAStack`'s masked path runs every slot's shrink GEMM, a mask multiply and every slot's expand
 GEMM: three launches, about 11 us a projection on an H200 under a CUDA graph whatever the rows
@@ -14,17 +14,28 @@ GEMM: three launches, about 11 us a projection on an H200 under a CUDA graph wha
             columns of the slot. One product covers a group of slots (4 of rank 16): each row's
             u sits in its own slot's columns, zeros in the others'.
 
-Slots no row of a block uses are not read (a step over one adapter reads one slot of A and B),
-rows of the base model (slot index 0) are neither read nor written. The slot index is read on
-the device from `LoRAStack`'s persistent buffer, so there is no host sync and a CUDA graph replays
-with any step's slots. The shrink's product runs in the model dtype with a float32 accumulator,
-the expand's in TF32 (u keeps 10 mantissa bits where the masked path rounds it to bfloat16's 7);
-y is read and written once, in its dtype.
+Where the shrink is part of the projection's GEMM (`LoRAStack.fuse_shrink`: dense weights), that
+GEMM's output y_ext [T, out + S nR (+ padding)] holds y and every slot's u, and one kernel is left:
+`add_lora_fused`, the expand reading row t's slot's u columns of y_ext (one "split", a slot
+stride) and writing y + delta for every row into a fresh tensor (base rows: y's values), or, for
+gate_up, `add_lora_fused_silu`: the columns c of gate and c + inter of up each with its delta,
+written as silu(gate) * up, the model's SiLU-and-mul in the same kernel. H200, 8B, 1..32 rows,
+one adapter of rank 16, from CUDA graphs: that expand 2-3 us (qkv, o, down), the SiLU one
+4.4-5.4 us for gate_up, where the expand alone and the model's SiLU-and-mul took 8.2-11.
 
-Both kernels launch with PDL on Hopper (`layers/pdl.py`) and read the slot index and their first
+Slots no row of a block uses are not read (a step over one adapter reads one slot of A and B),
+rows of the base model (slot index 0) are neither read nor written in place (`add_lora`). The
+slot index is read on the device from `LoRAStack`'s persistent buffer, so there is no host sync
+and a CUDA graph replays with any step's slots. The shrink's product runs in the model dtype
+with a float32 accumulator, the expand's in TF32 (the shrink's u keeps 10 mantissa bits where the
+masked path and the GEMM's u round it to bfloat16's 7); y is read and written once, in its dtype.
+
+The kernels launch with PDL on Hopper (`layers/pdl.py`) and read the slot index and their first
 tile of weights (A's, B's) before waiting for the kernel before them (which writes x, y or the
-partials). Block sizes: compiled for sm_90 (no GPU needed: `triton.compile` with a `GPUTarget`)
-none spills registers up to rank 256; their speed is lora_bench's kernel table to measure.
+partials). The expand's tiles: 64 output columns a block (128 where that makes more than two
+blocks an SM) and 4 warps up to rank 32, 8 above; on an H200 at rank 16 this was the fastest of
+32-256 columns and 2-8 warps, within 0.3 us, except gate_up (28,672 columns), where 8 warps took
+6.4 us against 4.6.
 """
 
 from __future__ import annotations
@@ -122,9 +133,10 @@ def _kernels() -> Any:
             tl.store(u, acc, mask=mine[:, None] & c_in[None, :])
 
     @jit
-    def lora_expand_kernel(u_ptr, b_ptr, slots_ptr, y_ptr, num_tokens, out_features, end0, end1, rank, width,
-               num_splits, y_stride, NUM_SLOTS: tl.constexpr, GROUP: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    def lora_expand_kernel(u_ptr, b_ptr, slots_ptr, y_ptr, o_ptr, num_tokens, out_features, end0, end1, rank, width,
+               num_splits, u_split_stride, u_row_stride, u_slot_stride, y_stride, o_stride, NUM_SLOTS: tl.constexpr,
+               GROUP: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_R: tl.constexpr, EVERY_ROW: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         n0 = tl.program_id(0) * BLOCK_N
         rn = n0 + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -154,25 +166,26 @@ def _kernels() -> Any:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+        # The rows written: the adapted ones (in place), or every row (y into the fresh output o).
+        y_in = (m_in if EVERY_ROW else adapted)[:, None] & n_in[None, :]
+        y_old = tl.load(y_ptr + rm[:, None].to(tl.int64) * y_stride + rn[None, :], mask=y_in, other=0.0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if tl.sum(adapted.to(tl.int32), axis=0) > 0:
-            y = y_ptr + rm[:, None].to(tl.int64) * y_stride + rn[None, :]
-            y_in = adapted[:, None] & n_in[None, :]
-            y_old = tl.load(y, mask=y_in, other=0.0)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for j in range(j_lo, j_hi + 1):
                 start = tl.where(j == 0, 0, tl.where(j == 1, end0, end1))
                 stop = tl.where(j == 0, end0, tl.where(j == 1, end1, out_features))
                 cols = (rn >= start) & (rn < stop)
-                # Module j's R columns of each row's u: the shrink's K splits summed, SPLIT_CHUNK
-                # of them a load.
-                u_rows = u_ptr + rm[None, :, None].to(tl.int64) * width + j * rank + rr[None, None, :]
+                # Module j's R columns of each row's u (of its slot's columns where u holds every
+                # slot's): the shrink's K splits summed, SPLIT_CHUNK of them a load.
+                own = tl.where(adapted, slots - 1, 0).to(tl.int64) * u_slot_stride
+                u_rows = u_ptr + (rm.to(tl.int64) * u_row_stride + own)[None, :, None] + j * rank + rr[None, None, :]
                 u_in = adapted[None, :, None] & (rr < rank)[None, None, :]
                 u = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
                 for s0 in range(0, num_splits, SPLIT_CHUNK):
                     sp = s0 + rsplit
-                    part = tl.load(u_rows + (sp * num_tokens * width)[:, None, None],
+                    part = tl.load(u_rows + (sp.to(tl.int64) * u_split_stride)[:, None, None],
                                    mask=u_in & (sp < num_splits)[:, None, None], other=0.0)  # fmt: skip
-                    u += tl.sum(part, axis=0)
+                    u += tl.sum(part.to(tl.float32), axis=0)
                 # Each row's u repeated for every slot of a group; `mine` keeps its own slot's.
                 u_group = tl.reshape(tl.broadcast_to(u[:, None, :], (BLOCK_M, GROUP, BLOCK_R)),
                                      (BLOCK_M, GROUP * BLOCK_R))  # fmt: skip
@@ -186,9 +199,61 @@ def _kernels() -> Any:
                             k_in = used & (k_r < rank) & (g0 + k_slot < NUM_SLOTS)
                             b = tl.load(b_rows + g0 * width + j * rank, mask=cols[:, None] & k_in[None, :], other=0.0)
                         acc += tl.dot(tl.where(mine, u_group, 0.0), tl.trans(b.to(tl.float32)), input_precision="tf32")
-            tl.store(y, (y_old.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=y_in)
+        o = o_ptr + rm[:, None].to(tl.int64) * o_stride + rn[None, :]
+        tl.store(o, (y_old.to(tl.float32) + acc).to(o_ptr.dtype.element_ty), mask=y_in)
 
-    return lora_shrink_kernel, lora_expand_kernel
+    @jit
+    def lora_expand_silu_kernel(y_ptr, b_ptr, slots_ptr, o_ptr, num_tokens, inter, rank, width, y_stride, o_stride,
+               NUM_SLOTS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_R: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        # Columns rn of gate and rn + inter of up, each with its row's delta, into silu(gate) * up.
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rr = tl.arange(0, BLOCK_R)
+        rk = tl.arange(0, GROUP * BLOCK_R)
+        k_slot, k_r = rk // BLOCK_R, rk % BLOCK_R
+        m_in = rm < num_tokens
+        n_in = rn < inter
+        slots = tl.load(slots_ptr + rm, mask=m_in, other=0)
+        adapted = (slots > 0) & (slots <= NUM_SLOTS) & m_in
+        # B's rows of gate (rn) and up (rn + inter), the first group of slots, before the wait.
+        b_gate = b_ptr + rn[:, None].to(tl.int64) * (NUM_SLOTS * width) + k_slot[None, :] * width + k_r[None, :]
+        b_up = b_gate + inter.to(tl.int64) * (NUM_SLOTS * width) + rank
+        used = tl.max((slots[:, None] == (k_slot + 1)[None, :]).to(tl.int32), axis=0) > 0
+        b_in = n_in[:, None] & (used & (k_r < rank) & (k_slot < NUM_SLOTS))[None, :]
+        bg_first = tl.load(b_gate, mask=b_in, other=0.0)
+        bu_first = tl.load(b_up, mask=b_in, other=0.0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        io = m_in[:, None] & n_in[None, :]
+        rows = y_ptr + rm[:, None].to(tl.int64) * y_stride
+        gate = tl.load(rows + rn[None, :], mask=io, other=0.0).to(tl.float32)
+        up = tl.load(rows + inter + rn[None, :], mask=io, other=0.0).to(tl.float32)
+        if tl.sum(adapted.to(tl.int32), axis=0) > 0:
+            # Each row's slot's shrink columns, after the 2 inter outputs: gate's R, then up's R.
+            u_row = y_ptr + rm.to(tl.int64) * y_stride + 2 * inter + tl.where(adapted, slots - 1, 0).to(tl.int64) * width
+            u_in = adapted[:, None] & (rr < rank)[None, :]
+            u_gate = tl.load(u_row[:, None] + rr[None, :], mask=u_in, other=0.0).to(tl.float32)
+            u_up = tl.load(u_row[:, None] + rank + rr[None, :], mask=u_in, other=0.0).to(tl.float32)
+            ug = tl.reshape(tl.broadcast_to(u_gate[:, None, :], (BLOCK_M, GROUP, BLOCK_R)), (BLOCK_M, GROUP * BLOCK_R))
+            uu = tl.reshape(tl.broadcast_to(u_up[:, None, :], (BLOCK_M, GROUP, BLOCK_R)), (BLOCK_M, GROUP * BLOCK_R))
+            for g0 in range(0, NUM_SLOTS, GROUP):
+                mine = slots[:, None] == (g0 + k_slot + 1)[None, :]
+                used = tl.max(mine.to(tl.int32), axis=0) > 0
+                if tl.sum(used.to(tl.int32), axis=0) > 0:
+                    if g0 == 0:
+                        bg, bu = bg_first, bu_first
+                    else:
+                        b_in = n_in[:, None] & (used & (k_r < rank) & (g0 + k_slot < NUM_SLOTS))[None, :]
+                        bg = tl.load(b_gate + g0 * width, mask=b_in, other=0.0)
+                        bu = tl.load(b_up + g0 * width, mask=b_in, other=0.0)
+                    gate += tl.dot(tl.where(mine, ug, 0.0), tl.trans(bg.to(tl.float32)), input_precision="tf32")
+                    up += tl.dot(tl.where(mine, uu, 0.0), tl.trans(bu.to(tl.float32)), input_precision="tf32")
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(o_ptr + rm[:, None].to(tl.int64) * o_stride + rn[None, :], act.to(o_ptr.dtype.element_ty), mask=io)
+
+    return lora_shrink_kernel, lora_expand_kernel, lora_expand_silu_kernel
 
 
 def add_lora(x: Tensor, y: Tensor, a: Tensor, b: Tensor, token_slots: Tensor, num_slots: int, rank: int,
@@ -200,7 +265,7 @@ def add_lora(x: Tensor, y: Tensor, a: Tensor, b: Tensor, token_slots: Tensor, nu
     token_slots int64 [T] (0: base model, s + 1: slot s); outs: the n fused modules' output rows;
     partials: float32 scratch of at least `partials_numel(T, n * R)` elements (one buffer for
     every call: the kernels of one call run before the next's)."""
-    shrink, expand = _kernels()
+    shrink = _kernels()[0]
     t, in_f = x.shape
     out_f, width = y.shape[1], len(outs) * rank
     if x.stride(1) != 1 or y.stride(1) != 1 or not a.is_contiguous() or not b.is_contiguous() or len(outs) > 3:
@@ -219,20 +284,80 @@ def add_lora(x: Tensor, y: Tensor, a: Tensor, b: Tensor, token_slots: Tensor, nu
         x, a, token_slots, partials, t, in_f, width, k_per_split, x.stride(0), NR_BLOCKS=nr_blocks,
         BLOCK_M=block_m, BLOCK_NR=block_nr, BLOCK_K=BLOCK_K, num_warps=8 if block_m > 32 else 4, **pdl,
     )  # fmt: skip
+    _expand(partials, splits, t * width, width, 0, b, token_slots, y, y, num_slots, rank, outs, every_row=False)
+    return y
+
+
+def add_lora_fused(y_ext: Tensor, out_features: int, b: Tensor, token_slots: Tensor, num_slots: int, rank: int,
+                   outs: tuple[int, ...], tiles: tuple[int, int] | None = None) -> Tensor:  # fmt: skip
+    """The projection's output plus each row's adapter delta, a fresh [T, out] tensor, from `y_ext`
+    [T, out + S * n * R]: the product of x with the projection's weight and every slot's A stacked
+    under it (`LoRAStack.fuse_shrink`), so that its last S n R columns are every slot's shrink. One
+    kernel: the expand of each row's own slot's columns, added to the first `out_features`. `tiles`:
+    (output columns a block, warps) in place of `_expand`'s choice (lora_bench's search)."""
+    t = y_ext.shape[0]
+    width = len(outs) * rank
+    if y_ext.stride(1) != 1 or not b.is_contiguous() or len(outs) > 3 or y_ext.shape[1] < out_features + num_slots * width:
+        raise ValueError(f"add_lora_fused: y_ext {tuple(y_ext.shape)} {y_ext.stride()}, {out_features} outputs, "
+                         f"{num_slots} slots of {len(outs)} x {rank}")  # fmt: skip
+    out = y_ext.new_empty(t, out_features)
+    if t:
+        u = y_ext[:, out_features:]
+        _expand(u, 1, 0, y_ext.stride(0), width, b, token_slots, y_ext, out, num_slots, rank, outs, every_row=True,
+                tiles=tiles)  # fmt: skip
+    return out
+
+
+def add_lora_fused_silu(y_ext: Tensor, inter: int, b: Tensor, token_slots: Tensor, num_slots: int, rank: int,
+                        tiles: tuple[int, int] | None = None) -> Tensor:  # fmt: skip
+    """`add_lora_fused` of a gate_up projection followed by SiLU-and-mul, in one kernel: from
+    `y_ext` [T, 2 inter + S * 2R] (gate's outputs, up's, every slot's shrink of gate then up),
+    silu(gate + its delta) * (up + its delta), a fresh [T, inter] tensor."""
+    t = y_ext.shape[0]
+    width = 2 * rank
+    if y_ext.stride(1) != 1 or not b.is_contiguous() or y_ext.shape[1] < 2 * inter + num_slots * width:
+        raise ValueError(f"add_lora_fused_silu: y_ext {tuple(y_ext.shape)} {y_ext.stride()}, {inter} x 2 outputs, "
+                         f"{num_slots} slots of 2 x {rank}")  # fmt: skip
+    out = y_ext.new_empty(t, inter)
+    if t == 0:
+        return out
+    block_r = _pow2(rank)
+    group = min(_pow2(num_slots, 1), max(1, EXPAND_GROUP_COLUMNS // block_r))
+    block_m = max(16, min(MAX_BLOCK_M, _pow2(t), TILE_ELEMENTS // block_r // 4))
+    block_n, warps = tiles or (max(16, min(64, TILE_ELEMENTS // (group * block_r))), 4 if block_r <= 32 else 8)
+    _kernels()[2][(_cdiv(inter, block_n), _cdiv(t, block_m))](
+        y_ext, b, token_slots, out, t, inter, rank, width, y_ext.stride(0), out.stride(0), NUM_SLOTS=num_slots,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=warps, num_stages=1,
+        **triton_pdl(out.device),
+    )  # fmt: skip
+    return out
+
+
+def _expand(u: Tensor, splits: int, split_stride: int, row_stride: int, slot_stride: int, b: Tensor,
+            token_slots: Tensor, y: Tensor, out: Tensor, num_slots: int, rank: int, outs: tuple[int, ...],
+            every_row: bool, tiles: tuple[int, int] | None = None) -> None:  # fmt: skip
+    """out[t, :] = y[t, :out] + u's rank columns of row t's slot @ B's (module by module); u's
+    row t, split k, slot s start at t row_stride + k split_stride + s slot_stride."""
+    expand = _kernels()[1]
+    t, out_f = out.shape
     ends = [sum(outs[: j + 1]) for j in range(len(outs))][:-1] + [out_f] * (4 - len(outs))
     # Register tiles of at most TILE_ELEMENTS (B's, the partials'), rows a block fewer for larger
     # ranks (64 up to rank 32, 32 at rank 64, 16 above): compiled for sm_90 they spill nothing.
     block_r = _pow2(rank)
     group = min(_pow2(num_slots, 1), max(1, EXPAND_GROUP_COLUMNS // block_r))
-    block_m = max(16, min(block_m, TILE_ELEMENTS // block_r // 4))
+    block_m = max(16, min(MAX_BLOCK_M, _pow2(t), TILE_ELEMENTS // block_r // 4))
     m_blocks = _cdiv(t, block_m)
     # 64 output columns a block, 128 where that would make more than two blocks an SM.
-    block_n = 64 if _cdiv(out_f, 64) * m_blocks <= 2 * _sm_count(x.device) else 128
+    block_n = 64 if _cdiv(out_f, 64) * m_blocks <= 2 * _sm_count(out.device) else 128
     block_n = max(16, min(block_n, TILE_ELEMENTS // (group * block_r)))
+    # 4 warps a block (faster than 8 for rank 16 on an H200: lora_bench's search), 8 above rank 32.
+    warps = 4 if block_r <= 32 else 8
+    if tiles is not None:
+        block_n, warps = tiles
     chunk = min(_pow2(splits, 1), _floor_pow2(max(1, TILE_ELEMENTS // (block_m * block_r))))
     expand[(_cdiv(out_f, block_n), m_blocks)](
-        partials, b, token_slots, y, t, out_f, ends[0], ends[1], rank, width, splits, y.stride(0),
-        NUM_SLOTS=num_slots, GROUP=group, SPLIT_CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        num_warps=8, num_stages=1, **pdl,
+        u, b, token_slots, y, out, t, out_f, ends[0], ends[1], rank, len(outs) * rank, splits, split_stride,
+        row_stride, slot_stride, y.stride(0), out.stride(0), NUM_SLOTS=num_slots, GROUP=group, SPLIT_CHUNK=chunk,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, EVERY_ROW=every_row, num_warps=warps, num_stages=1,
+        **triton_pdl(out.device),
     )  # fmt: skip
-    return y

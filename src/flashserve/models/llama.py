@@ -24,8 +24,8 @@ three (`use_fused_allreduce`). `compute_logits` gathers the vocabulary so that e
 the full [N, V] row.
 
 LoRA adapters (`--enable-lora`): `model.lora` holds the adapters' device slots (`lora/layers.py`)
-and adds their deltas beside the fused projections (qkv, o, gate_up, down), the per-token slot
-index of the step set by the runner. None (LoRA off), or a step of base rows only, runs the
+and runs the fused projections (qkv, o, gate_up with SiLU-and-mul, down) with their deltas
+(`LoRAStack.project`), the per-token slot index of the step set by the runner. None (LoRA off), or a step of base rows only, runs the
 forward above unchanged.
 """
 
@@ -271,7 +271,7 @@ class LlamaModel(nn.Module):
                                                         qkv if lora is None else None)  # fmt: skip
             parts.append(self._qkv_rope(
                 spec, self.ops, normed, positions[c] if len(chunks) > 1 else positions, self.cos_sin_cache, qkv,
-                q_norm, k_norm, rotate, None if lora is None else lora.apply(i, "qkv", normed, linear(normed, *qkv)),
+                q_norm, k_norm, rotate, None if lora is None else lora.project(i, "qkv", normed, qkv),
             ))  # fmt: skip
         return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
 
@@ -283,9 +283,10 @@ class LlamaModel(nn.Module):
         (`all_reduce_start`), so that it runs beside the next chunk's GEMMs."""
         overlap = len(chunks) > 1
         for j, c in enumerate(chunks):
-            partial = linear_unscaled(attn[c] if overlap else attn, *layer.o_proj.args, defer=defer)
-            if lora is not None:  # a row-parallel partial delta joins the partial output before the all-reduce
-                partial = lora.apply(i, "o", attn, dense(partial))
+            if lora is None:
+                partial = linear_unscaled(attn[c] if overlap else attn, *layer.o_proj.args, defer=defer)
+            else:  # a row-parallel partial delta joins the partial output before the all-reduce
+                partial = lora.project(i, "o", attn, layer.o_proj.args)
             partials[j] = self.all_reduce_start(partial) if overlap else partial
         gate_up, post_norm = layer.gate_up_proj.args, layer.post_attention_layernorm["weight"]
         for j in range(len(chunks)):
@@ -295,8 +296,8 @@ class LlamaModel(nn.Module):
                 partial = self._gated_mlp(self.ops, normed, gate_up, layer.down_proj.args, defer)
             else:
                 assert isinstance(normed, Tensor)
-                act = self.ops.silu_and_mul(lora.apply(i, "gate_up", normed, dense(linear_unscaled(normed, *gate_up))))
-                partial = lora.apply(i, "down", act, dense(linear_unscaled(act, *layer.down_proj.args)))
+                act = lora.project_gated(i, normed, gate_up, self.ops.silu_and_mul)
+                partial = lora.project(i, "down", act, layer.down_proj.args)
             partials[j] = self.all_reduce_start(partial) if overlap else partial
 
     def token_chunks(self, num_tokens: int) -> list[slice]:
