@@ -69,17 +69,19 @@ def one_gpu_tokens(model: str) -> list[list[int]]:
         return [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
 
 
-def step_logits(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[torch.Tensor]:
+def step_logits(llm: LLM, prompts: list[list[int]] = PROMPTS, lids: list[int] | None = None) -> list[torch.Tensor]:
     """The logits of a prefill step of `prompts`, then of 4 decode steps of all of them (teacher-forced
     tokens; a decode step of 3 replays the graph of 4 where graphs were captured), straight
-    through the engine's runner on pages no request holds."""
+    through the engine's runner on pages no request holds; `lids`: each prompt's LoRA adapter."""
     runner: Any = llm.engine.executor
+    lids = lids or [0] * len(prompts)
     pages = [list(range(1 + 16 * i, 17 + 16 * i)) for i in range(len(prompts))]
-    step = [ScheduledRequest(f"r{i}", p, 0, pages[i], True, GREEDY, p, []) for i, p in enumerate(prompts)]
+    step = [ScheduledRequest(f"r{i}", p, 0, pages[i], True, GREEDY, p, [], lora_int_id=lids[i])
+            for i, p in enumerate(prompts)]  # fmt: skip
     logits = [runner.forward(SchedulerOutput(step)).clone()]
     for k in range(4):
-        step = [ScheduledRequest(f"r{i}", [11 + k], len(p) + k, pages[i], True, GREEDY, p, [11] * (k + 1))
-                for i, p in enumerate(prompts)]
+        step = [ScheduledRequest(f"r{i}", [11 + k], len(p) + k, pages[i], True, GREEDY, p, [11] * (k + 1),
+                                 lora_int_id=lids[i]) for i, p in enumerate(prompts)]  # fmt: skip
         logits.append(runner.forward(SchedulerOutput(step)).clone())
     return logits
 
@@ -120,6 +122,39 @@ def test_tp_ranks_with_the_fused_allreduce_compute_the_logits_of_one_gpu(
         logits = step_logits(llm)
     errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_bf16_logits)]
     assert max(errs) < TOL[torch.bfloat16], errs
+
+
+LORA_LIDS = [1, 0, 2]  # the prompts' adapters (0: the base model)
+
+
+def lora_logits(model: str, root: Path, tp: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`step_logits` of bfloat16 ranks with two adapters of ranks 8 and 16 on every projection (the
+    same random weights on one GPU and on several) and a base row; then of the same rows without
+    adapters."""
+    from test_lora_gpu import write_adapter
+
+    from flashserve.message.lora import LoRARequest
+
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    with LLM(model, tensor_parallel_size=tp, enable_lora=True, max_loras=2, max_lora_rank=16, **engine) as llm:
+        runner: Any = llm.engine.executor
+        spec = runner.model.model.spec  # the whole model's (rank 0's runner at TP > 1)
+        for lid, rank in ((1, 8), (2, 16)):
+            folder = write_adapter(str(root / f"r{rank}"), spec, rank, seed=lid, std=0.1)
+            runner.add_lora(LoRARequest(f"r{rank}", lid, folder))
+        return step_logits(llm, lids=LORA_LIDS), step_logits(llm)
+
+
+def test_tp_ranks_with_lora_adapters_compute_the_logits_of_one_gpu(model: str, tp: int, tmp_path: Path) -> None:
+    """Adapters sharded with the layers (lora_B's rows of q/k/v and gate/up, lora_A's columns of o
+    and down; on a GPU each rank's slots of A stacked under its shard of the weight), a mixed
+    prefill step and decode steps replayed from graphs: one GPU's logits within bfloat16's
+    tolerance, where the adapters move them by more than that."""
+    one, one_base = lora_logits(model, tmp_path / "one", 1)
+    got, _ = lora_logits(model, tmp_path / "tp", tp)
+    errs = [rel_err(a, b) for a, b in zip(got, one)]
+    assert max(errs) < TOL[torch.bfloat16], errs
+    assert min(rel_err(a, b) for a, b in zip(one, one_base)) > 2 * TOL[torch.bfloat16]
 
 
 def test_gpus_that_nvlink_connects_take_the_fused_allreduce_by_default(model: str, tp: int) -> None:
