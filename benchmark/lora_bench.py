@@ -261,7 +261,7 @@ def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dic
                 if kind == "gate_up":  # with SiLU-and-mul after it (the expand's own, or the model's kernel)
                     silu = model.ops.silu_and_mul
                     base_act_us = graph_or_eager_us(lambda: silu(torch.nn.functional.linear(x, proj[0])), device, args)
-                    r["fused_silu_us"] = graph_or_eager_us(lambda: stack.project_gated(0, x, proj, silu), device,
+                    r["fused_silu_us"] = graph_or_eager_us(lambda: stack.project(0, kind, x, proj, silu), device,
                                                            args) - base_act_us  # fmt: skip
                 torch.testing.assert_close(stack.project(0, kind, x, proj).float(),
                                            stack._apply_masked(0, kind, x, torch.nn.functional.linear(x, proj[0])).float(),

@@ -30,7 +30,7 @@ for S n R more output columns (the 8B's qkv 6,144 -> 6,400 rows, 0.3-1.5 us more
 A step with adapters then adds one kernel a projection: the expand, which reads each row's own
 slot's columns of u and of B (slots no row uses are not read), adds them to the projection's
 output and writes the result (base rows unchanged) into a fresh tensor; for gate_up it applies
-SiLU-and-mul too (`project_gated`), so the model's own SiLU-and-mul kernel does not run. Steps
+SiLU-and-mul too (`project`'s silu_and_mul), so the model's own SiLU-and-mul kernel does not run. Steps
 of up to `FUSED_TRITON_MAX_TOKENS` rows (decode steps, their graphs) take the kernel, larger ones
 the mask and one addmm on the same u. FP8 weights keep the shrink apart (`apply`: the Triton
 shrink and expand kernels up to `TRITON_MAX_TOKENS` rows, else the masked GEMMs).
@@ -97,7 +97,7 @@ DEFAULT_TOKEN_CAPACITY = 8192
 # at 32; down 9.7 against 12.2 at 32, 25.7 against 13.2 at 128.
 TRITON_MAX_TOKENS = {"qkv": 32, "o": 128, "gate_up": 8, "down": 32}
 # The same where the shrink is part of the projection's GEMM (`fuse_shrink`): the expand kernel
-# (for gate_up with SiLU-and-mul, `project_gated`) against the mask and one addmm, what each adds
+# (for gate_up with SiLU-and-mul: `project`) against the mask and one addmm, what each adds
 # to the projection (H200, lora_bench, 1..128 rows over 4 slots of rank 16: at 128 rows qkv 8.5
 # against 12.0 us, o 5.6 against 8.8, gate_up 13.9 against 20.2 + the model's SiLU-and-mul, down
 # 5.6 against 11.0; larger steps were not measured and keep the masked GEMMs).
@@ -273,32 +273,29 @@ class LoRAStack:
         return (x.shape[0] <= self.triton_rows[kind] and x.dtype == y.dtype == self.dtype and x.is_cuda
                 and x.stride(-1) == 1 and y.stride(-1) == 1)  # fmt: skip
 
-    def project(self, layer: int, kind: str, x: Tensor, args: LinearArgs) -> Tensor:
+    def project(self, layer: int, kind: str, x: Tensor, args: LinearArgs,
+                silu_and_mul: Callable[[Tensor], Tensor] | None = None) -> Tensor:  # fmt: skip
         """Projection `kind` of `layer` (`args`: its `Linear.args`) on `x` [T, in], plus the
         adapters' delta: with the shrink in the projection's GEMM (`fuse_shrink`), that GEMM and the
-        expand; otherwise the projection, then `apply`."""
-        fused = None if self.fused is None or self.segments is not None else self.fused[kind][layer]
-        if fused is None or x.dtype != self.dtype:
-            return self.apply(layer, kind, x, linear(x, *args))
-        out_f = args[0].shape[0]
-        y_ext = torch.nn.functional.linear(x, *fused)
-        if self.uses_triton(x, y_ext, kind):
-            return triton_lora.add_lora_fused(y_ext, out_f, self.b[kind][layer], self.token_slots(x.shape[0]),
-                                              self.num_slots, self.max_rank, self.shapes[kind][1])  # fmt: skip
-        u = y_ext[:, out_f : out_f + self.a[kind][layer].shape[0]].unflatten(1, (self.num_slots, -1))
-        u = u * self._row_mask(x.shape[0]).unsqueeze(-1)
-        return torch.addmm(y_ext[:, :out_f], u.flatten(1), self.b[kind][layer].t())
-
-    def project_gated(self, layer: int, x: Tensor, args: LinearArgs, silu_and_mul: Callable[[Tensor], Tensor]) -> Tensor:
-        """`silu_and_mul` of `project(layer, "gate_up", x, args)`: where the expand kernel runs on
-        a shrink in the GEMM, it applies SiLU-and-mul itself (one kernel, the gate_up output never
-        written whole)."""
-        fused = None if self.fused is None or self.segments is not None else self.fused["gate_up"][layer]
-        if fused is not None and x.dtype == self.dtype and x.shape[0] <= self.triton_rows["gate_up"] and x.is_cuda:
+        expand; otherwise the projection, then `apply`. `silu_and_mul` (gate_up): applied to the
+        result, by the expand kernel itself where it runs (the gate_up output never written whole)."""
+        apart = self.fused is None or self.segments is not None or x.dtype != self.dtype
+        fused = None if apart else self.fused[kind][layer]  # type: ignore[index]
+        if fused is None:
+            y = self.apply(layer, kind, x, linear(x, *args))
+        else:
+            out_f = args[0].shape[0]
             y_ext = torch.nn.functional.linear(x, *fused)
-            return triton_lora.add_lora_fused_silu(y_ext, args[0].shape[0] // 2, self.b["gate_up"][layer],
-                                                   self.token_slots(x.shape[0]), self.num_slots, self.max_rank)  # fmt: skip
-        return silu_and_mul(self.project(layer, "gate_up", x, args))
+            if self.uses_triton(x, y_ext, kind):
+                slots, b = self.token_slots(x.shape[0]), self.b[kind][layer]
+                if silu_and_mul is not None:
+                    return triton_lora.add_lora_fused_silu(y_ext, out_f // 2, b, slots, self.num_slots, self.max_rank)
+                return triton_lora.add_lora_fused(y_ext, out_f, b, slots, self.num_slots, self.max_rank,
+                                                  self.shapes[kind][1])  # fmt: skip
+            u = y_ext[:, out_f : out_f + self.a[kind][layer].shape[0]].unflatten(1, (self.num_slots, -1))
+            u = u * self._row_mask(x.shape[0]).unsqueeze(-1)
+            y = torch.addmm(y_ext[:, :out_f], u.flatten(1), self.b[kind][layer].t())
+        return y if silu_and_mul is None else silu_and_mul(y)
 
     def apply(self, layer: int, kind: str, x: Tensor, y: Tensor) -> Tensor:
         """`y` [T, out], the output of projection `kind` of `layer` on `x` [T, in], plus the

@@ -296,7 +296,7 @@ class LlamaModel(nn.Module):
                 partial = self._gated_mlp(self.ops, normed, gate_up, layer.down_proj.args, defer)
             else:
                 assert isinstance(normed, Tensor)
-                act = lora.project_gated(i, normed, gate_up, self.ops.silu_and_mul)
+                act = lora.project(i, "gate_up", normed, gate_up, self.ops.silu_and_mul)
                 partial = lora.project(i, "down", act, layer.down_proj.args)
             partials[j] = self.all_reduce_start(partial) if overlap else partial
 
