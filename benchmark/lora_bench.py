@@ -43,8 +43,6 @@ from benchmark import LOCAL_RESULTS
 from benchmark.floor import median_time_s
 
 PAGE = 16
-# The decoder layer's attribute holding each fused projection.
-PROJECTION = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 SHAPE = "llama-3.1-8b"
 NUM_ADAPTERS = 4
 
@@ -226,6 +224,7 @@ def graph_or_eager_us(fn: Callable[[], Any], device: str, args: argparse.Namespa
 def bench_kernels(model: Any, args: argparse.Namespace, device: str) -> list[dict[str, Any]]:
     """The adapters' GEMMs of layer 0's projections, four ways."""
     from flashserve.lora import triton_lora
+    from flashserve.lora.layers import PROJECTION
 
     stack = attach(model, args.rank)
     if max(stack.triton_rows.values()):  # the kernels at every row count here, beyond the thresholds too

@@ -38,7 +38,7 @@ import torch
 from flashserve.config import CacheConfig, LoRAConfig, ModelConfig
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.lora.adapter import module_shapes
-from flashserve.lora.layers import FUSED
+from flashserve.lora.layers import FUSED, PROJECTION
 from flashserve.message.lora import LoRARequest
 from flashserve.message.sampling_params import SamplingParams
 
@@ -109,8 +109,7 @@ def merge(runner: Any, lid: int, rounded_first: bool = False) -> list[tuple[torc
     saved = []
     for layer, proj in enumerate(native.layers):
         for kind, modules in FUSED.items():
-            weight = getattr(proj, {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj",
-                                    "down": "down_proj"}[kind]).weight  # fmt: skip
+            weight = getattr(proj, PROJECTION[kind]).weight
             saved.append((weight, weight.clone()))
             row = 0
             for module in modules:

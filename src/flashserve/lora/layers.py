@@ -72,7 +72,7 @@ from flashserve.lora.adapter import LoRAAdapter
 
 Tensor = torch.Tensor
 
-__all__ = ["FUSED", "LoRAStack"]
+__all__ = ["FUSED", "PROJECTION", "LoRAStack"]
 
 # The native model's fused projections and the adapter modules each fuses, in output order.
 FUSED: dict[str, tuple[str, ...]] = {
@@ -108,7 +108,7 @@ FUSED_TRITON_MAX_TOKENS = {"qkv": 128, "o": 128, "gate_up": 128, "down": 128}
 # 4,224; qkv (6,336 or 6,400) and gate_up (28,800 or 28,928) within 0.5 us either way.
 FUSED_ROWS_MULTIPLE = 128
 # The decoder layer's attribute holding each fused projection.
-_PROJECTION = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
+PROJECTION = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
 
 class LoRAStack:
@@ -196,7 +196,7 @@ class LoRAStack:
         `S n R` rows longer, and a projection's adapters cost one kernel more (the expand,
         `project`). For dense weights of the stack's dtype (`layers`: the model's decoder layers;
         `enable_lora` asks it where the Triton kernels run); returns whether it was done."""
-        projections = [[getattr(layer, _PROJECTION[kind]) for layer in layers] for kind in self.shapes]
+        projections = [[getattr(layer, PROJECTION[kind]) for layer in layers] for kind in self.shapes]
         if self.fused is not None or any(p.weight.dtype != self.dtype or p.weight.device != self.device
                                          or p.weight.is_mkldnn for ps in projections for p in ps):  # fmt: skip
             return False

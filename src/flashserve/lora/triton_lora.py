@@ -321,16 +321,25 @@ def add_lora_fused_silu(y_ext: Tensor, inter: int, b: Tensor, token_slots: Tenso
     out = y_ext.new_empty(t, inter)
     if t == 0:
         return out
-    block_r = _pow2(rank)
-    group = min(_pow2(num_slots, 1), max(1, EXPAND_GROUP_COLUMNS // block_r))
-    block_m = max(16, min(MAX_BLOCK_M, _pow2(t), TILE_ELEMENTS // block_r // 4))
-    block_n, warps = tiles or (max(16, min(64, TILE_ELEMENTS // (group * block_r))), 4 if block_r <= 32 else 8)
+    block_r, group, block_m, warps = _expand_tiles(t, rank, num_slots)
+    block_n, warps = tiles or (max(16, min(64, TILE_ELEMENTS // (group * block_r))), warps)
     _kernels()[2][(_cdiv(inter, block_n), _cdiv(t, block_m))](
         y_ext, b, token_slots, out, t, inter, rank, width, y_ext.stride(0), out.stride(0), NUM_SLOTS=num_slots,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=warps, num_stages=1,
         **triton_pdl(out.device),
     )  # fmt: skip
     return out
+
+
+def _expand_tiles(t: int, rank: int, num_slots: int) -> tuple[int, int, int, int]:
+    """An expand kernel's (BLOCK_R, GROUP, BLOCK_M, warps) for `t` rows: register tiles of at most
+    TILE_ELEMENTS (B's, u's), rows a block fewer for larger ranks (64 up to rank 32, 32 at rank 64,
+    16 above); 4 warps a block (faster than 8 for rank 16 on an H200: lora_bench's search), 8 above
+    rank 32."""
+    block_r = _pow2(rank)
+    group = min(_pow2(num_slots, 1), max(1, EXPAND_GROUP_COLUMNS // block_r))
+    block_m = max(16, min(MAX_BLOCK_M, _pow2(t), TILE_ELEMENTS // block_r // 4))
+    return block_r, group, block_m, 4 if block_r <= 32 else 8
 
 
 def _expand(u: Tensor, splits: int, split_stride: int, row_stride: int, slot_stride: int, b: Tensor,
@@ -341,17 +350,11 @@ def _expand(u: Tensor, splits: int, split_stride: int, row_stride: int, slot_str
     expand = _kernels()[1]
     t, out_f = out.shape
     ends = [sum(outs[: j + 1]) for j in range(len(outs))][:-1] + [out_f] * (4 - len(outs))
-    # Register tiles of at most TILE_ELEMENTS (B's, the partials'), rows a block fewer for larger
-    # ranks (64 up to rank 32, 32 at rank 64, 16 above): compiled for sm_90 they spill nothing.
-    block_r = _pow2(rank)
-    group = min(_pow2(num_slots, 1), max(1, EXPAND_GROUP_COLUMNS // block_r))
-    block_m = max(16, min(MAX_BLOCK_M, _pow2(t), TILE_ELEMENTS // block_r // 4))
+    block_r, group, block_m, warps = _expand_tiles(t, rank, num_slots)
     m_blocks = _cdiv(t, block_m)
     # 64 output columns a block, 128 where that would make more than two blocks an SM.
     block_n = 64 if _cdiv(out_f, 64) * m_blocks <= 2 * _sm_count(out.device) else 128
     block_n = max(16, min(block_n, TILE_ELEMENTS // (group * block_r)))
-    # 4 warps a block (faster than 8 for rank 16 on an H200: lora_bench's search), 8 above rank 32.
-    warps = 4 if block_r <= 32 else 8
     if tiles is not None:
         block_n, warps = tiles
     chunk = min(_pow2(splits, 1), _floor_pow2(max(1, TILE_ELEMENTS // (block_m * block_r))))
