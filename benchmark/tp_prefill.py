@@ -4,7 +4,8 @@
 
 Dummy weights in a real shape. For each prompt length:
 - `step ms`: rank 0's `runner.forward` of the whole prompt as one step (what the ranks compute for
-  it, no chunking), median of 5 after 5 unrecorded, the device synchronised after each;
+  it, no chunking), median of 5 after 5 unrecorded, the device synchronised after each; eager, or
+  with `--graphs` from the piecewise CUDA graphs where they cover the prompt, as the server runs it;
 - `TTFT ms`: `LLM.generate(max_tokens=1)` of a fresh random prompt (the engine's scheduling, its
   chunked-prefill budget and sampling included), median of 3;
 - `floor ms`: its FLOPs per GPU (`benchmark.floor.prefill_floor_s` over the ranks) at the bf16 matmul
@@ -120,6 +121,8 @@ def tables(doc: dict[str, Any]) -> str:
     fmt = f", {doc['quantization']} weights, {doc['kv_cache_dtype']} KV" if doc.get("quantization") else ""
     if doc.get("prefill_backend"):
         fmt += f", {doc['prefill_backend']} prefill"
+    if doc.get("graphs"):
+        fmt += f", CUDA graphs (piecewise up to {doc.get('piecewise_max_tokens') or 'the default'} tokens)"
     if doc.get("overlap_min_tokens"):
         fmt += f", all-reduces overlapped in two chunks from {doc['overlap_min_tokens']} tokens"
     lines = [f"{doc['gpu']} x {doc['tp']}: {doc['model']}{fmt} (dummy weights), a lone prompt at TP={doc['tp']}; "
@@ -157,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap-min-tokens", type=int, default=None,
                    help="--tp-overlap-min-tokens: steps this large run in two chunks, all-reduces overlapped")
     p.add_argument("--kv-cache-dtype", default="auto", help="fp8: an FP8 KV cache")
+    p.add_argument("--graphs", action="store_true", help="capture the server's CUDA graphs (decode, and the "
+                   "piecewise graphs that serve steps of up to --piecewise-max-tokens); default: every step eager")
+    p.add_argument("--piecewise-max-tokens", type=int, default=None,
+                   help="--piecewise-cuda-graph-max-tokens with --graphs (default: the server's)")
     p.add_argument("--out", default=str(LOCAL_RESULTS), help="results folder (default: %(default)s)")
     args = p.parse_args(argv)
     import torch
@@ -174,15 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     shape = ModelShape.from_config(model_config(args.model))
     lens = [int(n) for n in args.lens.split(",")]
     fused = {"auto": None, "on": True, "off": False}[args.fused]
-    # No decode graphs: the prompts here are prefills (and sample one token), and capturing takes time.
+    # By default no graphs: the prompts here are prefills (and sample one token), and capturing takes
+    # time. --graphs: as the server runs them, steps of few tokens from the piecewise graphs.
     llm = LLM(args.model, load_format="dummy", tensor_parallel_size=args.tp, max_num_seqs=16,
               max_model_len=max(lens) + 64, gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_flashinfer_allreduce_fusion=fused, cuda_graph=False, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, tp_overlap_min_tokens=args.overlap_min_tokens)  # fmt: skip
+              enable_flashinfer_allreduce_fusion=fused, cuda_graph=args.graphs, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, tp_overlap_min_tokens=args.overlap_min_tokens,
+              piecewise_cuda_graph_max_tokens=args.piecewise_max_tokens)  # fmt: skip
     runner: Any = llm.engine.executor
     doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "model": args.model,
                            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                            "overlap_min_tokens": args.overlap_min_tokens, "prefill_backend": args.prefill_backend,
+                           "graphs": args.graphs, "piecewise_max_tokens": args.piecewise_max_tokens,
                            "rates": rates.to_json(), "profile_len": args.profile_len, "rows": []}  # fmt: skip
     for n in lens:
         floor = first_token_floor_s(shape, rates, [n]) * 1e3 / args.tp

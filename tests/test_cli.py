@@ -85,3 +85,18 @@ def test_tp_overlap_min_tokens_reaches_the_model_config_and_takes_only_a_positiv
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["serve", "--tp-overlap-min-tokens", "0"])
     assert "--tp-overlap-min-tokens" in capsys.readouterr().err
+
+
+def test_piecewise_graphs_serve_512_tokens_on_one_gpu_none_over_several_unless_asked(capsys):
+    import pytest
+
+    default = to_configs(build_parser({}).parse_args(["serve"])).model
+    assert (default.piecewise_graph_tokens(1), default.piecewise_graph_tokens(4)) == (512, 0)
+    ns = build_parser({}).parse_args(["serve", "--piecewise-cuda-graph-max-tokens", "1024"])
+    assert to_configs(ns).model.piecewise_graph_tokens(4) == 1024
+    ns = build_parser({}).parse_args(["serve", "--piecewise-cuda-graph-max-tokens", "0"])
+    assert to_configs(ns).model.piecewise_graph_tokens(1) == 0
+    for bad in ("-1", "8193"):
+        with pytest.raises(SystemExit):
+            build_parser({}).parse_args(["serve", "--piecewise-cuda-graph-max-tokens", bad])
+        assert "--piecewise-cuda-graph-max-tokens" in capsys.readouterr().err

@@ -59,6 +59,17 @@ def _count(text: str) -> int:
     return value
 
 
+# The largest step `--piecewise-cuda-graph-max-tokens` captures: graphs for every 128 tokens up to it.
+MAX_PIECEWISE_GRAPH_TOKENS = 8192
+
+
+def _graph_tokens(text: str) -> int:
+    value = _count(text)
+    if value > MAX_PIECEWISE_GRAPH_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_PIECEWISE_GRAPH_TOKENS}: {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -161,6 +172,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--tp-overlap-min-tokens", _positive_int, None, "with --tensor-parallel-size > 1: steps of at least this many "
            "tokens run each layer's token-wise part (projections, norms, MLP) in two chunks, so that one "
            "chunk's all-reduce runs beside the other chunk's GEMMs (default: off)"),
+    Option("--piecewise-cuda-graph-max-tokens", _graph_tokens, None, "steps with prompt tokens (short prompts, "
+           "prefill chunks beside decode rows) of up to this many tokens replay the model's pieces between "
+           "attention calls from CUDA graphs captured at start, attention eager between them (native model "
+           "with FlashInfer; 0: such steps run eagerly; default: 512 on one GPU, 0 with --tensor-parallel-size > 1)"),
     Option("--quantization", str, None, "fp8: quantize a bfloat16/float16 checkpoint's projections to FP8 at "
            "load (per-channel weights, per-token activations; FP8 GEMMs need a GPU of compute capability "
            ">= 8.9, a CPU computes with the FP8-rounded weights). FP8 checkpoints (compressed-tensors, "

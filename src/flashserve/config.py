@@ -8,6 +8,11 @@ from dataclasses import dataclass, field, fields
 from flashserve.spec_decode.config import SpeculativeConfig
 
 
+# The default of `ModelConfig.piecewise_cuda_graph_max_tokens` on one rank: beyond about 512 tokens an 8B
+# step is bound by its GEMMs, not by launching them (H200: 15.2 ms eager at 512 tokens, floor 9.1).
+PIECEWISE_GRAPH_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = ""  # hf id, local dir, .gguf file, config.json or built-in shape name; "" = embedded
@@ -39,11 +44,21 @@ class ModelConfig:
     # in two chunks, one chunk's all-reduce beside the other's GEMMs (`models/llama.py`,
     # token_chunks). None: off.
     tp_overlap_min_tokens: int | None = None
+    # Steps with prompt tokens of up to this many tokens replay the native model's pieces between
+    # attention calls from CUDA graphs (`worker/piecewise_graph.py`); 0: eager. None: 512 on one
+    # rank, eager over several (not measured there yet). See `piecewise_graph_tokens`.
+    piecewise_cuda_graph_max_tokens: int | None = None
     # "fp8": quantize a high-precision checkpoint's projections at load (per-channel weights,
     # per-token activations). FP8 checkpoints (config.json's quantization_config) need no flag.
     quantization: str | None = None
     # `--enable-lora`: the adapters' limits, which the runner sizes its slots by; None: no LoRA.
     lora: LoRAConfig | None = None
+
+    def piecewise_graph_tokens(self, world_size: int) -> int:
+        """The largest step of prompt tokens piecewise CUDA graphs serve (0: none); see the field."""
+        if self.piecewise_cuda_graph_max_tokens is not None:
+            return self.piecewise_cuda_graph_max_tokens
+        return PIECEWISE_GRAPH_TOKENS if world_size == 1 else 0
 
 
 @dataclass(frozen=True)

@@ -272,12 +272,13 @@ CASES = [("fp8-weights", "fp8", None), ("fp8-kv", None, FP8_KV_DTYPE), ("fp8-bot
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["two-sequences", "one-sequence"])
-@pytest.mark.parametrize("mode", ["eager", "cuda_graph"])
+@pytest.mark.parametrize("mode", ["eager", "cuda_graph", "piecewise"])
 @pytest.mark.parametrize(("case", "quantization", "kv_dtype"), CASES, ids=[c[0] for c in CASES])
 def test_fp8_decode_matches_its_teacher_forced_pass_and_stays_near_bf16(
     case: str, quantization: str | None, kv_dtype: torch.dtype | None, mode: str, prompts: tuple[int, ...]
 ) -> None:
-    """Two sequences decode through the FP8 GEMMs of quantized rows, one through the one-row GEMV."""
+    """Two sequences decode through the FP8 GEMMs of quantized rows, one through the one-row GEMV
+    (piecewise: every step from the piecewise graphs, whose steps of up to 128 rows take bmm_fp8)."""
     pytest.importorskip("flashinfer")
     hf, config = hf_model("llama-3.2-1b", None)
     shape = model_shape(config)
@@ -286,8 +287,9 @@ def test_fp8_decode_matches_its_teacher_forced_pass_and_stays_near_bf16(
     with torch.inference_mode():
         native = LlamaModel.from_hf(hf, config, torch.bfloat16, "cuda", consume=False, max_positions=4096,
                                     quantization=quantization)
-        got = paged_logits(shape, NativeCausalLM(native).decode_logits, seqs, mode == "cuda_graph", kv_dtype,
-                           prompts)
+        step_model = NativeCausalLM(native)
+        got = paged_logits(shape, step_model.decode_logits, seqs, mode == "cuda_graph", kv_dtype, prompts,
+                           pieces_for=step_model.layer_pieces if mode == "piecewise" else None)
         forced = teacher_forced(shape, native, seqs, kv_dtype)
         del native
         ref_hf = dequantized_copy(hf) if quantization else hf

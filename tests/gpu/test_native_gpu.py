@@ -5,6 +5,7 @@ layers, to keep an fp32 reference beside two bf16 copies within memory and time)
 over a ragged prefill of two requests and 32 decode steps. Both bf16 forwards are measured against
 HF eager in float32 on the same weights: the native one must be about as close as HF's own bf16
 forward (relative error, overall and per row). The decode steps run eagerly, from CUDA graphs,
+every step from piecewise graphs (the pieces between attention calls, attention eager),
 and (1B shape) from graphs of the `torch.compile`d model and eagerly from the model read straight
 from a saved checkpoint's safetensors files; the generic HF path (the transformers
 model with our paged attention) is held to the same bound, eagerly and from graphs.
@@ -27,6 +28,8 @@ from flashserve.models.llama import LlamaModel
 from flashserve.models.native import NativeCausalLM
 
 PAGE = 16
+# Token counts of the piecewise graphs: prefills of 100 + 37 and 100 tokens replay 160's, with padding.
+PIECEWISE_COUNTS = [16, 64, 160]
 PROMPTS = (100, 37)  # unaligned lengths; decode crosses page boundaries
 DECODE_STEPS = 32
 SHAPES = {"llama-3.2-1b": None, "llama-3.1-8b": 8}  # shape -> layers kept (None: all)
@@ -59,11 +62,13 @@ def hf_model(shape: str, layers: int | None) -> tuple[torch.nn.Module, object]:
 def paged_logits(
     shape: tuple[int, int, int, int], forward_for: Any, seqs: list[list[int]], use_graphs: bool,
     kv_cache_dtype: torch.dtype | None = None, prompts: tuple[int, ...] = PROMPTS, decode_steps: int = DECODE_STEPS,
-    fused_decode: bool = False,
+    fused_decode: bool = False, pieces_for: Any = None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Teacher-forced float32 logits [len(seq), V] per request: its prefill rows (`prompts`), then
     one row per decode step. `shape` is (layers, heads, kv heads, head_dim); `forward_for(backend)`
-    gives the step function `(ids, positions) -> logits of every row`."""
+    gives the step function `(ids, positions) -> logits of every row`. `pieces_for(backend)`: the
+    model's layer pieces, and every step (prefill and decode) replays them from piecewise graphs
+    of `PIECEWISE_COUNTS` tokens, padded."""
     from flashserve.attention.flashinfer import FlashInferAttentionBackend
 
     num_layers, num_heads, num_kv_heads, head_dim = shape
@@ -84,6 +89,12 @@ def paged_logits(
 
         graphs = CudaGraphRunner(forward, backend, [1, 2, 4])
         graphs.capture()
+    pieces = None
+    if pieces_for is not None:
+        from flashserve.worker.piecewise_graph import PiecewiseGraphRunner
+
+        pieces = PiecewiseGraphRunner(pieces_for(backend), backend.device, PIECEWISE_COUNTS)
+        pieces.capture()
     params = SamplingParams()
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
     steps = [[(0, p) for p in prompts]] + [[(p + k, p + k + 1) for p in prompts] for k in range(decode_steps)]
@@ -94,6 +105,10 @@ def paged_logits(
         pos = torch.tensor(layout.positions, device="cuda")
         if graphs is not None:
             logits = graphs(ids, pos, layout).clone()
+        elif pieces is not None:
+            assert pieces.covers(len(ids))
+            backend.plan(layout)
+            logits = pieces(ids, pos, None)
         else:
             backend.plan(layout)
             logits = forward(ids, pos)
@@ -106,6 +121,8 @@ MODES = [(shape, mode) for shape in SHAPES for mode in ("eager", "cuda_graph")]
 MODES += [("llama-3.2-1b", mode) for mode in ("compiled", "hf_path", "hf_path_cuda_graph", "safetensors")]
 # `--fused-decode`: RoPE in the KV append, and the two-request decode steps through the Triton decode.
 MODES += [(shape, "fused_decode_cuda_graph") for shape in SHAPES] + [("llama-3.2-1b", "fused_decode")]
+# Every step from piecewise graphs (the pieces between attention calls), RoPE by the model or in the KV append.
+MODES += [(shape, "piecewise") for shape in SHAPES] + [("llama-3.2-1b", "fused_decode_piecewise")]
 
 
 @pytest.mark.parametrize(("shape", "mode"), MODES, ids=[f"{s}-{m}" for s, m in MODES])
@@ -114,7 +131,7 @@ def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: s
     hf, config = hf_model(shape, SHAPES[shape])
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in PROMPTS]
-    use_graphs = mode not in ("eager", "hf_path", "fused_decode")
+    use_graphs = mode not in ("eager", "hf_path", "fused_decode") and not mode.endswith("piecewise")
     with torch.inference_mode():
         if mode.startswith("hf_path"):
             # The generic path: the transformers model itself, its attention on our paged backend.
@@ -132,8 +149,10 @@ def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: s
             native = LlamaModel.from_hf(hf, config, torch.bfloat16, "cuda", consume=False, max_positions=4096, compile=compiled)
             # Compiled: Inductor fuses the PyTorch ops (decode steps replay graphs of the compiled model).
             assert native.ops.name == ("torch" if compiled else "flashinfer")
-            got = paged_logits(model_shape(config), NativeCausalLM(native).decode_logits, seqs, use_graphs,
-                               fused_decode=mode.startswith("fused_decode"))  # fmt: skip
+            step_model = NativeCausalLM(native)
+            got = paged_logits(model_shape(config), step_model.decode_logits, seqs, use_graphs,
+                               fused_decode=mode.startswith("fused_decode"),
+                               pieces_for=step_model.layer_pieces if mode.endswith("piecewise") else None)  # fmt: skip
             del native
         hf16 = [hf(torch.tensor([s], device="cuda")).logits[0].float() for s in seqs]
         hf.float()

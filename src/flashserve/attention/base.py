@@ -118,10 +118,13 @@ class AttentionBackend(Protocol):
 
     def plan(self, layout: BatchLayout) -> None: ...
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the step's T new tokens (packed as `layout`).
 
         Appends k/v to the layer's pages at `layout.positions`, then attends causally over each
-        request's cached prefix plus its new tokens. Returns [T, Hq, D] in q's dtype.
+        request's cached prefix plus its new tokens. Returns [T, Hq, D] in q's dtype; with `out`
+        (contiguous [T, Hq, D] in q's dtype), written into it and returned (piecewise CUDA graphs
+        read attention's output from a fixed buffer).
         """
         ...

@@ -236,10 +236,13 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         return self.fused_decode and self.device.type == "cuda" and fuses_rope(cos_sin, head_dim)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D] in q's dtype. See `AttentionBackend`.
-        `rope` (where `takes_rope`): q and k are not rotated yet; this rotates them (q in place)."""
+        `rope` (where `takes_rope`): q and k are not rotated yet; this rotates them (q in place).
+        `out`: a contiguous [T, Hq, D] buffer in q's dtype that the output is written into (and
+        returned): FlashInfer's wrappers write it directly, other paths copy into it."""
         step = self._step
         if step is None:
             raise RuntimeError("plan() must run before forward()")
@@ -258,11 +261,13 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             )
         if q.dtype != self.dtype:
             q = q.to(self.dtype)
-        if step.prefix_wrapper is None:
-            out = step.wrapper.run(q, cache)
-        else:
-            out = self._cascade(step, q, cache)
-        return out if out.dtype == out_dtype else out.to(out_dtype)
+        if out is not None and step.prefix_wrapper is None and out_dtype == self.dtype \
+                and not isinstance(step.wrapper, TritonDecode):
+            return step.wrapper.run(q, cache, out=out)
+        result = step.wrapper.run(q, cache) if step.prefix_wrapper is None else self._cascade(step, q, cache)
+        if out is not None:
+            return out.copy_(result)
+        return result if result.dtype == out_dtype else result.to(out_dtype)
 
     def _cascade(self, step: StepIndices, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Each request over its own pages, each group's rows over its prefix once, merged by

@@ -212,8 +212,14 @@ class TorchAttentionBackend:
         bits(v_cache).view(-1, hkv, head_dim).index_copy_(0, slots, bits(to_cache(v, self.cache_dtype)))
         return num_q_heads // hkv
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D] in q's dtype. See `AttentionBackend`."""
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D] in q's dtype (into `out` when given). See
+        `AttentionBackend`."""
+        result = self._forward(layer, q, k, v)
+        return result if out is None else out.copy_(result)
+
+    def _forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._plan is None:
             raise RuntimeError("plan() must run before forward()")
         plan = self._plan

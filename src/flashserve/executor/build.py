@@ -2,7 +2,7 @@
 shard) loaded (`model_loader.load`), the KV cache sized and allocated in the memory left (over
 several ranks, as many pages as the smallest rank holds, so that the page ids rank 0's scheduler
 hands out are valid everywhere), the backend, sampler and runner built around them, and on CUDA
-the kernels warmed up and decode graphs captured. Over several ranks every rank calls
+the kernels warmed up and decode (and piecewise) graphs captured. Over several ranks every rank calls
 `build_runner` with the same arguments: its warm-up and graph capture run the same steps, whose
 collectives pair up. `executor/tensor_parallel.py` drives the ranks' runners."""
 
@@ -27,7 +27,8 @@ from flashserve.models.native import NativeCausalLM
 from flashserve.models.llama_weights import UnsupportedModelError
 from flashserve.spec_decode.config import SpeculativeConfig
 from flashserve.worker.assembly import (
-    attention_dtype, backend_options, capture_decode_graphs, capture_verify_graphs, kv_page_bytes, num_kv_pages,
+    attention_dtype, backend_options, capture_decode_graphs, capture_piecewise_graphs, capture_verify_graphs,
+    kv_page_bytes, num_kv_pages,
     pick_backend, pick_sampler, warm_up,
 )  # fmt: skip
 from flashserve.worker.runner import ModelRunner
@@ -47,7 +48,8 @@ def build_runner(
 ) -> tuple[ModelRunner, LoadedModel, int]:
     """Loads the model (`group`'s rank's shard; default: one rank, the whole model), sizes and
     allocates the KV cache, builds the backend, sampler and runner; on CUDA (or compiled) warms
-    the kernels up, and with FlashInfer captures decode graphs before returning. Collective over
+    the kernels up, and with FlashInfer captures decode graphs and the piecewise graphs of steps
+    with prompt tokens (`--piecewise-cuda-graph-max-tokens`) before returning. Collective over
     several ranks: every rank calls it.
 
     `speculative`: speculative decoding's config. Its draft model loads on rank 0 alone, whole,
@@ -148,6 +150,7 @@ def build_runner(
             if speculative is not None:
                 capture_verify_graphs(runner, model, max_batch_size, speculative.num_speculative_tokens,
                                       speculative.disable_by_batch_size)  # fmt: skip
+            capture_piecewise_graphs(runner, model, model_config.piecewise_graph_tokens(group.world_size))
         elif cuda_graph and group.rank == 0:
             logger.info("CUDA graphs need the FlashInfer backend; decoding eagerly")
     return runner, loaded, num_pages

@@ -133,8 +133,11 @@ def shared_kv_pages(pages: int, page_bytes: int, device: torch.device, group: TP
 
 
 def release_before_group_end(runner: ModelRunner) -> None:
-    """Drops `runner`'s decode and verify graphs (`CudaGraphRunner.release`), then the buffers of
-    its fused all-reduce, before its rank leaves the group."""
+    """Drops `runner`'s decode, verify and piecewise graphs (`CudaGraphRunner.release`), then the
+    buffers of its fused all-reduce, before its rank leaves the group."""
+    if runner.piecewise_graphs is not None:
+        runner.piecewise_graphs.release()
+        runner.piecewise_graphs = None
     if runner.verify_graphs is not None:
         runner.verify_graphs.release()
         runner.verify_graphs = None

@@ -56,7 +56,10 @@ from flashserve.models.llama_weights import (
     WeightMismatchError,
     convert_hf_state_dict,
 )
-from flashserve.models.llama_layers import LlamaDecoderLayer, attend, backend_rope, gated_mlp, meta_param, qkv_rope
+from flashserve.models.llama_layers import (
+    LlamaDecoderLayer, attend, backend_rope, gated_mlp, meta_param, qkv_rope, takes_rope,
+)  # fmt: skip
+from flashserve.worker.piecewise_graph import Attention, LayerSteps, run_layer_steps
 
 Tensor = torch.Tensor
 
@@ -227,13 +230,39 @@ class LlamaModel(nn.Module):
         Returns the final-normed hidden states [T, hidden_size] in the model dtype. No host sync,
         so the whole call can be captured in a CUDA graph. One loop for one rank or several: a
         row-parallel projection's output (o_proj, down_proj) goes through `reduce_add_norm`, whose
-        all-reduce is the identity on one rank.
+        all-reduce is the identity on one rank. The loop is `layer_steps`, each layer's attention
+        through `backend`.
         """
-        cos_sin = self.cos_sin_cache
-        if cos_sin is None:
+        return run_layer_steps(self.layer_steps(input_ids, positions, self.rotates(backend)),
+                               self.attention(backend, positions))
+
+    def rotates(self, backend: Any) -> bool:
+        """Whether the model applies RoPE to q and k itself: False where `backend` rotates them as it
+        appends K and V (`backend_rope`)."""
+        if self.cos_sin_cache is None:
+            raise RuntimeError("LlamaModel has no RoPE table: build it with LlamaModel.from_weights")
+        return not takes_rope(backend, self.cos_sin_cache, self.rank_spec.head_dim)
+
+    def attention(self, backend: Any, positions: Tensor, out: Tensor | None = None) -> Attention:
+        """A step's attention call for `layer_steps`: `(layer, q, k, v) -> [T, Hq, D]` through `backend`
+        (planned for the step), with RoPE where the backend applies it. `out`: a buffer [>= T, Hq, D]
+        the output is written into (its first T rows), where the backend takes one."""
+        assert self.cos_sin_cache is not None
+        rope = backend_rope(backend, positions, self.cos_sin_cache, self.rank_spec.head_dim)
+        if out is None:
+            return lambda i, q, k, v: attend(backend, i, q, k, v, rope)
+        return lambda i, q, k, v: attend(backend, i, q, k, v, rope, out[: q.shape[0]])
+
+    def layer_steps(self, input_ids: Tensor, positions: Tensor, rotate: bool) -> LayerSteps:
+        """The forward as the pieces between its attention calls: a generator that yields `(layer, q,
+        k, v)` before each layer's attention and is sent that attention's output [T, Hq, D]; it returns
+        the final-normed hidden states [T, hidden_size] (`run_layer_steps` drives it). A piece is
+        everything between two attention calls (the layer's o_proj and MLP, the next layer's norm,
+        qkv and RoPE), so that `worker/piecewise_graph.py` can capture each piece in a CUDA graph of
+        its own and attend eagerly between them. `rotate`: see `rotates`."""
+        if self.cos_sin_cache is None:
             raise RuntimeError("LlamaModel has no RoPE table: build it with LlamaModel.from_weights")
         spec = self.rank_spec
-        rope = backend_rope(backend, positions, cos_sin, spec.head_dim)
         # One rank leaves an FP8 projection's scales to the norm that reads its output; over several
         # ranks the output is summed first, so its scales are applied before the all-reduce.
         defer = not self.sharded
@@ -247,8 +276,8 @@ class LlamaModel(nn.Module):
         residuals = [residual[c] for c in chunks] if len(chunks) > 1 else [residual]
         partials: list[Tensor | UnscaledRows | PendingSum | None] = [None] * len(chunks)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, layer, chunks, partials, residuals, positions, rope is None, lora)
-            attn = attend(backend, i, q, k, v, rope).reshape(num_tokens, spec.q_size)
+            q, k, v = self._qkv(i, layer, chunks, partials, residuals, positions, rotate, lora)
+            attn = (yield i, q, k, v).reshape(num_tokens, spec.q_size)
             self._o_and_mlp(i, layer, chunks, attn, partials, residuals, defer, lora)
         finals = [self.reduce_add_norm(partials[j], residuals[j], self.norm["weight"], None)[0] for j in range(len(chunks))]
         final = finals[0] if len(chunks) == 1 else torch.cat(finals)  # type: ignore[arg-type]

@@ -62,15 +62,26 @@ def qkv_rope(
     return q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d)
 
 
-def backend_rope(backend: Any, positions: Tensor, cos_sin: Tensor, head_dim: int) -> Rope | None:
-    """The step's RoPE for `backend` to apply where it takes it (`AttentionBackend`: FlashInfer's
-    rotates in the kernel that appends K and V), else None: the model rotates q and k itself."""
+def takes_rope(backend: Any, cos_sin: Tensor, head_dim: int) -> bool:
+    """Whether `backend` applies RoPE itself (`AttentionBackend`: FlashInfer's rotates in the kernel
+    that appends K and V)."""
     takes = getattr(backend, "takes_rope", None)
-    return Rope(positions, cos_sin) if takes is not None and takes(cos_sin, head_dim) else None
+    return takes is not None and takes(cos_sin, head_dim)
 
 
-def attend(backend: Any, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope | None) -> Tensor:
-    return backend.forward(layer, q, k, v) if rope is None else backend.forward(layer, q, k, v, rope=rope)
+def backend_rope(backend: Any, positions: Tensor, cos_sin: Tensor, head_dim: int) -> Rope | None:
+    """The step's RoPE for `backend` to apply where it takes it (`takes_rope`), else None: the model
+    rotates q and k itself."""
+    return Rope(positions, cos_sin) if takes_rope(backend, cos_sin, head_dim) else None
+
+
+def attend(backend: Any, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope | None,
+           out: Tensor | None = None) -> Tensor:  # fmt: skip
+    """The layer's attention through `backend`; `out` (FlashInfer's backend): the buffer it writes."""
+    kwargs: dict[str, Any] = {} if rope is None else {"rope": rope}
+    if out is not None:
+        kwargs["out"] = out
+    return backend.forward(layer, q, k, v, **kwargs)
 
 
 def gated_mlp(

@@ -1,6 +1,6 @@
 """The native Llama-family model behind the runner's `StepModel` seam (as `hf.HFCausalLM` is for the
-generic path): logits of a step's rows, and the decode forwards that CUDA graphs capture (with and
-without LoRA adapters)."""
+generic path): logits of a step's rows, the decode forwards that CUDA graphs capture (with and
+without LoRA adapters), and the pieces between attention calls that piecewise graphs capture."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from flashserve.attention.base import AttentionBackend
 from flashserve.models.llama import LlamaModel
+from flashserve.worker.piecewise_graph import LayerPieces
 
 
 class NativeCausalLM:
@@ -22,8 +23,27 @@ class NativeCausalLM:
         self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
         logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, backend)
+        return self.logits(self.model(input_ids, positions, backend), logits_indices)
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits of the rows `logits_indices` of `hidden` (None: every row)."""
         return self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
+
+    def layer_pieces(self, backend: AttentionBackend) -> LayerPieces:
+        """The forward as pieces between attention calls (`worker/piecewise_graph.py`), without LoRA
+        adapters: the graphs serve steps whose rows use none."""
+        model, lora = self.model, self.model.lora
+        rotate = model.rotates(backend)
+
+        def steps(input_ids: torch.Tensor, positions: torch.Tensor):  # type: ignore[no-untyped-def]
+            if lora is not None:
+                lora.active = False
+            return model.layer_steps(input_ids, positions, rotate)
+
+        spec = model.rank_spec
+        dtype = model.embed_tokens["weight"].dtype
+        return LayerPieces(steps, lambda positions, out: model.attention(backend, positions, out), self.logits,
+                           spec.num_heads, spec.head_dim, dtype)
 
     def decode_logits(self, backend: AttentionBackend) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         model = self.model

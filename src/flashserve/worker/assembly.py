@@ -182,3 +182,28 @@ def capture_verify_graphs(runner: ModelRunner, model: StepModel, max_batch_size:
     runner.verify_graphs = graphs
     logger.info("captured verify CUDA graphs (%d draft tokens a request) for batch sizes %s in %.1f s",
                 num_draft_tokens, sizes, time.perf_counter() - t0)
+
+
+def capture_piecewise_graphs(runner: ModelRunner, model: StepModel, max_tokens: int) -> None:
+    """Captures the piecewise graphs of steps of up to `max_tokens` tokens (`worker/piecewise_graph.py`)
+    in the decode graphs' memory pool, for a model that has layer pieces (the native path); a piece
+    that synchronises with the host leaves those steps eager, with a warning."""
+    from flashserve.worker.cuda_graph import NotCapturableError
+    from flashserve.worker.piecewise_graph import PiecewiseGraphRunner, capture_token_counts
+
+    layer_pieces = getattr(model, "layer_pieces", None)
+    if layer_pieces is None or max_tokens < 1:
+        return
+    t0 = time.perf_counter()
+    counts = capture_token_counts(max_tokens)
+    graphs = PiecewiseGraphRunner(layer_pieces(runner.backend), runner.device, counts)
+    free_before = torch.cuda.mem_get_info(runner.device)[0]
+    try:
+        graphs.capture(runner.graphs.pool if runner.graphs is not None else None)
+    except NotCapturableError as exc:
+        logger.warning("steps of prompt tokens run eagerly, without piecewise CUDA graphs: %s", exc)
+        return
+    runner.piecewise_graphs = graphs
+    used = free_before - torch.cuda.mem_get_info(runner.device)[0]
+    logger.info("captured piecewise CUDA graphs (the pieces between attention calls) for steps of %s tokens in "
+                "%.1f s, %.2f GB", counts, time.perf_counter() - t0, used / 1e9)

@@ -92,6 +92,8 @@ class ModelRunner:
         self.cascade = cascade  # None: every step attends flat
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, once captured
         self.verify_graphs: Any = None  # a VerifyGraphRunner for uniform verify steps, once captured
+        # A PiecewiseGraphRunner for other steps of few tokens (prompts, chunks), once captured.
+        self.piecewise_graphs: Any = None
         self.batch = InputBatch()  # the running requests, kept across steps
         self.inputs = StepInputBuilder(self.device, page_size)
         self.drafter: Any = None  # speculative decoding's draft model (`worker/drafter.py`), if any
@@ -135,6 +137,10 @@ class ModelRunner:
                 if logits is not None:
                     return logits
             self.backend.plan(inputs.layout)
+            pieces = self.piecewise_graphs
+            if pieces is not None and pieces.covers(inputs.input_ids.shape[0]) \
+                    and (self.lora is None or not self.lora.stack.active):
+                return pieces(inputs.input_ids, inputs.positions, inputs.logits_indices)
             return self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.logits_indices)
 
     def _step_inputs(self, rows: list[BatchRow], prompt_rows: Sequence[int], previous: LaunchedStep | None) -> StepInputs:
