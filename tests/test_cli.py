@@ -100,3 +100,9 @@ def test_piecewise_graphs_serve_512_tokens_on_one_gpu_none_over_several_unless_a
         with pytest.raises(SystemExit):
             build_parser({}).parse_args(["serve", "--piecewise-cuda-graph-max-tokens", bad])
         assert "--piecewise-cuda-graph-max-tokens" in capsys.readouterr().err
+
+
+def test_max_prefill_tokens_reaches_the_scheduler_config_and_defaults_to_the_devices_choice():
+    assert to_configs(build_parser({}).parse_args(["serve"])).scheduler.max_prefill_tokens is None
+    ns = build_parser({}).parse_args(["serve", "--max-prefill-tokens", "4096"])
+    assert to_configs(ns).scheduler.max_prefill_tokens == 4096

@@ -1,5 +1,6 @@
 """The prefill-only budget: a step that no running stream waits on may take a whole prompt; as soon
-as a stream is running, steps go back to the step budget."""
+as a stream is running, steps go back to the step budget. `max_prefill_tokens`: prompts that
+arrive together start in turn once together they pass it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from test_scheduler import fixed_token, req, step
 from flashserve.config import SchedulerConfig
 from flashserve.engine.scheduler import Scheduler
 from flashserve.kv_cache.manager import KVCacheManager
+from flashserve.worker.step_budget import default_max_prefill_tokens
 
 
 def make(prefill_only: int | None) -> Scheduler:
@@ -43,5 +45,55 @@ def test_two_prompts_arriving_together_share_one_prefill_only_step() -> None:
     s = make(prefill_only=512)
     s.add_request(req("a", prompt_len=200))
     s.add_request(req("b", prompt_len=200))
+    out, _ = step(s)
+    assert out.num_batched_tokens == 400
+
+
+def capped(max_prefill: int) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_prefill_tokens=max_prefill)
+    return Scheduler(config, KVCacheManager(64, 16, False), 4096)
+
+
+def test_prompts_arriving_together_start_in_turn_when_together_they_pass_max_prefill_tokens() -> None:
+    s = capped(max_prefill=256)
+    for rid in ("a", "b", "c"):
+        s.add_request(req(rid, prompt_len=200))
+    steps = [{r.request_id: r.num_new_tokens for r in step(s)[0].requests} for _ in range(3)]
+    assert steps == [{"a": 200}, {"a": 1, "b": 200}, {"a": 1, "b": 1, "c": 200}]
+
+
+def test_short_prompts_share_a_step_up_to_max_prefill_tokens() -> None:
+    s = capped(max_prefill=256)
+    for rid in ("a", "b", "c"):
+        s.add_request(req(rid, prompt_len=100))
+    out, _ = step(s)
+    assert [r.request_id for r in out.requests] == ["a", "b"]
+
+
+def test_a_prompt_alone_takes_the_whole_step_budget_beyond_max_prefill_tokens() -> None:
+    s = capped(max_prefill=256)
+    s.add_request(req("long", prompt_len=500))
+    out, _ = step(s)
+    assert out.num_batched_tokens == 500
+
+
+def test_a_running_prompts_chunk_holds_later_prompts_back_past_max_prefill_tokens() -> None:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_prefill_tokens=32)
+    s = Scheduler(config, KVCacheManager(64, 16, False), 4096)
+    s.add_request(req("long", prompt_len=300))
+    step(s)  # its first chunk: 256 tokens
+    s.add_request(req("short", prompt_len=8))
+    out, _ = step(s)
+    assert {r.request_id: r.num_new_tokens for r in out.requests} == {"long": 44}
+
+
+def test_max_prefill_tokens_defaults_to_2048_on_a_gpu_and_no_bound_on_a_cpu() -> None:
+    assert (default_max_prefill_tokens("cuda"), default_max_prefill_tokens("cpu")) == (2048, 0)
+
+
+def test_max_prefill_tokens_zero_admits_while_the_step_budget_lasts() -> None:
+    s = capped(max_prefill=0)
+    for rid in ("a", "b"):
+        s.add_request(req(rid, prompt_len=200))
     out, _ = step(s)
     assert out.num_batched_tokens == 400

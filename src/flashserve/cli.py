@@ -216,6 +216,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--max-num-batched-tokens", _positive_int, None, "most tokens in one step (prefill chunks + decode "
            "tokens) (default: 8192 on a GPU of 70 GiB or more other than an A100, as vLLM's; 2048 on other "
            "GPUs; on a CPU as many as one step computes in about 0.4 s, measured at start-up)"),
+    Option("--max-prefill-tokens", _count, None, "prompt tokens a step computes for more than one prompt: "
+           "a step takes another waiting prompt only while its prompt tokens stay within this (like SGLang's "
+           "option), so that prompts arriving together get first tokens in turn; a prompt alone may take the "
+           "whole step (default: 2048 on a GPU; 0 and on a CPU: no bound)"),
     Option("--overlap-scheduling", _bool, True, "schedule and launch each step while the device computes "
            "the one before (--no-overlap-scheduling: one after the other)"),
     Option("--speculative-config", _speculative_config, None, "speculative decoding, as vLLM's option (JSON): "

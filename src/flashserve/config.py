@@ -163,6 +163,12 @@ class SchedulerConfig:
     # step, so chunking a prompt only costs time). None: max_num_batched_tokens. On a CPU with the
     # budget left to the default, a lone prompt of up to 8,192 tokens prefills in one step.
     prefill_only_budget: int | None = None
+    # Prompt tokens a step computes for more than one prompt: a step takes another waiting prompt
+    # only while its prompt tokens (running requests' chunks and admitted prompts) stay within this,
+    # so that prompts arriving together get their first tokens one after the other instead of all
+    # at the end of one long step; a prompt alone may take the whole budget. None: chosen where the
+    # device is known (`worker/step_budget.py`): 2048 on a GPU, no bound on a CPU. 0: no bound.
+    max_prefill_tokens: int | None = None
     # Schedule and launch the next step while the device computes the last one; its decode tokens
     # come from the last step's sampled ids on the device (`engine/llm_engine.py`).
     overlap_scheduling: bool = True

@@ -21,6 +21,10 @@ Policy (like vLLM v1): running requests first, oldest first, each gets one decod
 prefill chunk; then waiting requests are admitted first-come first-served while the token budget,
 the sequence cap and the free pages allow. A step in which no running request has output yet may
 hold `prefill_only_budget` tokens instead: the budget protects running streams, and there are none.
+A step takes a waiting prompt beside other prompt tokens only while its prompt tokens stay within
+`max_prefill_tokens` (as SGLang's --max-prefill-tokens): of prompts that arrive together the first
+gets its first token after its own step rather than after all of theirs, and running streams wait
+on shorter steps.
 When a running request needs a page and none is free, the newest running request is preempted: its
 pages are freed and it later recomputes its prompt and output so far.
 
@@ -158,6 +162,8 @@ class Scheduler:
                 not r.output_token_ids and not r.num_output_placeholders for r in self.running):
             budget = max(budget, self.config.prefill_only_budget)  # no stream waits on this step
         scheduled: list[tuple[Request, int]] = []
+        prefill_cap = self.config.max_prefill_tokens or None
+        prefill = 0  # prompt tokens of this step (chunks of more than one token)
         preempted = False
         speculate = self.speculator is not None and self.speculator.active(len(self.running))
         drafts: dict[str, list[int]] = {}  # request id -> its draft tokens, after its n tokens
@@ -194,6 +200,8 @@ class Scheduler:
                     budget -= len(draft)
             scheduled.append((request, n))
             budget -= n
+            if n > 1:
+                prefill += n
             i += 1
 
         # Admitting right after a preemption would only take the pages back from older requests.
@@ -222,6 +230,8 @@ class Scheduler:
                 continue
             num_cached = len(cached) * self.kv_cache.page_size
             n = min(request.num_tokens - num_cached, budget)
+            if prefill and prefill_cap is not None and prefill + n > prefill_cap:
+                break  # it starts in a later step; first come, first served: nobody overtakes it
             if not self.kv_cache.allocate(request.request_id, num_cached + n, cached):
                 break  # first come, first served: nobody overtakes a request short of pages
             self.prefix_cache.admitted(request, cached)
@@ -236,6 +246,7 @@ class Scheduler:
                 self._lora_running[lora] = self._lora_running.get(lora, 0) + 1
             scheduled.append((request, n))
             budget -= n
+            prefill += n
 
         if not scheduled:  # nothing runs: the released ids wait for the next step that does
             return SchedulerOutput([])

@@ -88,6 +88,10 @@ def build_engine(
         budget = default_step_budget(runner, loaded.device.type, num_pages, cache.page_size, large)
         prefill_only = scheduler.prefill_only_budget or default_prefill_only_budget(loaded.device.type, budget)
         scheduler = replace(scheduler, max_num_batched_tokens=budget, prefill_only_budget=prefill_only)
+    if scheduler.max_prefill_tokens is None:
+        from flashserve.worker.step_budget import default_max_prefill_tokens
+
+        scheduler = replace(scheduler, max_prefill_tokens=default_max_prefill_tokens(loaded.device.type))
     # loaded.max_model_len is already capped by what the KV cache holds.
     kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching, cache.prefix_caching_hash_seed)
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)
