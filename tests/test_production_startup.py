@@ -118,3 +118,25 @@ def test_a_model_that_does_not_load_ends_the_server_with_exit_code_1(tmp_path: P
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_built_app_has_loaded_what_its_first_request_would_wait_for() -> None:
+    """In a fresh interpreter: anyio's asyncio backend imported, the middleware stack built, and every
+    endpoint's source context read, so that the first streamed request costs what later ones do."""
+    code = (
+        "import sys, fastapi.routing as r\n"
+        "from fake_engine import FakeEngine\n"
+        "from flashserve.api.server import build_app\n"
+        "from fastapi.routing import APIRoute\n"
+        "assert 'anyio._backends._asyncio' not in sys.modules\n"
+        "app = build_app(FakeEngine(), None, ['m'], 2048)\n"
+        "cache = getattr(r, '_endpoint_context_cache', {})\n"
+        "routes = [x for x in app.routes if isinstance(x, APIRoute)]\n"
+        "print('anyio._backends._asyncio' in sys.modules, app.middleware_stack is not None,\n"
+        "      not hasattr(r, '_endpoint_context_cache') or all(id(x.dependant.call) in cache for x in routes))\n"
+    )
+    tests = str(Path(__file__).resolve().parent)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"]
