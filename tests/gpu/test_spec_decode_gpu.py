@@ -126,7 +126,8 @@ def test_greedy_tokens_match_plain_decoding_up_to_near_ties(llm, verify_steps, m
         plan = runner.backend.plan_verify_graph
         monkeypatch.setattr(runner.backend, "plan_verify_graph", lambda *a: (replays.append(a[1]), plan(*a))[1])
     scheduler = llm.engine.scheduler
-    accepted_before = scheduler.spec_stats.num_accepted_tokens if scheduler.spec_stats is not None else 0
+    stats = scheduler.spec_stats
+    accepted_before, drafts_before = (stats.num_accepted_tokens, stats.num_drafts) if stats is not None else (0, 0)
     speculator, scheduler.speculator = scheduler.speculator, None
     try:
         off = llm.generate([prompt], params)[0]
@@ -134,9 +135,15 @@ def test_greedy_tokens_match_plain_decoding_up_to_near_ties(llm, verify_steps, m
         scheduler.speculator = speculator
     speculator.proposer = Replay(prompt, off.token_ids)
     on = llm.generate([prompt], params)[0]
-    assert scheduler.spec_stats is not None and scheduler.spec_stats.num_accepted_tokens > accepted_before
+    assert scheduler.spec_stats is not None and scheduler.spec_stats.num_drafts > drafts_before
     assert (replays != []) == (verify_steps == "from-graphs")  # the verify steps took the path asked
     first_diff = next((i for i, (a, b) in enumerate(zip(on.token_ids, off.token_ids)) if a != b), None)
+    # Drafts replay the run without speculation: they match from the second output token on, up to
+    # the first difference. (On an H200 the piecewise graphs' prompt step rounds otherwise than the
+    # eager one, and the first verify step flipped a top-2 gap of 0.016 at position 1, a near-tie:
+    # from there no replayed draft can match.)
+    if first_diff is None or first_diff > 1:
+        assert scheduler.spec_stats.num_accepted_tokens > accepted_before
     if first_diff is None:
         return
     # The first difference must be a near-tie of the target at that position.
