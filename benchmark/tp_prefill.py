@@ -4,7 +4,8 @@
 
 Dummy weights in a real shape. For each prompt length:
 - `step ms`: rank 0's `runner.forward` of the whole prompt as one step (what the ranks compute for
-  it, no chunking), median of 5 after 5 unrecorded, the device synchronised after each; eager, or
+  it, no chunking), median of 5 (more for prompts under 1,024 tokens, `step_repeats`) after 5
+  unrecorded, the device synchronised after each; eager, or
   with `--graphs` from the piecewise CUDA graphs where they cover the prompt, as the server runs it;
 - `TTFT ms`: `LLM.generate(max_tokens=1)` of a fresh random prompt (the engine's scheduling, its
   chunked-prefill budget and sampling included), median of 3;
@@ -57,6 +58,11 @@ def prefill_step(n: int, seed: int) -> Any:
     ids = [rng.randrange(1000, 100000) for _ in range(n)]
     pages = list(range(1, 2 + n // PAGE))
     return SchedulerOutput([ScheduledRequest("p", ids, 0, pages, True, SamplingParams(temperature=0.0), ids, [])])
+
+
+def step_repeats(n: int) -> int:
+    """Timed steps of an `n`-token prompt: 5 from 1,024 tokens, more below (at most 40)."""
+    return 5 if n >= 1024 else min(40, 5 * 1024 // max(n, 1))
 
 
 def ttft_ms(llm: Any, n: int, reps: int = 3) -> float:
@@ -196,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                            "rates": rates.to_json(), "profile_len": args.profile_len, "rows": []}  # fmt: skip
     for n in lens:
         floor = first_token_floor_s(shape, rates, [n]) * 1e3 / args.tp
-        row = {"tokens": n, "step_ms": time_steps(runner, prefill_step(n, n), 5), "ttft_ms": ttft_ms(llm, n),
-               "floor_ms": floor}  # fmt: skip
+        # Short steps vary by a few tenths of a millisecond: more of them, so that the median holds.
+        row = {"tokens": n, "step_ms": time_steps(runner, prefill_step(n, n), step_repeats(n)),
+               "ttft_ms": ttft_ms(llm, n), "floor_ms": floor}  # fmt: skip
         doc["rows"].append(row)
         print(f"{n:6d} tokens: step {row['step_ms']:.1f} ms, TTFT {row['ttft_ms']:.1f} ms, floor {floor:.1f} ms "
               f"({row['step_ms'] / floor:.2f}x, {row['ttft_ms'] / floor:.2f}x)", flush=True)  # fmt: skip

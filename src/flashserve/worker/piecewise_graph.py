@@ -38,6 +38,7 @@ Tensor = torch.Tensor
 LayerSteps = Generator[tuple[int, Tensor, Tensor, Tensor], Tensor, Tensor]
 Attention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
+
 def capture_token_counts(max_tokens: int) -> list[int]:
     """16, 32, 64, 96, 128, then every 64 up to 256 and every 128 beyond, up to `max_tokens`
     (itself included): steps are padded by at most about a third where GEMMs start to count."""
