@@ -140,3 +140,22 @@ def test_a_built_app_has_loaded_what_its_first_request_would_wait_for() -> None:
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "True", "True"]
+
+
+def test_a_built_app_has_compiled_its_chat_template(smollm2_tokenizer, monkeypatch) -> None:
+    """transformers compiles a chat template on its first render: the app renders one conversation at
+    build, so that the first chat request does not wait for it."""
+    from fake_engine import FakeEngine
+
+    from flashserve.api.server import build_app
+
+    rendered: list[object] = []
+    render = smollm2_tokenizer.apply_chat_template
+
+    def recording(conversation, *args, **kwargs):  # noqa: ANN001, ANN202
+        rendered.append(conversation)
+        return render(conversation, *args, **kwargs)
+
+    monkeypatch.setattr(smollm2_tokenizer, "apply_chat_template", recording)
+    build_app(FakeEngine(), smollm2_tokenizer, ["m"], 2048)
+    assert [{"role": "user", "content": "hi"}] in rendered

@@ -110,17 +110,24 @@ def build_app(
     app.state.metrics = metrics
     app.state.server_state = state
     app.state.tracer = tracer  # the server shuts it down at exit (`RequestTracer.shutdown`)
-    prepare_first_requests(app)
+    prepare_first_requests(app, tokenizer)
     return app
 
 
-def prepare_first_requests(app: FastAPI) -> None:
+def prepare_first_requests(app: FastAPI, tokenizer: Any) -> None:
     """Does now what the first requests would otherwise wait for (the first streamed completion
     took 21 ms against 8 for the next ones over an instant engine, `benchmark.api_host`): importing
     anyio's asyncio backend, which anyio does on its first use (sse-starlette's task group);
-    building the middleware stack, which Starlette does on the first request; and reading each
+    building the middleware stack, which Starlette does on the first request; reading each
     endpoint's source file and line, which FastAPI does on the endpoint's first request (for its
-    error messages) and then keeps."""
+    error messages) and then keeps; and compiling the chat template, which transformers does on
+    its first render (5 ms for SmolLM2's) and then keeps."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                          tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that refuses this renders (or refuses) requests the same way
+            pass
     importlib.import_module("anyio._backends._asyncio")
     if app.middleware_stack is None:
         app.middleware_stack = app.build_middleware_stack()
