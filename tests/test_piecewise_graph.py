@@ -34,7 +34,7 @@ def padded_pieces_logits(model: NativeCausalLM, backend: TorchAttentionBackend, 
     pieces = model.layer_pieces(backend)
     pad_ids = torch.cat([ids, torch.arange(PADDED - t) % 7])
     pad_pos = torch.cat([pos, torch.arange(PADDED - t) % 5])
-    attention = pieces.attention(pad_pos[:t], stale)
+    attention = pieces.attention(pad_pos[:t], stale[:t])
     steps = pieces.steps(pad_ids, pad_pos)
     item = next(steps)
     while True:

@@ -245,13 +245,11 @@ class LlamaModel(nn.Module):
 
     def attention(self, backend: Any, positions: Tensor, out: Tensor | None = None) -> Attention:
         """A step's attention call for `layer_steps`: `(layer, q, k, v) -> [T, Hq, D]` through `backend`
-        (planned for the step), with RoPE where the backend applies it. `out`: a buffer [>= T, Hq, D]
-        the output is written into (its first T rows), where the backend takes one."""
+        (planned for the step), with RoPE where the backend applies it. `out`: a contiguous buffer
+        [T, Hq, D] every layer's output is written into."""
         assert self.cos_sin_cache is not None
         rope = backend_rope(backend, positions, self.cos_sin_cache, self.rank_spec.head_dim)
-        if out is None:
-            return lambda i, q, k, v: attend(backend, i, q, k, v, rope)
-        return lambda i, q, k, v: attend(backend, i, q, k, v, rope, out[: q.shape[0]])
+        return lambda i, q, k, v: attend(backend, i, q, k, v, rope, out)
 
     def layer_steps(self, input_ids: Tensor, positions: Tensor, rotate: bool) -> LayerSteps:
         """The forward as the pieces between its attention calls: a generator that yields `(layer, q,

@@ -77,7 +77,7 @@ def backend_rope(backend: Any, positions: Tensor, cos_sin: Tensor, head_dim: int
 
 def attend(backend: Any, layer: int, q: Tensor, k: Tensor, v: Tensor, rope: Rope | None,
            out: Tensor | None = None) -> Tensor:  # fmt: skip
-    """The layer's attention through `backend`; `out` (FlashInfer's backend): the buffer it writes."""
+    """The layer's attention through `backend` (`AttentionBackend.forward`), into `out` when given."""
     kwargs: dict[str, Any] = {} if rope is None else {"rope": rope}
     if out is not None:
         kwargs["out"] = out

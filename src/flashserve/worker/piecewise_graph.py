@@ -87,7 +87,8 @@ class LayerPieces:
     """What the piecewise graphs need of a model (`NativeCausalLM.layer_pieces`).
 
     steps: `(input_ids, positions) -> LayerSteps`, the forward as pieces between attention calls.
-    attention: `(positions, out) -> Attention`, the planned step's attention, writing into `out`.
+    attention: `(positions, out) -> Attention`, the planned step's attention, each layer's written
+        into `out` ([T, Hq, D], T the step's tokens).
     logits: `(hidden, logits_indices) -> float32 logits`, as the model's forward returns them.
     heads, head_dim: the shape of one token's attention output on this rank; dtype: its dtype.
     """
@@ -194,7 +195,7 @@ class PiecewiseGraphRunner:
         captured = self._captured[n]
         self._input_ids[:t].copy_(input_ids, non_blocking=True)
         self._positions[:t].copy_(positions, non_blocking=True)
-        attention = self.pieces.attention(self._positions[:t], self._attn)
+        attention = self.pieces.attention(self._positions[:t], self._attn[:t])
         for i, (graph, (q, k, v)) in enumerate(zip(captured.graphs, captured.qkv)):
             graph.replay()
             attention(i, q[:t], k[:t], v[:t])
