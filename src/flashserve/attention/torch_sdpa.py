@@ -114,14 +114,8 @@ class SdpaAttentionBackend(TorchAttentionBackend):
         tokens = torch.tensor([layout.qo_indptr[i] for i in batch], dtype=torch.long)
         return _Decodes(tokens.to(self.device), page_table.to(self.device), mask[:, None, None, :].to(self.device))
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D] in q's dtype (into `out` when given). See
-        `AttentionBackend`."""
-        result = self._forward(layer, q, k, v)
-        return result if out is None else out.copy_(result)
-
     def _forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`forward`'s attention (the base class's `forward` writes it into `out` when given)."""
         plan = self._sdpa_plan
         if plan is None:
             raise RuntimeError("plan() must run before forward()")
