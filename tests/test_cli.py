@@ -106,3 +106,13 @@ def test_max_prefill_tokens_reaches_the_scheduler_config_and_defaults_to_the_dev
     assert to_configs(build_parser({}).parse_args(["serve"])).scheduler.max_prefill_tokens is None
     ns = build_parser({}).parse_args(["serve", "--max-prefill-tokens", "4096"])
     assert to_configs(ns).scheduler.max_prefill_tokens == 4096
+
+
+def test_a_model_config_refuses_piecewise_graph_tokens_out_of_range_as_llm_passes_them():
+    import pytest
+
+    from flashserve.config import ModelConfig
+
+    for bad in (-1, 8193):
+        with pytest.raises(ValueError, match="piecewise_cuda_graph_max_tokens"):
+            ModelConfig(piecewise_cuda_graph_max_tokens=bad)

@@ -97,3 +97,10 @@ def test_max_prefill_tokens_zero_admits_while_the_step_budget_lasts() -> None:
         s.add_request(req(rid, prompt_len=200))
     out, _ = step(s)
     assert out.num_batched_tokens == 400
+
+
+def test_a_negative_max_prefill_tokens_is_refused_with_its_name() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        SchedulerConfig(max_prefill_tokens=-1)

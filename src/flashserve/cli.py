@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from flashserve.attention.cascade import CASCADE_MODES
-from flashserve.config import KVEventsConfig
+from flashserve.config import MAX_PIECEWISE_GRAPH_TOKENS, KVEventsConfig
 from flashserve.spec_decode.config import SpeculativeConfig
 
 
@@ -57,10 +57,6 @@ def _count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be zero or more: {text!r}")
     return value
-
-
-# The largest step `--piecewise-cuda-graph-max-tokens` captures: graphs for every 128 tokens up to it.
-MAX_PIECEWISE_GRAPH_TOKENS = 8192
 
 
 def _graph_tokens(text: str) -> int:

@@ -11,6 +11,8 @@ from flashserve.spec_decode.config import SpeculativeConfig
 # The default of `ModelConfig.piecewise_cuda_graph_max_tokens` on one rank: beyond about 512 tokens an 8B
 # step is bound by its GEMMs, not by launching them (H200: 15.2 ms eager at 512 tokens, floor 9.1).
 PIECEWISE_GRAPH_TOKENS = 512
+# The largest `piecewise_cuda_graph_max_tokens`: graphs are captured for every 128 tokens up to it.
+MAX_PIECEWISE_GRAPH_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,11 @@ class ModelConfig:
     quantization: str | None = None
     # `--enable-lora`: the adapters' limits, which the runner sizes its slots by; None: no LoRA.
     lora: LoRAConfig | None = None
+
+    def __post_init__(self) -> None:
+        tokens = self.piecewise_cuda_graph_max_tokens
+        if tokens is not None and not 0 <= tokens <= MAX_PIECEWISE_GRAPH_TOKENS:
+            raise ValueError(f"piecewise_cuda_graph_max_tokens must be 0 to {MAX_PIECEWISE_GRAPH_TOKENS}, got {tokens}")
 
     def piecewise_graph_tokens(self, world_size: int) -> int:
         """The largest step of prompt tokens piecewise CUDA graphs serve (0: none); see the field."""
@@ -174,6 +181,10 @@ class SchedulerConfig:
     overlap_scheduling: bool = True
     # `--speculative-config`: draft tokens verified in each decode step (`spec_decode/`); None: off.
     speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 0:
+            raise ValueError(f"max_prefill_tokens must be 0 (no bound) or more, got {self.max_prefill_tokens}")
 
 
 @dataclass(frozen=True)

@@ -126,9 +126,10 @@ class ModelRunner:
             if rows is None:
                 rows = self.batch.update(out)
             inputs = self._step_inputs(rows, prompt_rows, previous)
+            adapters = self.lora is not None and self.lora.stack.active  # some row of the step uses an adapter
             if self.graphs is not None and inputs.logits_indices is None:
                 # Every decode row samples; the graph (or its eager fallback) plans the backend.
-                plain = self.lora is not None and not self.lora.stack.active  # no adapter rows: the graph without them
+                plain = self.lora is not None and not adapters  # no adapter rows: the graph without them
                 return self.graphs(inputs.input_ids, inputs.positions, inputs.layout, plain=plain)
             if self.verify_graphs is not None and is_uniform_verify_step(rows, self.verify_graphs.num_draft_tokens,
                                                                          prompt_rows):
@@ -138,8 +139,7 @@ class ModelRunner:
                     return logits
             self.backend.plan(inputs.layout)
             pieces = self.piecewise_graphs
-            if pieces is not None and pieces.covers(inputs.input_ids.shape[0]) \
-                    and (self.lora is None or not self.lora.stack.active):
+            if pieces is not None and not adapters and pieces.covers(inputs.input_ids.shape[0]):
                 return pieces(inputs.input_ids, inputs.positions, inputs.logits_indices)
             return self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.logits_indices)
 
