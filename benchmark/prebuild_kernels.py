@@ -12,8 +12,8 @@ with the same arguments, so their names (URIs) are the ones looked up at run tim
 
 - `attention/flashinfer.py`: FA2 paged prefill (`backend="fa2"`), which the tensor-core decode
   wrapper reuses, per head size, q/KV dtype and output dtype (the model's; float16 for cascade
-  passes), int32 indices, no RoPE in the kernel, no sliding window or soft cap; the cascade merge;
-  the page append.
+  passes), int32 indices, no RoPE in the kernel, no sliding window or soft cap; FA3's (Hopper) of
+  the first head size and dtype, for fresh prompts' ragged pass; the cascade merge; the page append.
 - `layers/ops.py`: RMSNorm and fused add + RMSNorm, RoPE with a cos/sin cache, SiLU-and-mul.
 - `sample/flashinfer.py`: softmax, top-k/top-p/min-p sampling and renorms (one module).
 - `distributed/comm.py`: the fused all-reduce + RMSNorm (`trtllm_comm`; its source comes back with
@@ -70,7 +70,10 @@ def spec_factories(head_dims: list[int], dtypes: list[str]) -> list[tuple[str, s
                     f"_gen_batch_prefill_primary_module('fa2', torch.{dtype}, torch.{dtype}, torch.{out}, "
                     f"torch.int32, {head_dim}, {head_dim}, 0, False, False, False)"
                 )
-    first, rest = attention[:1], attention[1:]
+    # FA3 (Hopper) for fresh prompts' ragged pass (`RAGGED_MIN_TOKENS`), of the first dtype and head size.
+    fa3 = (f"_gen_batch_prefill_primary_module('fa3', torch.{dtypes[0]}, torch.{dtypes[0]}, torch.{dtypes[0]}, "
+           f"torch.int32, {head_dims[0]}, {head_dims[0]}, 0, False, False, False)")
+    first, rest = [attention[0], fa3], attention[1:]
     # FP8: attention over an FP8 KV cache (queries and output in the model's dtype) for the first
     # head size. The small-batch FP8 GEMM's module (`gen_gemm_module`, behind `bmm_fp8`) needs the
     # cuBLAS headers, which a toolkit of nvcc alone lacks: it compiles on first use.

@@ -1,10 +1,13 @@
-"""Prefill attention alone: FlashInfer's FA2 and FA3 (Hopper) paged prefill kernels, per layer call.
+"""Prefill attention alone, per layer call: FlashInfer's paged prefill (FA2, or FA3 on Hopper) against
+fresh prompts attended apart (the backend's default from `RAGGED_MIN_TOKENS` tokens: the ragged pass
+over the step's own K/V, FA3 on Hopper, and the other rows over their pages).
 
-A lone prompt of n tokens (causal over itself) and a chunk of n tokens after a cached prefix of the
-same length, through `FlashInferAttentionBackend` as a step runs it (K/V appended to the pages,
-then the planned prefill wrapper), with the Llama-3.1-8B heads (32 query, 8 KV, head dim 128) in
-bfloat16. Beside each time, the attention FLOPs it implies per second (causal: half the score
-matrix), and each kernel's largest error against a float32 attention of the same q, K and V.
+Three steps of n new tokens, through `FlashInferAttentionBackend` as a step runs them (K/V appended
+to the pages, then the planned passes), with the Llama-3.1-8B heads (32 query, 8 KV, head dim 128),
+bf16 queries and a bf16 or FP8 KV cache: a lone prompt, a chunk after a cached prefix of n tokens
+(never apart: it has history), and 40 decode rows over 1,000 cached tokens each beside a fresh
+prompt of n tokens. Beside each time, the attention FLOPs per second (causal: half the score matrix
+of the new tokens) and the largest error against a float32 attention of the same q, K and V.
 
     python -m benchmark.prefill_attention [--lens 512,2048,8192]
 
@@ -24,55 +27,90 @@ from benchmark import LOCAL_RESULTS
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 32, 8, 128
+DECODES = 40  # the mixed step's decode rows
+DECODE_CONTEXT = 1000  # tokens each decode row has cached
+MODES = {"paged fa2": ("fa2", False), "paged fa3": ("fa3", False), "fresh apart": ("fa2", True)}
 
 
-def layout(prefix: int, n: int) -> Any:
+def steps(n: int) -> dict[str, list[tuple[int, int]]]:
+    """Each case's rows as (cached tokens, new tokens)."""
+    return {"lone prompt": [(0, n)], "after a prefix": [(n, n)],
+            f"{DECODES} decodes + prompt": [(DECODE_CONTEXT, 1)] * DECODES + [(0, n)]}  # fmt: skip
+
+
+def layout(rows: list[tuple[int, int]], new: bool = True) -> Any:
+    """The step of `rows` (`new`), or the step that cached their prefixes (their cached tokens as
+    new ones, rows without any left out)."""
     from flashserve.attention.base import BatchLayout
+    from flashserve.engine.outputs import ScheduledRequest
+    from flashserve.message.sampling_params import SamplingParams
 
-    total = prefix + n
-    pages = (total + PAGE - 1) // PAGE
-    return BatchLayout(page_size=PAGE, qo_indptr=[0, n], kv_indptr=[0, pages], kv_indices=list(range(1, 1 + pages)),
-                       kv_last_page_len=[(total - 1) % PAGE + 1], positions=list(range(prefix, total)))  # fmt: skip
+    first, built, params = 1, [], SamplingParams()
+    for i, (cached, n) in enumerate(rows):
+        pages = list(range(first, first + (cached + n + PAGE - 1) // PAGE))
+        first += len(pages)
+        if new:
+            built.append(ScheduledRequest(str(i), [1] * n, cached, pages, True, params))
+        elif cached:
+            built.append(ScheduledRequest(str(i), [1] * cached, 0, pages, True, params))
+    return BatchLayout.build(built, PAGE)
 
 
-def reference(q: Any, k: Any, v: Any, prefix: int) -> Any:
-    """float32 causal attention of q [n, H, D] over k/v [prefix + n, Hkv, D]."""
+def reference(q: Any, k: Any, v: Any, rows: list[tuple[int, int]]) -> Any:
+    """float32 causal attention of each row's new queries over its cached and new K/V
+    (`k`/`v`: every row's cached then new tokens, row after row)."""
     import torch
 
-    n, total = q.shape[0], k.shape[0]
     group = HEADS // KV_HEADS
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / DIM**0.5
-    mask = torch.arange(total, device=q.device)[None, :] > (prefix + torch.arange(n, device=q.device))[:, None]
-    scores.masked_fill_(mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf)
+    out, qi, ki = [], 0, 0
+    for cached, n in rows:
+        total = cached + n
+        kf = k[ki : ki + total].float().repeat_interleave(group, dim=1)
+        vf = v[ki : ki + total].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[qi : qi + n].float(), kf) / DIM**0.5
+        mask = torch.arange(total, device=q.device)[None, :] > (cached + torch.arange(n, device=q.device))[:, None]
+        out.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(mask, float("-inf")).softmax(-1), vf))
+        qi, ki = qi + n, ki + total
+    return torch.cat(out)
 
 
-def measure(backend_name: str, prefix: int, n: int, seed: int) -> dict[str, Any]:
+def measure(mode: str, case: str, rows: list[tuple[int, int]], cache_dtype: Any, seed: int) -> dict[str, Any]:
     import torch
 
     from benchmark.decode_bench import time_ms
+    from flashserve.attention import flashinfer as fi_module
     from flashserve.attention.flashinfer import FlashInferAttentionBackend
 
-    total = prefix + n
-    pages = (total + PAGE - 1) // PAGE + 2
+    prefill_backend, apart = MODES[mode]
+    pages = sum((c + n + PAGE - 1) // PAGE for c, n in rows) + 2
     backend = FlashInferAttentionBackend(1, pages, PAGE, KV_HEADS, DIM, torch.bfloat16, "cuda", num_qo_heads=HEADS,
-                                         prefill_backend=backend_name)  # fmt: skip
+                                         prefill_backend=prefill_backend, kv_cache_dtype=cache_dtype)  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    total = sum(c + n for c, n in rows)
+    q = torch.randn(sum(n for _, n in rows), HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(total, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(total, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-    if prefix:  # the cached prefix's K/V, appended by a step before
-        backend.plan(layout(0, prefix))
-        backend.forward(0, q.new_zeros(prefix, HEADS, DIM), k[:prefix], v[:prefix])
-    backend.plan(layout(prefix, n))
-    out = backend.forward(0, q, k[prefix:], v[prefix:])
-    err = (out.float() - reference(q, k, v, prefix)).abs().max().item()
-    ms = time_ms(lambda: backend.forward(0, q, k[prefix:], v[prefix:]), 5, 20)
-    flops = 4 * HEADS * DIM * (n * prefix + n * (n + 1) / 2)
-    return {"backend": backend_name, "prefix": prefix, "tokens": n, "us": ms * 1e3,
-            "TFLOP_per_s": flops / (ms / 1e3) / 1e12, "max_abs_err_vs_fp32": err}  # fmt: skip
+    cached_rows = [i for i, (c, _) in enumerate(rows) if c]
+    starts = [sum(c + n for c, n in rows[:i]) for i in range(len(rows))]
+    old = [torch.arange(s, s + rows[i][0], device="cuda") for i, s in ((i, starts[i]) for i in cached_rows)]
+    new = torch.cat([torch.arange(s + c, s + c + n, device="cuda") for s, (c, n) in zip(starts, rows)])
+    if old:  # the cached prefixes' K/V, appended by a step before
+        idx = torch.cat(old)
+        backend.plan(layout(rows, new=False))
+        backend.forward(0, q.new_zeros(len(idx), HEADS, DIM), k[idx], v[idx])
+    saved = fi_module.RAGGED_MIN_TOKENS
+    fi_module.RAGGED_MIN_TOKENS = saved if apart else 1 << 30
+    try:
+        backend.plan(layout(rows))
+    finally:
+        fi_module.RAGGED_MIN_TOKENS = saved
+    kn, vn = k[new], v[new]
+    out = backend.forward(0, q, kn, vn)
+    err = (out.float() - reference(q, k, v, rows)).abs().max().item()
+    ms = time_ms(lambda: backend.forward(0, q, kn, vn), 5, 20)
+    flops = sum(4 * HEADS * DIM * (n * c + n * (n + 1) / 2) for c, n in rows)
+    return {"mode": mode, "case": case, "cache": str(cache_dtype).removeprefix("torch."), "tokens": rows[-1][1],
+            "us": ms * 1e3, "TFLOP_per_s": flops / (ms / 1e3) / 1e12, "max_abs_err_vs_fp32": err}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,21 +123,27 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     rows = []
     for n in (int(x) for x in args.lens.split(",")):
-        for prefix in (0, n):
-            for name in ("fa2", "fa3"):
-                try:
-                    rows.append(measure(name, prefix, n, seed=n))
-                except Exception as exc:  # noqa: BLE001 - one kernel failing must not end the table
-                    rows.append({"backend": name, "prefix": prefix, "tokens": n, "error": f"{type(exc).__name__}: {exc}"[:300]})
-    print(f"Prefill attention per layer call on {gpu}: 8B heads ({HEADS}/{KV_HEADS}, D={DIM}), bf16, page {PAGE}")
-    print("| tokens | cached prefix | backend | us | TFLOP/s | max abs err vs fp32 |")
-    print("|---|---|---|---|---|---|")
+        for case, step in steps(n).items():
+            for cache in (torch.bfloat16, torch.float8_e4m3fn):
+                for mode in MODES:
+                    if mode == "paged fa3" and cache != torch.bfloat16:
+                        continue  # FA3 does not read an FP8 cache beside bf16 queries
+                    if mode == "fresh apart" and case == "after a prefix":
+                        continue  # nothing fresh: the same as paged fa2
+                    try:
+                        rows.append(measure(mode, case, step, cache, seed=n))
+                    except Exception as exc:  # noqa: BLE001 - one kernel failing must not end the table
+                        rows.append({"mode": mode, "case": case, "cache": str(cache).removeprefix("torch."),
+                                     "tokens": n, "error": f"{type(exc).__name__}: {exc}"[:300]})  # fmt: skip
+    print(f"Prefill attention per layer call on {gpu}: 8B heads ({HEADS}/{KV_HEADS}, D={DIM}), bf16 queries, page {PAGE}")
+    print("| new prompt tokens | step | KV cache | attention | us | TFLOP/s | max abs err vs fp32 |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        head = f"| {r['tokens']} | {r['case']} | {r['cache']} | {r['mode']} |"
         if "error" in r:
-            print(f"| {r['tokens']} | {r['prefix']} | {r['backend']} | {r['error']} | | |")
+            print(f"{head} {r['error']} | | |")
         else:
-            print(f"| {r['tokens']} | {r['prefix']} | {r['backend']} | {r['us']:.0f} | {r['TFLOP_per_s']:.0f} | "
-                  f"{r['max_abs_err_vs_fp32']:.2e} |")  # fmt: skip
+            print(f"{head} {r['us']:.0f} | {r['TFLOP_per_s']:.0f} | {r['max_abs_err_vs_fp32']:.2e} |")
     out = Path(args.out) if args.out else LOCAL_RESULTS / re.sub(r"\W+", "_", gpu)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_attention.json").write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))

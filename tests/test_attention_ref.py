@@ -149,3 +149,21 @@ def test_query_heads_other_than_the_model_heads_are_refused() -> None:
     seqs = make_sequences([5], q_heads=KV_HEADS * 4)
     with pytest.raises(ValueError, match="built for"):
         run_step(backend, seqs, [(0, 5)])
+
+
+@pytest.mark.parametrize(
+    ("cached", "new", "first"),
+    [
+        ([40, 100, 0, 0], [1, 30, 20, 17], 2),  # decodes and a chunk after its prefix, then two fresh prompts
+        ([0, 0], [5, 33], 0),  # only fresh prompts
+        ([0, 40], [16, 1], 2),  # the last request decodes: no trailing fresh prompt
+        ([0, 16, 0], [7, 16, 32], 2),  # a fresh prompt before a chunk after a page-aligned prefix
+    ],
+)
+def test_fresh_prompts_at_the_end_of_a_step_are_found(cached: list[int], new: list[int], first: int) -> None:
+    """`fresh_rows_from` is where the step's trailing prompts with nothing cached start: those
+    rows attend only K/V of this step (the FlashInfer backend attends them apart)."""
+    params = SamplingParams()
+    rows = [ScheduledRequest(str(i), [1] * n, c, list(range(1 + 10 * i, 11 + 10 * i)), True, params)
+            for i, (c, n) in enumerate(zip(cached, new))]  # fmt: skip
+    assert BatchLayout.build(rows, 16).fresh_rows_from() == first

@@ -199,3 +199,44 @@ def test_layer_loop_does_not_synchronise_with_the_host(new: list[int]) -> None:
             fi.forward(layer, q, k, v)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.fixture
+def fresh_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step's trailing fresh prompts attended apart, however few their tokens."""
+    monkeypatch.setattr(flashinfer_backend, "RAGGED_MIN_TOKENS", 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fresh_prompts_attended_apart_match_the_reference(group: int, head_dim: int, dtype: torch.dtype,
+                                                          fresh_apart: None) -> None:  # fmt: skip
+    """Fresh prompts after decodes, a chunk after its prefix and other fresh prompts; then only
+    fresh prompts (no row over pages); then decodes over what the fresh prompts appended."""
+    fi, ref = make_backends(KV_HEADS * group, head_dim, dtype)
+    reqs = make_requests([0, 40, 21, 0, 0, 0], seed=group + head_dim)
+    run_step(fi, ref, reqs, [9, 1, 30, 17, 1, 45], TOL[dtype], dtype, seed=1)
+    assert fi._step is not None and fi._step.ragged_from == 9 + 1 + 30  # the last three apart
+    for s, new in enumerate([[1, 1, 1, 1, 1, 1], [2, 1, 1, 1, 1, 1]]):
+        run_step(fi, ref, reqs, new, TOL[dtype], dtype, seed=2 + s)
+    fresh = make_requests([0, 0, 0], seed=9)
+    run_step(fi, ref, fresh, [5, 16, 40], TOL[dtype], dtype, seed=5)
+    assert fi._step is not None and fi._step.ragged is not None and fi._step.wrapper is None
+
+
+def test_fresh_prompts_over_an_fp8_cache_attend_their_own_keys_unquantized(fresh_apart: None) -> None:
+    """With an FP8 KV cache a fresh prompt attends the K/V it computed, not their FP8 copies:
+    as a reference over a bf16 cache does, within bf16's tolerance."""
+    fi, _ = make_backends(KV_HEADS * 4, 128, torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn)
+    _, ref = make_backends(KV_HEADS * 4, 128, torch.bfloat16)
+    reqs = make_requests([0, 0], seed=12)
+    layout = layout_for(reqs, [33, 64])
+    fi.plan(layout)
+    ref.plan(layout)
+    gen = torch.Generator("cuda").manual_seed(3)
+    q = torch.randn(97, KV_HEADS * 4, 128, generator=gen, device="cuda").bfloat16()
+    k, v = (torch.randn(97, KV_HEADS, 128, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    err = rel_err(fi.forward(0, q, k, v), ref.forward(0, q, k, v))
+    # Attending FP8 copies of K/V instead errs by several 1e-2 (e4m3 keeps 3 mantissa bits).
+    assert err < TOL[torch.bfloat16] / 2, f"relative error {err:.2e}"

@@ -58,6 +58,22 @@ class BatchLayout:
             for i in range(self.batch_size)
         ]
 
+    def fresh_rows_from(self) -> int:
+        """The first request of the step's trailing run of fresh prompts: requests whose new tokens
+        are all their tokens (a prompt's first chunk with nothing cached), so that they attend only
+        K/V computed in this step. `batch_size` when the last request is not one. (The scheduler
+        puts running requests first and newly admitted ones last, so a step's fresh prompts are
+        its last rows.)"""
+        first = self.batch_size
+        while first > 0:
+            i = first - 1
+            pages = self.kv_indptr[i + 1] - self.kv_indptr[i]
+            kv_len = (pages - 1) * self.page_size + self.kv_last_page_len[i]
+            if kv_len != self.qo_indptr[i + 1] - self.qo_indptr[i]:
+                break
+            first = i
+        return first
+
     def saved_kv_reads(self) -> int:
         """KV tokens the prefix level reads once per group instead of once per member (0 without it)."""
         return 0 if self.prefix is None else self.prefix.saved_page_reads() * self.page_size

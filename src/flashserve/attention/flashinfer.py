@@ -57,6 +57,16 @@ TRITON_DECODE_MAX_BATCH = 4
 # "fa2", or "fa3" (Hopper's FlashAttention-3 kernels, sm_90 only). `benchmark.prefill_attention`
 # measures the two.
 PREFILL_BACKEND = "fa2"
+# A prefill step whose trailing fresh prompts (`BatchLayout.fresh_rows_from`: nothing cached, so
+# they attend only this step's K/V) hold at least this many tokens, or twice as many when rows over
+# pages come before them, attends them apart: through FlashInfer's ragged prefill over the step's k
+# and v as computed (FA3 on Hopper, which does not read an FP8 cache), and the rows before over their
+# pages. Per layer call on an H200, 8B heads (`benchmark.prefill_attention`, results under
+# `benchmark/results/NVIDIA_H200/prefill_attention/`), paged FA2 -> apart, bf16 / FP8 cache:
+# a lone prompt of 512 tokens 73 -> 58 / 109 -> 89 us, of 2,048 172 -> 83 / 213 -> 120 us; beside
+# 40 decode rows a prompt of 2,048 tokens 237 -> 142 / 291 -> 137 us, but one of 512 81 -> 96 /
+# 108 -> 134 us (the rows' own pass and its launch).
+RAGGED_MIN_TOKENS = 512
 
 
 class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
@@ -149,7 +159,14 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         self._prefill_fa3 = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa3") \
             if fa3 and self.cache_dtype == dtype and self.device.type == "cuda" \
             and torch.cuda.get_device_capability(self.device)[0] == 9 else None
+        # Fresh prompts' pass (RAGGED_MIN_TOKENS): q, k and v in `dtype` whatever the cache holds,
+        # so FA3 serves it on Hopper. Planned once here so that its module is built (or loaded)
+        # at start-up with the others, not on the first long prompt.
+        hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
+        self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            self._workspace, "NHD", backend="fa3" if hopper else "fa2")
         self._staging = PinnedStaging(self.device)
+        self._plan_ragged(torch.tensor([0, 1], dtype=torch.int32))
         self._step: StepIndices | None = None
         self._graph: GraphBuffers | None = None
         self._verify: VerifyGraphBuffers | None = None
@@ -183,6 +200,20 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             wrapper = self._triton_decode(kv_indptr_d, indices_d, last_d, layout.batch_size)
             self._step = StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d)
             self._staging.end()
+            return
+        fresh = layout.batch_size if layout.is_decode_only or levels else layout.fresh_rows_from()
+        fresh_from = int(qo_indptr[fresh])  # the fresh prompts' first token
+        if layout.num_tokens - fresh_from >= (RAGGED_MIN_TOKENS if fresh == 0 else 2 * RAGGED_MIN_TOKENS):
+            # The fresh prompts over their own k and v; the rows before them over their pages.
+            self._plan_ragged(host[0][fresh:] - fresh_from)
+            wrapper = None
+            if fresh:
+                wrapper = self._prefill_fa3 if self._prefill_fa3 is not None else self._prefill
+                self._plan_wrapper(wrapper, (qo_h[: fresh + 1], kv_indptr_h[: fresh + 1], indices_d, last_h[:fresh]),
+                                   {**self._plan_kwargs(), "causal": True})  # fmt: skip
+            self._staging.end()
+            self._step = StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d, ragged=self._ragged,
+                                     ragged_from=fresh_from)  # fmt: skip
             return
         if layout.is_decode_only:
             wrapper, args = self._decode, (attend_indptr_h, attend_indices_d, last_h)
@@ -229,6 +260,12 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         wrapper.plan(*args, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, **kwargs)
         self._staging.end()
 
+    def _plan_ragged(self, indptr: torch.Tensor) -> None:
+        """Plans the fresh prompts' pass: causal over their own tokens (`indptr`, host int32, for
+        queries and keys alike), all in `dtype`."""
+        self._ragged.plan(indptr, indptr, self.num_qo_heads, self.num_kv_heads, self.head_dim, causal=True,
+                          **{**self._plan_kwargs(), "kv_data_type": self.dtype})  # fmt: skip
+
     def takes_rope(self, cos_sin: torch.Tensor, head_dim: int) -> bool:
         """Whether `forward` can be given q and k before RoPE, with the step's `Rope`: with
         `fused_decode` it rotates them in the kernel that appends K and V (`paged_append`), one
@@ -248,11 +285,13 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             raise RuntimeError("plan() must run before forward()")
         out_dtype = q.dtype
         cache = self.kv_cache[layer]
+        if step.ragged is not None and rope is not None:
+            q, k = self._rotate(q, k, rope)  # the fresh prompts' pass reads k rotated
+            rope = None
+        fresh_k, fresh_v = k, v  # before the append casts them to an FP8 cache's dtype
         if not append_paged(q, k, v, step.batch_indices, step.positions, step.kv_indices, step.kv_indptr, cache, rope):
             if rope is not None:  # rows the kernel does not take (a model's qkv views always are)
-                t, d = q.shape[0], q.shape[-1]
-                q, k = apply_rope_torch(rope.positions, q.reshape(t, -1), k.reshape(t, -1), d, rope.cos_sin)
-                q, k = q.view(t, -1, d), k.view(t, -1, d)
+                q, k = self._rotate(q, k, rope)
             # append_paged_kv_cache reinterprets its input as the cache dtype without checking it.
             k, v = to_cache(k, self.cache_dtype), to_cache(v, self.cache_dtype)
             self._fi.append_paged_kv_cache(
@@ -261,6 +300,8 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             )
         if q.dtype != self.dtype:
             q = q.to(self.dtype)
+        if step.ragged is not None:
+            return self._fresh_apart(step, cache, q, fresh_k, fresh_v, out, out_dtype)
         if out is not None and step.prefix_wrapper is None and out_dtype == self.dtype \
                 and not isinstance(step.wrapper, TritonDecode):
             return step.wrapper.run(q, cache, out=out)
@@ -268,6 +309,27 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         if out is not None:
             return out.copy_(result)
         return result if result.dtype == out_dtype else result.to(out_dtype)
+
+    @staticmethod
+    def _rotate(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        t, d = q.shape[0], q.shape[-1]
+        q, k = apply_rope_torch(rope.positions, q.reshape(t, -1), k.reshape(t, -1), d, rope.cos_sin)
+        return q.view(t, -1, d), k.view(t, -1, d)
+
+    def _fresh_apart(self, step: StepIndices, cache: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """A step planned with its fresh prompts apart: the rows before them over their pages, the
+        fresh prompts over their own k and v; each writes its rows of one output."""
+        into = out if out is not None and out_dtype == self.dtype else torch.empty_like(q)
+        t = step.ragged_from
+        if step.wrapper is not None:
+            step.wrapper.run(q[:t], cache, out=into[:t])
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        step.ragged.run(q[t:], k[t:], v[t:], out=into[t:])
+        if out is not None and into is not out:
+            return out.copy_(into)
+        return into if into.dtype == out_dtype else into.to(out_dtype)
 
     def _cascade(self, step: StepIndices, q: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Each request over its own pages, each group's rows over its prefix once, merged by

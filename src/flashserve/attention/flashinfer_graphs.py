@@ -56,6 +56,11 @@ class StepIndices:
     # is set merge the two.
     prefix_wrapper: Any = None
     prefix_merge: torch.Tensor | None = None
+    # Fresh prompts attended apart (`RAGGED_MIN_TOKENS`): `ragged` attends the step's tokens from
+    # `ragged_from` on over their own k and v; `wrapper` (None when no row comes before them) the
+    # rows before over their pages.
+    ragged: Any = None
+    ragged_from: int = 0
 
 
 def prefix_slots(batch_size: int) -> int:
