@@ -8,6 +8,25 @@ import numpy as np
 import torch
 
 
+# Each array starts on a 16-byte boundary of the buffer. Triton compiles a kernel once per set of
+# its pointer arguments' 16-byte alignments: views at offsets that follow the step's sizes would
+# make a kernel that reads several of them (the FP8 cache's `paged_append`) compile again whenever
+# a step brings a new set (up to 16 variants, a few hundred ms each, in a server's first seconds
+# under load).
+ALIGN_ELEMENTS = 4  # int32s
+
+
+def aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where arrays of `sizes` int32 elements start when packed back to back, each at a multiple
+    of `ALIGN_ELEMENTS`; and the elements they span."""
+    offsets, end = [], 0
+    for n in sizes:
+        start = -(-end // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
 class PinnedStaging:
     """A pinned int32 host buffer and its device twin: a step's arrays go up in one copy.
 
@@ -33,21 +52,17 @@ class PinnedStaging:
             self._done.synchronize()
 
     def upload(self, arrays: Sequence[Sequence[int] | np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Writes `arrays` back to back, copies them up once; returns (host views, device views)."""
+        """Writes `arrays` back to back (each 16-byte aligned), copies them up once; returns
+        (host views, device views)."""
         sizes = [len(a) for a in arrays]
-        total = sum(sizes)
+        offsets, total = aligned_offsets(sizes)
         if total > self.host.numel():
             self._allocate(max(total, 2 * self.host.numel()))
-        offset = 0
-        for a, n in zip(arrays, sizes):
+        for a, offset, n in zip(arrays, offsets, sizes):
             self.host_np[offset : offset + n] = a
-            offset += n
         self.dev[:total].copy_(self.host[:total], non_blocking=True)
-        host_views, dev_views, offset = [], [], 0
-        for n in sizes:
-            host_views.append(self.host[offset : offset + n])
-            dev_views.append(self.dev[offset : offset + n])
-            offset += n
+        host_views = [self.host[offset : offset + n] for offset, n in zip(offsets, sizes)]
+        dev_views = [self.dev[offset : offset + n] for offset, n in zip(offsets, sizes)]
         return host_views, dev_views
 
     def end(self) -> None:
