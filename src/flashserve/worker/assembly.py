@@ -162,7 +162,6 @@ def capture_verify_graphs(runner: ModelRunner, model: StepModel, max_batch_size:
     """Captures the graphs of uniform verify steps of `num_draft_tokens` drafts a request
     (`worker/verify_graph.py`), in the decode graphs' memory pool; none for a model with LoRA
     adapters (its verify steps run eagerly) or a forward that synchronises with the host."""
-    from flashserve.worker.cuda_graph import NotCapturableError
     from flashserve.worker.verify_graph import VerifyGraphRunner, verify_capture_sizes
 
     if runner.lora is not None:
@@ -174,10 +173,7 @@ def capture_verify_graphs(runner: ModelRunner, model: StepModel, max_batch_size:
     t0 = time.perf_counter()
     graphs = VerifyGraphRunner(model.decode_logits(runner.backend), runner.backend, sizes,  # type: ignore[arg-type]
                                num_draft_tokens)
-    try:
-        graphs.capture(runner.graphs.pool if runner.graphs is not None else None)
-    except NotCapturableError as exc:
-        logger.warning("verifying drafts eagerly, without CUDA graphs: %s", exc)
+    if not _captured(graphs, runner, "verifying drafts eagerly, without CUDA graphs"):
         return
     runner.verify_graphs = graphs
     logger.info("captured verify CUDA graphs (%d draft tokens a request) for batch sizes %s in %.1f s",
@@ -188,7 +184,6 @@ def capture_piecewise_graphs(runner: ModelRunner, model: StepModel, max_tokens: 
     """Captures the piecewise graphs of steps of up to `max_tokens` tokens (`worker/piecewise_graph.py`)
     in the decode graphs' memory pool, for a model that has layer pieces (the native path); a piece
     that synchronises with the host leaves those steps eager, with a warning."""
-    from flashserve.worker.cuda_graph import NotCapturableError
     from flashserve.worker.piecewise_graph import PiecewiseGraphRunner, capture_token_counts
 
     layer_pieces = getattr(model, "layer_pieces", None)
@@ -198,12 +193,22 @@ def capture_piecewise_graphs(runner: ModelRunner, model: StepModel, max_tokens: 
     counts = capture_token_counts(max_tokens)
     graphs = PiecewiseGraphRunner(layer_pieces(runner.backend), runner.device, counts)
     free_before = torch.cuda.mem_get_info(runner.device)[0]
-    try:
-        graphs.capture(runner.graphs.pool if runner.graphs is not None else None)
-    except NotCapturableError as exc:
-        logger.warning("steps of prompt tokens run eagerly, without piecewise CUDA graphs: %s", exc)
+    if not _captured(graphs, runner, "steps of prompt tokens run eagerly, without piecewise CUDA graphs"):
         return
     runner.piecewise_graphs = graphs
     used = free_before - torch.cuda.mem_get_info(runner.device)[0]
     logger.info("captured piecewise CUDA graphs (the pieces between attention calls) for steps of %s tokens in "
                 "%.1f s, %.2f GB", counts, time.perf_counter() - t0, used / 1e9)
+
+
+def _captured(graphs: Any, runner: ModelRunner, eager: str) -> bool:
+    """Captures `graphs` in the decode graphs' memory pool; False, with the warning `eager: <why>`,
+    where a captured piece synchronises with the host."""
+    from flashserve.worker.cuda_graph import NotCapturableError
+
+    try:
+        graphs.capture(runner.graphs.pool if runner.graphs is not None else None)
+    except NotCapturableError as exc:
+        logger.warning("%s: %s", eager, exc)
+        return False
+    return True
