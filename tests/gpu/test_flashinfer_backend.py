@@ -142,8 +142,12 @@ def test_steps_match_the_reference(group: int, head_dim: int, dtype: torch.dtype
     print(f"ERR group={group} D={head_dim} {dtype}: " + " ".join(f"{e:.2e}" for e in errs))
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["one-pass", "fresh-apart"])
 @pytest.mark.parametrize("attn_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_float32_model_is_downcast_and_the_output_upcast(attn_dtype: torch.dtype) -> None:
+def test_float32_model_is_downcast_and_the_output_upcast(attn_dtype: torch.dtype, apart: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    if apart:  # the first step's last request, a fresh prompt, through the ragged pass
+        monkeypatch.setattr(flashinfer_backend, "RAGGED_MIN_TOKENS", 1)
     fi, ref = make_backends(KV_HEADS * 3, 64, attn_dtype, model_dtype=torch.float32)
     reqs = make_requests(PREFIXES, seed=7)
     errs = [run_step(fi, ref, reqs, new, TOL[attn_dtype], torch.float32, seed=s) for s, new in enumerate(STEPS)]

@@ -123,11 +123,20 @@ MODES += [("llama-3.2-1b", mode) for mode in ("compiled", "hf_path", "hf_path_cu
 MODES += [(shape, "fused_decode_cuda_graph") for shape in SHAPES] + [("llama-3.2-1b", "fused_decode")]
 # Every step from piecewise graphs (the pieces between attention calls), RoPE by the model or in the KV append.
 MODES += [(shape, "piecewise") for shape in SHAPES] + [("llama-3.2-1b", "fused_decode_piecewise")]
+# The prefill's fresh prompts attended apart (the ragged pass over the step's own K/V, below its
+# default size), then decode from graphs; also from piecewise graphs, and with RoPE left to the KV append.
+MODES += [(shape, "fresh_apart") for shape in SHAPES]
+MODES += [("llama-3.2-1b", mode) for mode in ("fresh_apart_piecewise", "fused_decode_fresh_apart")]
 
 
 @pytest.mark.parametrize(("shape", "mode"), MODES, ids=[f"{s}-{m}" for s, m in MODES])
-def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: str, mode: str, tmp_path) -> None:
+def test_bf16_forward_matches_hf_eager_over_prefill_and_32_decode_steps(shape: str, mode: str, tmp_path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     pytest.importorskip("flashinfer")
+    if "fresh_apart" in mode:
+        from flashserve.attention import flashinfer as flashinfer_backend
+
+        monkeypatch.setattr(flashinfer_backend, "RAGGED_MIN_TOKENS", 1)
     hf, config = hf_model(shape, SHAPES[shape])
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, config.vocab_size, (p + DECODE_STEPS,), generator=gen).tolist() for p in PROMPTS]
