@@ -205,13 +205,14 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         fresh_from = int(qo_indptr[fresh])  # the fresh prompts' first token
         if layout.num_tokens - fresh_from >= (RAGGED_MIN_TOKENS if fresh == 0 else 2 * RAGGED_MIN_TOKENS):
             # The fresh prompts over their own k and v; the rows before them over their pages.
-            self._plan_ragged(host[0][fresh:] - fresh_from)
+            self._plan_ragged(qo_h[fresh:] - fresh_from)
             wrapper = None
             if fresh:
                 wrapper = self._prefill_fa3 if self._prefill_fa3 is not None else self._prefill
                 self._plan_wrapper(wrapper, (qo_h[: fresh + 1], kv_indptr_h[: fresh + 1], indices_d, last_h[:fresh]),
                                    {**self._plan_kwargs(), "causal": True})  # fmt: skip
-            self._staging.end()
+            else:
+                self._staging.end()
             self._step = StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d, ragged=self._ragged,
                                      ragged_from=fresh_from)  # fmt: skip
             return
