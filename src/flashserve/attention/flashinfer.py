@@ -153,16 +153,15 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             self._workspace, "NHD", use_tensor_cores=True, backend="fa2"
         )
         self._prefix: Any = None  # cascade prefix passes' wrapper, built when first needed
+        hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
         # FA3 for plain prefill steps where it can run (see PREFILL_BACKEND): Hopper, and q, K/V and
         # output in one 16-bit dtype (cascade levels write float16, an FP8 cache mixes dtypes).
         fa3 = (prefill_backend or PREFILL_BACKEND) == "fa3"
         self._prefill_fa3 = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa3") \
-            if fa3 and self.cache_dtype == dtype and self.device.type == "cuda" \
-            and torch.cuda.get_device_capability(self.device)[0] == 9 else None
+            if fa3 and hopper and self.cache_dtype == dtype else None
         # Fresh prompts' pass (RAGGED_MIN_TOKENS): q, k and v in `dtype` whatever the cache holds,
         # so FA3 serves it on Hopper. Planned once here so that its module is built (or loaded)
         # at start-up with the others, not on the first long prompt.
-        hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
         self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
             self._workspace, "NHD", backend="fa3" if hopper else "fa2")
         self._staging = PinnedStaging(self.device)
