@@ -102,6 +102,14 @@ def test_piecewise_graphs_serve_512_tokens_on_one_gpu_none_over_several_unless_a
         assert "--piecewise-cuda-graph-max-tokens" in capsys.readouterr().err
 
 
+def test_piecewise_graphs_serve_2304_tokens_on_one_gpu_for_fp8_projections_unless_asked():
+    default = to_configs(build_parser({}).parse_args(["serve", "--quantization", "fp8"])).model
+    assert (default.piecewise_graph_tokens(1, fp8_projections=True),
+            default.piecewise_graph_tokens(4, fp8_projections=True)) == (2304, 0)  # fmt: skip
+    ns = build_parser({}).parse_args(["serve", "--piecewise-cuda-graph-max-tokens", "512"])
+    assert to_configs(ns).model.piecewise_graph_tokens(1, fp8_projections=True) == 512
+
+
 def test_max_prefill_tokens_reaches_the_scheduler_config_and_defaults_to_the_devices_choice():
     assert to_configs(build_parser({}).parse_args(["serve"])).scheduler.max_prefill_tokens is None
     ns = build_parser({}).parse_args(["serve", "--max-prefill-tokens", "4096"])

@@ -11,6 +11,11 @@ from flashserve.spec_decode.config import SpeculativeConfig
 # The default of `ModelConfig.piecewise_cuda_graph_max_tokens` on one rank: beyond about 512 tokens an 8B
 # step is bound by its GEMMs, not by launching them (H200: 15.2 ms eager at 512 tokens, floor 9.1).
 PIECEWISE_GRAPH_TOKENS = 512
+# The same with FP8 projections: their GEMMs take half the time and each eager `_scaled_mm` costs
+# its set-up on the host, so eager steps stay bound by the host up to about 2,048 tokens (H200, 8B:
+# 1,024 tokens 24.1 ms eager, 16.7 from graphs). 2,304: a step of the default `max_prefill_tokens`
+# (2,048 prompt tokens) beside 256 decode rows.
+FP8_PIECEWISE_GRAPH_TOKENS = 2304
 # The largest `piecewise_cuda_graph_max_tokens`: graphs are captured for every 128 tokens up to it.
 MAX_PIECEWISE_GRAPH_TOKENS = 8192
 
@@ -47,8 +52,8 @@ class ModelConfig:
     # token_chunks). None: off.
     tp_overlap_min_tokens: int | None = None
     # Steps with prompt tokens of up to this many tokens replay the native model's pieces between
-    # attention calls from CUDA graphs (`worker/piecewise_graph.py`); 0: eager. None: 512 on one
-    # rank, eager over several (not measured there yet). See `piecewise_graph_tokens`.
+    # attention calls from CUDA graphs (`worker/piecewise_graph.py`); 0: eager. None: on one rank 512,
+    # or 2,304 with FP8 projections; eager over several (not measured there yet). See `piecewise_graph_tokens`.
     piecewise_cuda_graph_max_tokens: int | None = None
     # "fp8": quantize a high-precision checkpoint's projections at load (per-channel weights,
     # per-token activations). FP8 checkpoints (config.json's quantization_config) need no flag.
@@ -61,11 +66,14 @@ class ModelConfig:
         if tokens is not None and not 0 <= tokens <= MAX_PIECEWISE_GRAPH_TOKENS:
             raise ValueError(f"piecewise_cuda_graph_max_tokens must be 0 to {MAX_PIECEWISE_GRAPH_TOKENS}, got {tokens}")
 
-    def piecewise_graph_tokens(self, world_size: int) -> int:
-        """The largest step of prompt tokens piecewise CUDA graphs serve (0: none); see the field."""
+    def piecewise_graph_tokens(self, world_size: int, fp8_projections: bool = False) -> int:
+        """The largest step of prompt tokens piecewise CUDA graphs serve (0: none) for a model whose
+        projections are FP8 or not; see the field."""
         if self.piecewise_cuda_graph_max_tokens is not None:
             return self.piecewise_cuda_graph_max_tokens
-        return PIECEWISE_GRAPH_TOKENS if world_size == 1 else 0
+        if world_size > 1:
+            return 0
+        return FP8_PIECEWISE_GRAPH_TOKENS if fp8_projections else PIECEWISE_GRAPH_TOKENS
 
 
 @dataclass(frozen=True)
