@@ -2,7 +2,7 @@
 
 Where Triton is installed and the tensors are on a GPU (`fused_kernels`), (add +) RMSNorm writes
 its rows already quantized for the FP8 projection after it (`add_rmsnorm_quant`), SiLU-and-mul
-likewise (`silu_and_mul_quant`), and an FP8 projection up to `SMALL_M` rows may leave its scales to
+likewise (`silu_and_mul_quant`), and an FP8 projection in a CUDA graph may leave its scales to
 the kernel that reads its output (`UnscaledRows`): o_proj's and down_proj's go into the next add +
 RMSNorm, gate_up's into SiLU-and-mul. Above one row that is 6 kernels fewer a Llama layer.
 """

@@ -5,7 +5,9 @@ On CUDA the product is `torch._scaled_mm` with row-wise scales (cuBLASLt / CUTLA
 epilogue, no host sync, so a CUDA graph can hold it. Up to `SMALL_M` rows (decode) cuBLASLt's
 row-wise kernels are no faster than bfloat16 on an H100 (8B o projection at 1 row: 15 us against
 10.5), so there FlashInfer's `bmm_fp8` (per-tensor scales, 6.4 us) runs with unit scales and one
-Triton kernel applies both scales (and the bias) to its bfloat16 output in place. Only under CUDA-graph
+Triton kernel applies both scales (and the bias) to its bfloat16 output in place; at any size where
+the kernel that reads the output can apply the scales as it reads (`UnscaledRows`), bmm_fp8 runs
+too, since it is faster than the row-wise kernels there as well. Only under CUDA-graph
 capture, though: `bmm_fp8`'s Python layers (backend checks, its autotuner's lookups) cost about
 0.5 ms of host time a call, which a replayed graph never pays but an eager step does on every
 projection. An eager step of 128 prefill tokens of the 8B took 65 ms with it (kernels 3.7 ms, the
@@ -37,7 +39,10 @@ Tensor = torch.Tensor
 # Rows up to which bmm_fp8 + the scaling kernel runs (H100, fp8_bench's gemm table: bmm_fp8 alone is
 # faster than row-wise _scaled_mm on every 8B projection up to 512 rows, but the scaling kernel's
 # pass over [M, N] grows with M; by memory traffic it eats the gain on gate_up and qkv at 256 rows
-# and about matches it on gate_up at 128. The bench's epilogue_us column measures it).
+# and about matches it on gate_up at 128. The bench's epilogue_us column measures it). Beyond it
+# bmm_fp8 runs where the reader applies the scales (`defer_scales`: o, gate_up and down on one
+# rank), which costs no pass: on an H200 the 8B's o, gate_up and down took 5-9% less time there
+# than row-wise `_scaled_mm` at 1,024 and 2,048 rows (e.g. gate_up at 2,048: 341 against 358 us).
 SMALL_M = 128
 
 
@@ -199,9 +204,10 @@ def fp8_linear(
     multiplies the activation as it is (neither `input_scale` nor `input_scale_ub` applies: no
     activation is quantized). Otherwise activations are quantized per token, or with `input_scale`
     (static, per tensor) when given; `QuantizedRows` [M, K] arrive quantized already (from a
-    bfloat16 model's kernels: the output is bfloat16). Up to SMALL_M rows under CUDA-graph capture
-    FlashInfer's bmm_fp8 and the scaling kernel, otherwise row-wise `_scaled_mm`; both write bfloat16, and another activation
-    dtype is cast back. `defer_scales`: up to SMALL_M rows, return bmm_fp8's product as
+    bfloat16 model's kernels: the output is bfloat16). Under CUDA-graph capture FlashInfer's bmm_fp8
+    with unit scales: up to SMALL_M rows always (then the scaling kernel), at any size when the
+    scales can be deferred; otherwise row-wise `_scaled_mm`. Both write bfloat16, and another
+    activation dtype is cast back. `defer_scales`: under capture, return bmm_fp8's product as
     `UnscaledRows` for a fused kernel to scale as it reads it (a bfloat16 activation only).
     """
     if isinstance(x, Tensor) and takes_weight_gemv(x):
@@ -214,13 +220,15 @@ def fp8_linear(
         x2 = x.reshape(-1, shape[-1])
         xq, xs = quantize_static(x2, input_scale) if input_scale is not None else quantize_rows(x2, input_scale_ub)
     out: Tensor | UnscaledRows
-    small = 0 < xq.shape[0] <= SMALL_M and xq.is_cuda and _bmm_fp8() is not None
-    if small and not torch.cuda.is_current_stream_capturing():
+    rows = xq.shape[0]
+    deferred = defer_scales and dtype == torch.bfloat16 and len(shape) == 2
+    bmm = 0 < rows and (rows <= SMALL_M or deferred) and xq.is_cuda and _bmm_fp8() is not None
+    if bmm and not torch.cuda.is_current_stream_capturing():
         _unit_scale(xq.device)  # made by the eager warm-up, for the graphs captured after it
-        small = False
-    if small:
+        bmm = False
+    if bmm:
         unscaled = UnscaledRows(_bmm_fp8_unscaled(xq, weight), xs, weight_scale, bias)
-        if defer_scales and dtype == torch.bfloat16 and len(shape) == 2:
+        if deferred:
             return unscaled
         out = unscaled.scaled()
     else:

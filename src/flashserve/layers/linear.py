@@ -45,8 +45,8 @@ def linear_unscaled(
     x: Tensor | QuantizedRows, weight: Tensor, bias: Tensor | None = None, weight_scale: Tensor | None = None,
     input_scale: Tensor | None = None, input_scale_ub: float | None = None, defer: bool = True,
 ) -> Tensor | UnscaledRows:  # fmt: skip
-    """`linear`, except that an FP8 projection of 2 to `fp8.SMALL_M` rows returns `UnscaledRows`
-    (bmm_fp8's product, its scales left to the kernel that reads it: `add_rmsnorm_for`,
+    """`linear`, except that an FP8 projection of 2 rows or more under CUDA-graph capture returns
+    `UnscaledRows` (bmm_fp8's product, its scales left to the kernel that reads it: `add_rmsnorm_for`,
     `silu_and_mul_for`)."""
     if weight.dtype == FP8_DTYPE:
         assert weight_scale is not None
