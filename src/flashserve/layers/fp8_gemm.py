@@ -40,9 +40,10 @@ Tensor = torch.Tensor
 # faster than row-wise _scaled_mm on every 8B projection up to 512 rows, but the scaling kernel's
 # pass over [M, N] grows with M; by memory traffic it eats the gain on gate_up and qkv at 256 rows
 # and about matches it on gate_up at 128. The bench's epilogue_us column measures it). Beyond it
-# bmm_fp8 runs where the reader applies the scales (`defer_scales`: o, gate_up and down on one
-# rank), which costs no pass: on an H200 the 8B's o, gate_up and down took 5-9% less time there
-# than row-wise `_scaled_mm` at 1,024 and 2,048 rows (e.g. gate_up at 2,048: 341 against 358 us).
+# bmm_fp8 runs where the reader applies the scales (`defer_scales`: o and down on one rank, gate_up
+# up to `linear.SILU_DEFER_MAX_ROWS`), which costs no pass of its own: on an H200 the 8B's o,
+# gate_up and down took 5-13% less time there than row-wise `_scaled_mm` at 1,024 and 2,048 rows
+# (down at 2,048: 162 against 185 us).
 SMALL_M = 128
 
 
