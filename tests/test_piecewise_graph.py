@@ -90,3 +90,30 @@ def test_captured_token_counts_step_by_at_most_a_third_beyond_128_and_end_at_the
     assert capture_token_counts(100) == [16, 32, 64, 96, 100]
     assert capture_token_counts(8) == [8]
     assert capture_token_counts(1024)[-3:] == [768, 896, 1024]
+
+
+def test_graphs_are_captured_with_dead_cycles_collected_first_and_the_collector_off() -> None:
+    """`collector_paused`, around every capture: dead reference cycles are freed before the first
+    capture begins, none while captures run (the collector is off: a CUDA graph it frees would reset
+    itself inside the capture), and the collector is back on after, as it was."""
+    from flashserve.worker.cuda_graph import collector_paused
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    before = Cycle()
+    freed = weakref.ref(before)
+    del before
+    assert gc.isenabled() and freed() is not None  # dead, not freed yet (no collection ran)
+    with collector_paused():
+        assert freed() is None
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # off before: stays off
+    finally:
+        gc.enable()

@@ -7,6 +7,8 @@ and decode steps of several batch sizes (padded ones, exact ones, one above the 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -213,3 +215,64 @@ def test_a_model_that_cannot_be_captured_decodes_eagerly() -> None:
         out = syncing(ids, torch.tensor(layout.positions, device="cuda"))
     assert out.shape == (8, 4 * 64) and torch.isfinite(out).all()
     torch.randn(4, device="cuda")  # no capture began: the RNG is usable
+
+
+class _Cycle:
+    """An object in a reference cycle: freed by Python's collector, not by its last reference."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph = graph
+        self.me = self
+
+
+def test_piecewise_graphs_capture_while_a_dead_reference_cycle_holds_an_earlier_graph() -> None:
+    """A graph held by a dead reference cycle (a runner dropped before the next one is built) is
+    reset when the collector frees it, never inside a capture, which the reset would invalidate.
+    Here the cycle dies while the pieces are being captured, with the collector set to run at
+    nearly every allocation; the pieces still capture, and replay what the eager pieces compute."""
+    from flashserve.worker.piecewise_graph import LayerPieces, PiecewiseGraphRunner, run_layer_steps
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    hidden, heads, d = 256, 4, 64
+    ws = [(torch.randn(hidden, 3 * heads * d, generator=gen, device="cuda") / hidden**0.5).bfloat16() for _ in range(2)]
+    tok = torch.randn(VOCAB, hidden, generator=gen, device="cuda").bfloat16()
+    earlier = torch.cuda.CUDAGraph()
+    x = torch.zeros(8, device="cuda")
+    with torch.cuda.graph(earlier):
+        x.add_(1)
+    held = [earlier]
+    del earlier
+
+    def steps(ids: torch.Tensor, pos: torch.Tensor):  # type: ignore[no-untyped-def]
+        h = tok[ids]
+        for layer, w in enumerate(ws):
+            if held and torch.cuda.is_current_stream_capturing():
+                _Cycle(held.pop())  # the graph's last reference, now in a dead cycle
+            q, k, v = (h @ w).split(heads * d, dim=-1)
+            t = h.shape[0]
+            attn = yield layer, q.reshape(t, heads, d), k.reshape(t, heads, d), v.reshape(t, heads, d)
+            h = h + attn.reshape(t, -1)
+        return h
+
+    def attention(pos: torch.Tensor, out: torch.Tensor):  # type: ignore[no-untyped-def]
+        return lambda layer, q, k, v: out.copy_(q * k.sigmoid() + v)
+
+    pieces = LayerPieces(steps, attention, lambda h, idx: h.float(), heads, d, torch.bfloat16)
+    runner = PiecewiseGraphRunner(pieces, torch.device("cuda"), [16, 32])
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 10, 10)
+    try:
+        runner.capture()
+    finally:
+        gc.set_threshold(*thresholds)
+    assert not held
+    gc.collect()  # the cycle and its graph go now, outside any capture
+    ids = torch.randint(0, VOCAB, (20,), device="cuda")
+    pos = torch.arange(20, device="cuda")
+    with torch.inference_mode():
+        replayed = runner(ids, pos, None)
+        out = torch.empty(20, heads, d, dtype=torch.bfloat16, device="cuda")
+        eager = run_layer_steps(steps(ids, pos), attention(pos, out)).float()
+    # Padded to 32 rows, the replayed GEMMs may take other kernels than the eager 20-row ones.
+    assert rel_err(replayed, eager) < 1e-2
+    torch.randn(4, device="cuda")  # every capture ended: the RNG is usable

@@ -10,7 +10,9 @@ does not synchronise with the host (no `.item()`, no data-dependent shapes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -23,6 +25,25 @@ ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class NotCapturableError(RuntimeError):
     """The forward synchronises with the host, which a CUDA graph cannot hold. Raised before any
     capture begins, so the process stays fit to run the forward eagerly."""
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collected first, then the collector kept off while graphs are
+    captured, and back on after (if it was on). An object the collector frees runs its destructor
+    on the thread that happens to allocate: a CUDA graph held by a dead reference cycle (a runner
+    dropped before the next one is built) resets itself, a call a capture does not permit, and the
+    capture is invalidated (its next launch fails). torch.cuda.graph no longer collects before a
+    capture (torch.compiler.config.force_cudagraph_gc), so such cycles live until the collector
+    runs, which may be in the middle of a capture. SGLang pauses the collector during capture too."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # The largest decode batch captured (vLLM's default too): a larger decode step runs eagerly, where
@@ -120,7 +141,8 @@ class CudaGraphRunner:
         self._positions = torch.zeros(max_bs, dtype=torch.long, device=device)
         empty = BatchLayout(backend.page_size, [0], [0], [], [], [])
         pool = None
-        with torch.inference_mode():  # as the steps run: compiled pieces guard on it
+        # Inference mode as the steps run (compiled pieces guard on it); see collector_paused.
+        with torch.inference_mode(), collector_paused():
             variants = (False, True)[: 1 + (self.plain_forward is not None)]
             for bs, cascade, plain in ((bs, c, p) for bs in reversed(self.batch_sizes)
                                        for c in (False, True)[: 1 + self.cascade] for p in variants):  # fmt: skip

@@ -31,7 +31,7 @@ from typing import Generator
 import numpy as np
 import torch
 
-from flashserve.worker.cuda_graph import check_no_host_sync
+from flashserve.worker.cuda_graph import check_no_host_sync, collector_paused
 
 Tensor = torch.Tensor
 # A model's layer steps: yields (layer, q, k, v), is sent that layer's attention output, returns the hidden states.
@@ -140,7 +140,7 @@ class PiecewiseGraphRunner:
         self._positions = torch.zeros(top, dtype=torch.long, device=device)
         self._attn = torch.zeros(top, p.heads, p.head_dim, dtype=p.dtype, device=device)
         stream = torch.cuda.Stream(device)
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused():
             for n in reversed(self.token_counts):
                 ids, pos, attn = self._input_ids[:n], self._positions[:n], self._attn[:n]
                 stream.wait_stream(torch.cuda.current_stream(device))

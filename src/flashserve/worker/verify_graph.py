@@ -20,7 +20,8 @@ import torch
 
 from flashserve.attention.base import BatchLayout
 from flashserve.attention.flashinfer import FlashInferAttentionBackend
-from flashserve.worker.cuda_graph import MAX_GRAPH_BATCH, ForwardFn, capture_batch_sizes, check_no_host_sync
+from flashserve.worker.cuda_graph import (MAX_GRAPH_BATCH, ForwardFn, capture_batch_sizes, check_no_host_sync,
+                                         collector_paused)
 from flashserve.worker.input_batch import BatchRow
 
 # The largest verify batch captured when the speculative config sets no `disable_by_batch_size`:
@@ -94,7 +95,7 @@ class VerifyGraphRunner:
         self._positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
         empty = BatchLayout(backend.page_size, [0], [0], [], [], [])
         checked = False
-        with torch.inference_mode():
+        with torch.inference_mode(), collector_paused():
             for bs in reversed(self.batch_sizes):
                 ids, pos = self._input_ids[: bs * q], self._positions[: bs * q]
                 backend.plan_verify_graph(empty, bs)
