@@ -265,7 +265,7 @@ def load(_):
     def close():
         if sys.argv[1] == "while-closing":
             sigterm_in(0)
-        else:  # a thread the interpreter joins at exit (as a grammar compiler's pool is)
+        else:  # a thread still running as the process ends (as a grammar compiler's pool may be)
             threading.Thread(target=sigterm_in, args=(0.3,)).start()
     return core_process.CoreParts(make_engine([3]), EngineSetup(PROTOCOL_VERSION, None, "m", 512, (), 50_000),
                                  None, close)
@@ -286,3 +286,29 @@ def test_an_engine_core_stopped_while_it_exits_logs_one_line_and_no_traceback(wh
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
     assert done.stderr.count("engine core stopping") == 1, done.stderr
+
+
+FAILING_CORE = """
+from test_engine import make_engine
+from flashserve.entrypoints import core_process
+from flashserve.message.codec import EngineSetup, PROTOCOL_VERSION
+
+def serve_front_ends(*args, **kwargs):
+    raise RuntimeError("the step loop broke")
+
+core_process.serve_front_ends = serve_front_ends
+core_process.main(lambda _: core_process.CoreParts(make_engine([3]), EngineSetup(PROTOCOL_VERSION, None, "m", 512, (), 50_000),
+                                                   None, lambda: None), None, [], None, "info", 0, "flashserve-dp0")
+"""
+
+
+def test_an_engine_core_whose_loop_raises_logs_it_and_exits_1() -> None:
+    """The supervisor reads a failed engine core from its exit code (1), and the log says why."""
+    import subprocess
+    import sys
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", FAILING_CORE], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "the engine core failed" in done.stderr and "RuntimeError: the step loop broke" in done.stderr, done.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable
@@ -132,6 +131,9 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
             logger.info("engine core stopping: every front end is gone")
     except _Stop:
         logger.info("engine core stopping")
+    except Exception:  # the process ends below, without the interpreter's traceback
+        logger.exception("the engine core failed")
+        code = EXIT_ENGINE_DIED
     finally:
         stop.stopping = True
         if kv_events is not None:
@@ -140,7 +142,10 @@ def main(load: Callable[[Any], CoreParts], load_arg: Any, conns: list[Connection
             parts.close()
         for conn in conns:
             conn.close()
-        sys.exit(code)
+        # Imported here: the module imports torch, which the supervisor importing this one need not.
+        from flashserve.executor.launch import exit_now
+
+        exit_now(code)
 
 
 def serve_front_ends(parts: CoreParts, conns: list[Connection], queue_timeout: float | None,

@@ -264,8 +264,10 @@ def run(args: ServeArgs, load: Callable[[ServeArgs], core_process.CoreParts] = c
     if is_launched_worker_rank(args):
         from flashserve.entrypoints.stack import load_engine
 
-        load_engine(args)  # runs the rank's steps, then exits 0
-        return 0
+        from flashserve.executor.launch import exit_now
+
+        load_engine(args)  # runs the rank's steps until rank 0 ends them
+        exit_now(0)
     from flashserve.tracing import check_tracing
 
     try:
