@@ -263,7 +263,6 @@ def run(args: ServeArgs, load: Callable[[ServeArgs], core_process.CoreParts] = c
     """Serves until shutdown; returns the exit code."""
     if is_launched_worker_rank(args):
         from flashserve.entrypoints.stack import load_engine
-
         from flashserve.executor.launch import exit_now
 
         load_engine(args)  # runs the rank's steps until rank 0 ends them
