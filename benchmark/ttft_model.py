@@ -5,7 +5,8 @@ The seed protocol's workload (SGLang's random, range ratio 0.25: inputs uniform 
 tokens, outputs in 64-256, Poisson arrivals) through the scheduler's policy: one step at a time;
 running requests first, oldest first, each a decode token or its next prefill chunk; then waiting
 requests first come, first served, while the step's token budget lasts (with `--max-prefill-tokens`,
-while the step's prompt tokens stay within it too). A step's time is the
+while the step's prompt tokens stay within it too; with `--chunked-prefill-size`, a step that
+streams wait on holds at most that many prompt tokens). A step's time is the
 longer of a decode step (the weights read once, `--decode-ms`, plus `--row-ms` a decode row) and
 its prefill tokens' compute (`--prefill-ms-per-token` each), plus `--row-ms` a decode row: a
 prefill chunk reads the same weights while it computes. Overlap scheduling, the host and the
@@ -31,9 +32,9 @@ from typing import Any
 
 
 def simulate(rate: float, prefill_ms_per_token: float, decode_ms: float, row_ms: float, budget: int,
-             num_requests: int, seed: int, max_prefill: int = 0) -> dict[str, float]:  # fmt: skip
+             num_requests: int, seed: int, max_prefill: int = 0, chunk: int = 0) -> dict[str, float]:  # fmt: skip
     """Median and P99 TTFT and ITL (ms) of `num_requests` Poisson arrivals at `rate` req/s.
-    `max_prefill`: the scheduler's `max_prefill_tokens` (0: no bound)."""
+    `max_prefill`: the scheduler's `max_prefill_tokens`, `chunk` its `chunked_prefill_size` (0: no bound)."""
     rng = random.Random(seed)
     t, arrivals = 0.0, []
     for _ in range(num_requests):
@@ -50,16 +51,22 @@ def simulate(rate: float, prefill_ms_per_token: float, decode_ms: float, row_ms:
             waiting.append({"arrival": a, "prefill": prompt, "out": out, "last": None})
             nxt += 1
         left, rows, prompt_tokens = budget, [], 0
+        cap = chunk if chunk and any(r["last"] is not None for r in running) else budget  # streams wait
         for r in running:
             if left <= 0:
                 break
-            n = min(r["prefill"], left) if r["prefill"] else 1
+            n = min(r["prefill"], left, cap - prompt_tokens) if r["prefill"] else 1
+            if n <= 0:
+                continue
             rows.append((r, n, r["prefill"] > 0))
             left -= n
             prompt_tokens += n if r["prefill"] else 0
         while waiting and left > 0:
             n = min(waiting[0]["prefill"], left)
             if max_prefill and prompt_tokens and prompt_tokens + n > max_prefill:
+                break
+            n = min(n, cap - prompt_tokens)
+            if n <= 0:
                 break
             r = waiting.pop(0)
             running.append(r)
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-ms", type=float, default=0.02, help="a decode row's share of a step")
     p.add_argument("--budget", type=int, default=8192, help="--max-num-batched-tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=0, help="the scheduler's --max-prefill-tokens (0: no bound)")
+    p.add_argument("--chunked-prefill-size", type=int, default=0, help="the scheduler's --chunked-prefill-size (0: no bound)")
     p.add_argument("--rates", type=float, nargs="+", default=[4.0, 5.0])
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--seeds", type=int, default=3, help="runs per cell, the mean of their figures")
@@ -117,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for rate in args.rates:
         for name, per_token in speeds:
             runs = [simulate(rate, per_token, args.decode_ms, args.row_ms, args.budget, args.requests, seed,
-                             args.max_prefill_tokens) for seed in range(args.seeds)]  # fmt: skip
+                             args.max_prefill_tokens, args.chunked_prefill_size) for seed in range(args.seeds)]  # fmt: skip
             row = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
             row.update(rate=rate, speed=name, prompt_2048_ms=per_token * 2048)
             rows.append(row)

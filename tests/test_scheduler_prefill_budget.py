@@ -104,3 +104,60 @@ def test_a_negative_max_prefill_tokens_is_refused_with_its_name() -> None:
 
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         SchedulerConfig(max_prefill_tokens=-1)
+
+
+def chunked(size: int, prefill_only: int | None = None) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, chunked_prefill_size=size,
+                             prefill_only_budget=prefill_only)
+    return Scheduler(config, KVCacheManager(64, 16, False), 4096)
+
+
+def test_while_a_stream_decodes_a_long_prompt_is_chunked_at_chunked_prefill_size() -> None:
+    s = chunked(size=64)
+    s.add_request(req("stream", prompt_len=8, max_tokens=100))
+    step(s)  # the stream has its first token
+    s.add_request(req("long", prompt_len=150))
+    chunks = [{r.request_id: r.num_new_tokens for r in step(s)[0].requests} for _ in range(3)]
+    assert chunks == [{"stream": 1, "long": 64}, {"stream": 1, "long": 64}, {"stream": 1, "long": 22}]
+
+
+def test_prompts_queued_behind_a_stream_share_chunked_prefill_size_first_come_first_served() -> None:
+    s = chunked(size=64)
+    s.add_request(req("stream", prompt_len=8, max_tokens=100))
+    step(s)
+    for rid in ("a", "b"):
+        s.add_request(req(rid, prompt_len=40))
+    first, _ = step(s)
+    second, _ = step(s)
+    assert {r.request_id: r.num_new_tokens for r in first.requests} == {"stream": 1, "a": 40, "b": 24}
+    assert {r.request_id: r.num_new_tokens for r in second.requests} == {"stream": 1, "a": 1, "b": 16}
+
+
+def test_a_prompt_that_no_stream_waits_on_is_not_bounded_by_chunked_prefill_size() -> None:
+    s = chunked(size=64)
+    s.add_request(req("long", prompt_len=300))
+    out, _ = step(s)
+    assert out.num_batched_tokens == 300
+
+
+def test_chunked_prefill_size_zero_leaves_a_streams_step_to_the_step_budget() -> None:
+    s = chunked(size=0)
+    s.add_request(req("stream", prompt_len=8, max_tokens=100))
+    step(s)
+    s.add_request(req("long", prompt_len=300))
+    out, _ = step(s)
+    assert {r.request_id: r.num_new_tokens for r in out.requests} == {"stream": 1, "long": 300}
+
+
+def test_chunked_prefill_size_defaults_to_1024_on_one_gpu_and_no_bound_on_ranks_and_the_cpu() -> None:
+    from flashserve.worker.step_budget import default_chunked_prefill_size
+
+    assert default_chunked_prefill_size("cuda", 1) == 1024
+    assert (default_chunked_prefill_size("cuda", 4), default_chunked_prefill_size("cpu", 1)) == (0, 0)
+
+
+def test_a_negative_chunked_prefill_size_is_refused_with_its_name() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="chunked_prefill_size"):
+        SchedulerConfig(chunked_prefill_size=-1)

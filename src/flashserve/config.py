@@ -184,6 +184,12 @@ class SchedulerConfig:
     # at the end of one long step; a prompt alone may take the whole budget. None: chosen where the
     # device is known (`worker/step_budget.py`): 2048 on a GPU, no bound on a CPU. 0: no bound.
     max_prefill_tokens: int | None = None
+    # Prompt tokens of a step in which running streams wait for their next token (like SGLang's
+    # --chunked-prefill-size): a longer prompt, or the rest of the step's prompts, continues in the
+    # next steps, so that no stream waits on a step much longer than a decode step. Steps that no
+    # stream waits on are bounded by the step budgets only. None: chosen where the device is known
+    # (`worker/step_budget.py`): 1024 on one GPU; no bound on several ranks and on a CPU. 0: no bound.
+    chunked_prefill_size: int | None = None
     # Schedule and launch the next step while the device computes the last one; its decode tokens
     # come from the last step's sampled ids on the device (`engine/llm_engine.py`).
     overlap_scheduling: bool = True
@@ -191,8 +197,10 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 0:
-            raise ValueError(f"max_prefill_tokens must be 0 (no bound) or more, got {self.max_prefill_tokens}")
+        for name in ("max_prefill_tokens", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be 0 (no bound) or more, got {value}")
 
 
 @dataclass(frozen=True)

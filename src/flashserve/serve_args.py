@@ -79,7 +79,8 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
                         prefix_caching_hash_seed=ns.prefix_caching_hash_seed,
                         kv_events=ns.kv_events_config if ns.kv_events_config and ns.kv_events_config.enabled else None)
     scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-                                max_prefill_tokens=ns.max_prefill_tokens, overlap_scheduling=ns.overlap_scheduling,
+                                max_prefill_tokens=ns.max_prefill_tokens,
+                                chunked_prefill_size=ns.chunked_prefill_size, overlap_scheduling=ns.overlap_scheduling,
                                 speculative=ns.speculative_config)
     api_keys = tuple(ns.api_key or ())
     server = ServerConfig(host=ns.host, port=ns.port, log_level=ns.log_level, api_keys=api_keys)

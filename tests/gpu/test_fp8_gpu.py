@@ -113,7 +113,11 @@ def test_the_fused_row_quantization_kernel_equals_the_torch_one(k: int) -> None:
     q, s = quantize_rows(x)
     q_ref, s_ref = quantize_rows_torch(x)
     torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
-    assert (q.float() - q_ref.float()).abs().le(q_ref.float().abs() * 2**-3).all()  # at most one e4m3 step
+    # At most one e4m3 step apart (the kernel multiplies by the scale's reciprocal, torch divides): a
+    # step is at most an eighth of a normal value, and 2**-9 among the subnormals (below 2**-6), where
+    # the rows' smallest values land (their amax sits at 448).
+    step = (q_ref.float().abs() * 2**-3).clamp(min=2**-9)
+    assert (q.float() - q_ref.float()).abs().le(step).all()
 
 
 def test_row_quantization_does_not_depend_on_the_batch() -> None:

@@ -24,7 +24,9 @@ hold `prefill_only_budget` tokens instead: the budget protects running streams, 
 A step takes a waiting prompt beside other prompt tokens only while its prompt tokens stay within
 `max_prefill_tokens` (as SGLang's --max-prefill-tokens): of prompts that arrive together the first
 gets its first token after its own step rather than after all of theirs, and running streams wait
-on shorter steps.
+on shorter steps. A step that running streams wait on holds at most `chunked_prefill_size` prompt
+tokens (as SGLang's --chunked-prefill-size): a longer prompt continues in the next steps, so a
+stream's gap between two tokens stays within a few decode steps.
 When a running request needs a page and none is free, the newest running request is preempted: its
 pages are freed and it later recomputes its prompt and output so far.
 
@@ -158,11 +160,13 @@ class Scheduler:
         update(out, []) anyway.
         """
         budget = self.config.max_num_batched_tokens
-        if self.config.prefill_only_budget is not None and all(
-                not r.output_token_ids and not r.num_output_placeholders for r in self.running):
+        streams_wait = not all(not r.output_token_ids and not r.num_output_placeholders for r in self.running)
+        if self.config.prefill_only_budget is not None and not streams_wait:
             budget = max(budget, self.config.prefill_only_budget)  # no stream waits on this step
         scheduled: list[tuple[Request, int]] = []
         prefill_cap = self.config.max_prefill_tokens or None
+        # The prompt tokens a step may hold while streams wait on it: chunks beyond it go to later steps.
+        chunk_cap = (self.config.chunked_prefill_size or None) if streams_wait else None
         prefill = 0  # prompt tokens of this step (chunks of more than one token)
         preempted = False
         speculate = self.speculator is not None and self.speculator.active(len(self.running))
@@ -185,6 +189,11 @@ class Scheduler:
                 i += 1  # its token in flight is its last (check_stop's LENGTH): nothing more to compute
                 continue
             n = min(num_tokens + pending - request.num_computed_tokens, budget)
+            if n > 1 and chunk_cap is not None:  # a prompt chunk (a decode row is one token)
+                n = min(n, chunk_cap - prefill)
+                if n <= 0:
+                    i += 1  # its next chunk waits for a later step; the streams after it still decode
+                    continue
             while not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + n):
                 victim = self.running[-1]  # never one already scheduled: those are older
                 self._preempt(victim)
@@ -232,6 +241,10 @@ class Scheduler:
             n = min(request.num_tokens - num_cached, budget)
             if prefill and prefill_cap is not None and prefill + n > prefill_cap:
                 break  # it starts in a later step; first come, first served: nobody overtakes it
+            if chunk_cap is not None:
+                n = min(n, chunk_cap - prefill)
+                if n <= 0:
+                    break  # the step holds its prompt tokens; first come, first served
             if not self.kv_cache.allocate(request.request_id, num_cached + n, cached):
                 break  # first come, first served: nobody overtakes a request short of pages
             self.prefix_cache.admitted(request, cached)

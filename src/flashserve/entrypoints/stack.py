@@ -45,10 +45,12 @@ def load_engine(args: ServeArgs, detokenize: bool = True) -> EngineStack:
     stack = build_engine(args.model, args.cache, args.scheduler, cuda_graph=args.cuda_graph, detokenize=detokenize)
     load_lora_modules(stack, args)
     loaded = stack.loaded
+    chunk = stack.engine.scheduler.config.chunked_prefill_size
     logger.info(
-        "model %s ready in %.1f s: %s on %s, max_model_len %d, KV cache %d pages x %d tokens, step budget %d tokens",
+        "model %s ready in %.1f s: %s on %s, max_model_len %d, KV cache %d pages x %d tokens, step budget %d tokens%s",
         loaded.name, time.perf_counter() - t0, loaded.dtype, loaded.device, stack.max_model_len,
         stack.num_pages, stack.page_size, stack.max_num_batched_tokens,
+        f" ({chunk} prompt tokens while streams wait)" if chunk else "",
     )
     return stack
 

@@ -1,0 +1,187 @@
+"""What a prompt chunk costs the streams it shares a step with: engine steps timed by what they carry.
+
+    python -m benchmark.mixed_step --model llama-3.1-8b --batch 48 [--quantization fp8 --kv-cache-dtype fp8]
+
+Keeps `--batch` streams decoding (dummy weights, prompts of `--context` tokens, no prefix cache, the
+server's CUDA graphs and overlap scheduling), then adds one fresh prompt of C tokens at a time, for
+each C of `--chunks`, and times every step as a running stream sees it: from the collection of the
+step before to its own, the stream's inter-token gap. Per C: the decode steps' gap, the gap of the
+step that carries the chunk ("mixed"), and a lone prompt of C tokens in the engine (no streams,
+`tp_prefill.ttft_ms`). Were the chunk and the streams free to share the step's weight reads, the
+mixed step would take about the longer of the two; run one after the other, their sum.
+
+With `--profile-chunk C`, one decode step and one mixed step of C tokens run again without overlap
+scheduling under the PyTorch profiler: each step's kernels by category and its wall time, whose
+difference is host time the device waited for. Prints tables; writes mixed_step.json under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from benchmark import LOCAL_RESULTS
+
+
+class StepClock:
+    """Wraps the engine's schedule and collect: for each step that ran, the time its results came
+    back and its prompt tokens (rows of more than one token, or rows that sample nothing)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.records: list[tuple[float, int, int]] = []  # (collected at, prompt tokens, decode rows)
+        self._pending: list[tuple[int, int]] = []
+        schedule, collect = engine.scheduler.schedule, engine.executor.collect
+
+        def timed_schedule() -> Any:
+            out = schedule()
+            if not out.is_empty:
+                prompt = sum(r.num_new_tokens for r in out.requests if r.num_new_tokens > 1 or not r.sample)
+                self._pending.append((prompt, sum(1 for r in out.requests if r.num_new_tokens == 1 and r.sample)))
+            return out
+
+        def timed_collect(handle: Any) -> Any:
+            result = collect(handle)
+            self.records.append((time.perf_counter(), *self._pending.pop(0)))
+            return result
+
+        engine.scheduler.schedule = timed_schedule
+        engine.executor.collect = timed_collect
+
+    def gaps(self) -> list[tuple[float, int, int, int]]:
+        """(gap ms, prompt tokens, decode rows, prompt tokens of the step before) of each step after the first."""
+        r = self.records
+        return [((r[i][0] - r[i - 1][0]) * 1e3, r[i][1], r[i][2], r[i - 1][1]) for i in range(1, len(r))]
+
+
+def kernel_profile(engine: Any, run_step: Any) -> dict[str, Any]:
+    """One `run_step()` (a whole engine step, overlap off) under the profiler: wall and kernel ms by category."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmark.tp_prefill import category
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run_step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    by_cat: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and not e.key.startswith(("Memcpy", "Memset")):
+            by_cat[category(e.key)] += e.device_time_total / 1e3
+    kernels = sum(by_cat.values())
+    return {"wall_ms": wall, "kernel_ms": kernels, "host_gap_ms": wall - kernels,
+            "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1]))}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--batch", type=int, default=48, help="running streams (the seed protocol's 8B at 24 req/s: about 48)")
+    p.add_argument("--context", type=int, default=1280, help="the streams' prompt tokens")
+    p.add_argument("--chunks", default="256,512,768,1024,1536,2048")
+    p.add_argument("--reps", type=int, default=5, help="mixed steps timed per chunk size")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--piecewise-max-tokens", type=int, default=None, help="default: the server's")
+    p.add_argument("--profile-chunk", type=int, default=1024, help="0: no profile")
+    p.add_argument("--out", default=str(LOCAL_RESULTS))
+    args = p.parse_args(argv)
+    import torch
+
+    from benchmark.tp_prefill import ttft_ms
+    from flashserve.engine.heap import existing_objects_frozen
+    from flashserve.entrypoints.llm import LLM
+    from flashserve.message.sampling_params import SamplingParams
+
+    chunks = [int(c) for c in args.chunks.split(",")]
+    llm = LLM(args.model, load_format="dummy", max_num_seqs=max(64, args.batch + 8), max_model_len=8192,
+              gpu_memory_utilization=0.85, cuda_graph=True, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
+              piecewise_cuda_graph_max_tokens=args.piecewise_max_tokens)  # fmt: skip
+    engine = llm.engine
+    lone = {c: ttft_ms(llm, c, reps=5) for c in chunks}  # before the clock: no streams
+    clock = StepClock(engine)
+    rng = random.Random(7)
+    stream = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(1000, 100000) for _ in range(n)]
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            engine.step()
+
+    def mixed(c: int, tag: str) -> None:
+        engine.add_request(tag, prompt(c), one)
+        while not any(o.request_id == tag and o.finished for o in engine.step()):
+            pass
+
+    with existing_objects_frozen():
+        for i in range(args.batch):
+            engine.add_request(f"s{i}", prompt(args.context), stream)
+        steps(40)  # every stream's prompt computed, then decoding
+        for c in chunks:
+            mixed(c, f"warm{c}")
+        steps(8)
+        start = len(clock.records)
+        for rep in range(args.reps):
+            for c in chunks:
+                steps(6)
+                mixed(c, f"m{c}-{rep}")
+        steps(4)
+    gaps = clock.gaps()[start:]
+    decode = [g for g, pt, _, before in gaps if pt == 0 and before == 0]
+    rows = []
+    for c in chunks:
+        mix = [g for g, pt, _, _ in gaps if pt == c]
+        after = [g for g, pt, _, before in gaps if pt == 0 and before == c]
+        rows.append({"chunk": c, "mixed_ms": statistics.median(mix), "after_ms": statistics.median(after) if after else None,
+                     "lone_ms": lone[c], "samples": len(mix)})  # fmt: skip
+    decode_ms = statistics.median(decode)
+    profiles: dict[str, Any] = {}
+    if args.profile_chunk:
+        engine.overlap, overlap = False, engine.overlap
+        steps(3)
+        profiles["decode"] = kernel_profile(engine, engine.step)
+        profiles["mixed"] = kernel_profile(engine, lambda: (engine.add_request("prof", prompt(args.profile_chunk), one),
+                                                            engine.step()))  # fmt: skip
+        steps(2)
+        engine.overlap = overlap
+    for i in range(args.batch):
+        engine.abort(f"s{i}")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    fmt = f", {args.quantization} weights, {args.kv_cache_dtype} KV" if args.quantization else ""
+    lines = [f"{gpu}: {args.model}{fmt} (dummy weights), {args.batch} streams of {args.context}+ tokens decoding; "
+             f"decode step gap median {decode_ms:.2f} ms ({len(decode)} steps)", "",
+             "| chunk tokens | mixed step gap ms | decode + lone prompt ms | mixed / (decode + lone) | next step gap ms |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        both = decode_ms + r["lone_ms"]
+        after = f"{r['after_ms']:.2f}" if r["after_ms"] is not None else "-"
+        lines.append(f"| {r['chunk']} | {r['mixed_ms']:.2f} | {decode_ms:.2f} + {r['lone_ms']:.2f} | {r['mixed_ms'] / both:.2f} | {after} |")
+    for name, prof in profiles.items():
+        lines += ["", f"{name} step without overlap ({args.profile_chunk if name == 'mixed' else 0} prompt tokens): "
+                  f"wall {prof['wall_ms']:.2f} ms, kernels {prof['kernel_ms']:.2f} ms, host gap {prof['host_gap_ms']:.2f} ms",
+                  "", "| category | ms |", "|---|---|"]  # fmt: skip
+        lines += [f"| {c} | {ms:.2f} |" for c, ms in prof["by_category_ms"].items()]
+    report = "\n".join(lines)
+    print(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mixed_step.json").write_text(json.dumps({"gpu": gpu, "args": vars(args), "decode_ms": decode_ms, "rows": rows,
+                                                     "profiles": profiles, "report": report}, indent=1))  # fmt: skip
+    llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
