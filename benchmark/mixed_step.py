@@ -34,15 +34,17 @@ class StepClock:
     back and its prompt tokens (rows of more than one token, or rows that sample nothing)."""
 
     def __init__(self, engine: Any) -> None:
-        self.records: list[tuple[float, int, int]] = []  # (collected at, prompt tokens, decode rows)
-        self._pending: list[tuple[int, int]] = []
+        # (collected at, prompt tokens, decode rows, prompt tokens that continue a prompt begun before)
+        self.records: list[tuple[float, int, int, int]] = []
+        self._pending: list[tuple[int, int, int]] = []
         schedule, collect = engine.scheduler.schedule, engine.executor.collect
 
         def timed_schedule() -> Any:
             out = schedule()
             if not out.is_empty:
-                prompt = sum(r.num_new_tokens for r in out.requests if r.num_new_tokens > 1 or not r.sample)
-                self._pending.append((prompt, sum(1 for r in out.requests if r.num_new_tokens == 1 and r.sample)))
+                chunks = [r for r in out.requests if r.num_new_tokens > 1 or not r.sample]
+                self._pending.append((sum(r.num_new_tokens for r in chunks), len(out.requests) - len(chunks),
+                                      sum(r.num_new_tokens for r in chunks if r.num_computed_tokens)))
             return out
 
         def timed_collect(handle: Any) -> Any:
@@ -53,10 +55,11 @@ class StepClock:
         engine.scheduler.schedule = timed_schedule
         engine.executor.collect = timed_collect
 
-    def gaps(self) -> list[tuple[float, int, int, int]]:
-        """(gap ms, prompt tokens, decode rows, prompt tokens of the step before) of each step after the first."""
+    def gaps(self) -> list[tuple[float, int, int, int, int]]:
+        """(gap ms, prompt tokens, decode rows, prompt tokens of the step before, continued prompt
+        tokens) of each step after the first."""
         r = self.records
-        return [((r[i][0] - r[i - 1][0]) * 1e3, r[i][1], r[i][2], r[i - 1][1]) for i in range(1, len(r))]
+        return [((r[i][0] - r[i - 1][0]) * 1e3, r[i][1], r[i][2], r[i - 1][1], r[i][3]) for i in range(1, len(r))]
 
 
 def kernel_profile(engine: Any, run_step: Any) -> dict[str, Any]:
@@ -91,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--piecewise-max-tokens", type=int, default=None, help="default: the server's")
+    p.add_argument("--chunked-prefill-size", type=int, default=0,
+                   help="the scheduler's: a chunk larger than it runs in steps of its size, the later ones "
+                        "continuing a prompt begun before (0: no bound, each chunk in one step)")
     p.add_argument("--profile-chunk", type=int, default=1024, help="0: no profile")
     p.add_argument("--out", default=str(LOCAL_RESULTS))
     args = p.parse_args(argv)
@@ -105,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, load_format="dummy", max_num_seqs=max(64, args.batch + 8), max_model_len=8192,
               gpu_memory_utilization=0.85, cuda_graph=True, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
-              piecewise_cuda_graph_max_tokens=args.piecewise_max_tokens)  # fmt: skip
+              piecewise_cuda_graph_max_tokens=args.piecewise_max_tokens,
+              chunked_prefill_size=args.chunked_prefill_size)  # fmt: skip
     engine = llm.engine
-    lone = {c: ttft_ms(llm, c, reps=5) for c in chunks}  # before the clock: no streams
+    # Before the clock, with no stream: a prompt of each size the mixed steps start with, in one step.
+    lone = {n: ttft_ms(llm, n, reps=5) for n in sorted({min(c, args.chunked_prefill_size or c) for c in chunks})}
     clock = StepClock(engine)
     rng = random.Random(7)
     stream = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
@@ -139,21 +147,30 @@ def main(argv: list[str] | None = None) -> int:
                 mixed(c, f"m{c}-{rep}")
         steps(4)
     gaps = clock.gaps()[start:]
-    decode = [g for g, pt, _, before in gaps if pt == 0 and before == 0]
+    decode = [g for g, pt, _, before, _ in gaps if pt == 0 and before == 0]
     rows = []
-    for c in chunks:
-        mix = [g for g, pt, _, _ in gaps if pt == c]
-        after = [g for g, pt, _, before in gaps if pt == 0 and before == c]
-        rows.append({"chunk": c, "mixed_ms": statistics.median(mix), "after_ms": statistics.median(after) if after else None,
-                     "lone_ms": lone[c], "samples": len(mix)})  # fmt: skip
+    for first in lone:  # each size of a prompt's first chunk
+        mix = [g for g, pt, _, _, cont in gaps if pt == first and not cont]
+        after = [g for g, pt, _, before, _ in gaps if pt == 0 and before == first]
+        if mix:
+            rows.append({"chunk": first, "mixed_ms": statistics.median(mix), "after_ms": statistics.median(after) if after else None,
+                         "lone_ms": lone[first], "samples": len(mix)})  # fmt: skip
+    continued: dict[int, list[float]] = defaultdict(list)  # steps that continue a prompt, by their prompt tokens
+    for g, pt, _, _, cont in gaps:
+        if cont:
+            continued[pt].append(g)
     decode_ms = statistics.median(decode)
     profiles: dict[str, Any] = {}
     if args.profile_chunk:
         engine.overlap, overlap = False, engine.overlap
         steps(3)
-        profiles["decode"] = kernel_profile(engine, engine.step)
-        profiles["mixed"] = kernel_profile(engine, lambda: (engine.add_request("prof", prompt(args.profile_chunk), one),
-                                                            engine.step()))  # fmt: skip
+        profiles["decode step"] = kernel_profile(engine, engine.step)
+        first = min(args.profile_chunk, args.chunked_prefill_size or args.profile_chunk)
+        profiles[f"mixed step of {first} fresh prompt tokens"] = kernel_profile(
+            engine, lambda: (engine.add_request("prof", prompt(args.profile_chunk), one), engine.step()))
+        if first < args.profile_chunk:  # the prompt's next chunk, over the pages of its first
+            rest = min(args.profile_chunk - first, args.chunked_prefill_size)
+            profiles[f"mixed step of {rest} prompt tokens after {first}"] = kernel_profile(engine, engine.step)
         steps(2)
         engine.overlap = overlap
     for i in range(args.batch):
@@ -168,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         both = decode_ms + r["lone_ms"]
         after = f"{r['after_ms']:.2f}" if r["after_ms"] is not None else "-"
         lines.append(f"| {r['chunk']} | {r['mixed_ms']:.2f} | {decode_ms:.2f} + {r['lone_ms']:.2f} | {r['mixed_ms'] / both:.2f} | {after} |")
+    if continued:
+        lines += ["", "| prompt tokens of a step continuing a prompt | steps | gap ms |", "|---|---|---|"]
+        lines += [f"| {pt} | {len(g)} | {statistics.median(g):.2f} |" for pt, g in sorted(continued.items())]
     for name, prof in profiles.items():
-        lines += ["", f"{name} step without overlap ({args.profile_chunk if name == 'mixed' else 0} prompt tokens): "
-                  f"wall {prof['wall_ms']:.2f} ms, kernels {prof['kernel_ms']:.2f} ms, host gap {prof['host_gap_ms']:.2f} ms",
+        lines += ["", f"{name}, without overlap: wall {prof['wall_ms']:.2f} ms, kernels {prof['kernel_ms']:.2f} ms, host gap {prof['host_gap_ms']:.2f} ms",
                   "", "| category | ms |", "|---|---|"]  # fmt: skip
         lines += [f"| {c} | {ms:.2f} |" for c, ms in prof["by_category_ms"].items()]
     report = "\n".join(lines)
@@ -178,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mixed_step.json").write_text(json.dumps({"gpu": gpu, "args": vars(args), "decode_ms": decode_ms, "rows": rows,
+                                                     "continued_ms": {pt: statistics.median(g) for pt, g in continued.items()},
                                                      "profiles": profiles, "report": report}, indent=1))  # fmt: skip
     llm.close()
     return 0

@@ -149,13 +149,6 @@ def test_chunked_prefill_size_zero_leaves_a_streams_step_to_the_step_budget() ->
     assert {r.request_id: r.num_new_tokens for r in out.requests} == {"stream": 1, "long": 300}
 
 
-def test_chunked_prefill_size_defaults_to_1024_on_one_gpu_and_no_bound_on_ranks_and_the_cpu() -> None:
-    from flashserve.worker.step_budget import default_chunked_prefill_size
-
-    assert default_chunked_prefill_size("cuda", 1) == 1024
-    assert (default_chunked_prefill_size("cuda", 4), default_chunked_prefill_size("cpu", 1)) == (0, 0)
-
-
 def test_a_negative_chunked_prefill_size_is_refused_with_its_name() -> None:
     import pytest
 

@@ -217,10 +217,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "a step takes another waiting prompt only while its prompt tokens stay within this (like SGLang's "
            "option), so that prompts arriving together get first tokens in turn; a prompt alone may take the "
            "whole step (default: 2048 on a GPU; 0 and on a CPU: no bound)"),
-    Option("--chunked-prefill-size", _count, None, "prompt tokens of a step in which running streams wait "
+    Option("--chunked-prefill-size", _count, 0, "prompt tokens of a step in which running streams wait "
            "for their next token (like SGLang's option): a longer prompt continues in the next steps, so a "
-           "stream's gap between tokens stays near a decode step's; steps no stream waits on are bounded by "
-           "--max-num-batched-tokens only (default: 1024 on one GPU; 0, on several ranks and on a CPU: no bound)"),
+           "stream's gap between tokens stays nearer a decode step's, at the cost of its first token; steps no "
+           "stream waits on are bounded by --max-num-batched-tokens only (default 0: no bound)"),
     Option("--overlap-scheduling", _bool, True, "schedule and launch each step while the device computes "
            "the one before (--no-overlap-scheduling: one after the other)"),
     Option("--speculative-config", _speculative_config, None, "speculative decoding, as vLLM's option (JSON): "

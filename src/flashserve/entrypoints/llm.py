@@ -92,11 +92,6 @@ def build_engine(
         from flashserve.worker.step_budget import default_max_prefill_tokens
 
         scheduler = replace(scheduler, max_prefill_tokens=default_max_prefill_tokens(loaded.device.type))
-    if scheduler.chunked_prefill_size is None:
-        from flashserve.worker.step_budget import default_chunked_prefill_size
-
-        size = default_chunked_prefill_size(loaded.device.type, model.tensor_parallel_size)
-        scheduler = replace(scheduler, chunked_prefill_size=size)
     # loaded.max_model_len is already capped by what the KV cache holds.
     kv_cache = KVCacheManager(num_pages, cache.page_size, cache.enable_prefix_caching, cache.prefix_caching_hash_seed)
     sched = Scheduler(scheduler, kv_cache, loaded.max_model_len, vocab_size=loaded.vocab_size)

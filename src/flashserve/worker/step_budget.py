@@ -31,14 +31,6 @@ GPU_STEP_TOKENS = 2048
 # measured on one H200 at 16 req/s of the 8B, P99 TTFT stayed (226 -> 225 ms: the P99 requests came
 # in bursts no admission order serves faster) and P99 ITL fell from 84 to 56 ms.
 GPU_MAX_PREFILL_TOKENS = 2048
-# `SchedulerConfig.chunked_prefill_size` on one GPU. On one H200 with the 8B and 36-48 streams
-# decoding (`benchmark.mixed_step`), a step carrying 1,024 prompt tokens took 2.7-2.8x a decode
-# step (bf16 20.6 against 7.5 ms, FP8 17.6 against 6.4), one carrying 2,048 tokens 4.7-5.6x. Under
-# the seed protocol a stream's 99th-percentile gap was 4.7-6.3x its median with 2,048-token steps.
-# Several ranks keep steps to the budgets until it is measured there: modelled at the 70B's TP 4
-# step costs (`benchmark.ttft_model --chunked-prefill-size 1024`) P99 TTFT at 4 req/s moves from 345
-# to 351 ms and P99 ITL from 132 to 73 ms, still 6x its median, the prefill being that slow.
-GPU_CHUNKED_PREFILL_SIZE = 1024
 GPU_MAX_NUM_SEQS = 256
 LARGE_GPU_BYTES = 70 * 2**30
 LARGE_GPU_STEP_TOKENS = 8192
@@ -129,9 +121,3 @@ def default_prefill_only_budget(device_type: str, budget: int) -> int | None:
 def default_max_prefill_tokens(device_type: str) -> int:
     """`GPU_MAX_PREFILL_TOKENS` on a GPU; 0 (no bound) on a CPU, whose step budget is smaller."""
     return GPU_MAX_PREFILL_TOKENS if device_type == "cuda" else 0
-
-
-def default_chunked_prefill_size(device_type: str, tensor_parallel_size: int) -> int:
-    """`GPU_CHUNKED_PREFILL_SIZE` on one GPU; 0 (no bound) on several ranks and on a CPU, whose step
-    budget already holds a step to about 0.4 s."""
-    return GPU_CHUNKED_PREFILL_SIZE if device_type == "cuda" and tensor_parallel_size == 1 else 0
