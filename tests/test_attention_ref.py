@@ -167,3 +167,35 @@ def test_fresh_prompts_at_the_end_of_a_step_are_found(cached: list[int], new: li
     rows = [ScheduledRequest(str(i), [1] * n, c, list(range(1 + 10 * i, 11 + 10 * i)), True, params)
             for i, (c, n) in enumerate(zip(cached, new))]  # fmt: skip
     assert BatchLayout.build(rows, 16).fresh_rows_from() == first
+
+
+def layout_of(cached: list[int], new: list[int]) -> BatchLayout:
+    """Request i's pages are 1 + 10 * i, 2 + 10 * i, ...; page size 16."""
+    params = SamplingParams()
+    rows = [ScheduledRequest(str(i), [1] * n, c, list(range(1 + 10 * i, 1 + 10 * i + -(-(c + n) // 16))), True, params)
+            for i, (c, n) in enumerate(zip(cached, new))]  # fmt: skip
+    return BatchLayout.build(rows, 16)
+
+
+@pytest.mark.parametrize(
+    ("cached", "new", "min_tokens", "first"),
+    [
+        ([40, 100, 21, 0], [1, 30, 20, 17], 2, 1),  # a decode, two continued prompts, a fresh one
+        ([40, 100, 21, 0], [1, 30, 20, 17], 25, 3),  # the 20-token chunk is below the minimum: none
+        ([0, 21, 0], [7, 30, 5], 2, 1),  # a fresh prompt before the continued one stops the run
+        ([40, 0], [1, 30], 2, 1),  # a decode before the fresh prompt: no continued prompt
+    ],
+)
+def test_continued_prompts_before_the_fresh_ones_are_found(cached: list[int], new: list[int], min_tokens: int,
+                                                            first: int) -> None:  # fmt: skip
+    """`continued_rows_from` is where the run of prompts continued over cached tokens, just before
+    the fresh ones, starts: those rows may attend apart too, their cached tokens in a second pass."""
+    layout = layout_of(cached, new)
+    assert layout.continued_rows_from(layout.fresh_rows_from(), min_tokens) == first
+
+
+def test_prefix_pages_hold_only_the_tokens_cached_before_the_step() -> None:
+    """A continued prompt's cached tokens: its first pages, the last one filled to where its new
+    tokens start (page-aligned: full), over those rows alone."""
+    layout = layout_of([40, 100, 32], [1, 30, 20])
+    assert layout.prefix_pages(range(1, 3)) == ([0, 7, 9], [11, 12, 13, 14, 15, 16, 17, 21, 22], [4, 16])

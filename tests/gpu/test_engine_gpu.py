@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -148,3 +149,41 @@ def test_a_mixed_load_with_aborts_and_preemption_leaves_every_page_free_or_cache
     kv = engine.scheduler.kv_cache
     assert not engine.has_unfinished and engine.scheduler.num_preemptions > preemptions
     assert kv.num_used_pages == 0 and kv.num_free_pages == kv.capacity and kv.num_cached_pages > 0
+
+
+def test_a_prompt_chunked_beside_a_stream_samples_the_teacher_forced_logits():
+    """With --chunked-prefill-size 1024, a 2,500-token prompt that arrives while a stream decodes
+    runs in chunks; its second chunk continues over the first's pages and attends apart (its own
+    tokens in the ragged pass, the first chunk's in a second pass, merged). Its tokens and the
+    stream's are sampled from the logits a teacher-forced prefill gives."""
+    llm = LLM("llama-3.2-1b", load_format="dummy", num_pages=400, max_num_seqs=8, max_num_batched_tokens=4096,
+              chunked_prefill_size=1024, enable_prefix_caching=False)  # fmt: skip
+    engine, runner = llm.engine, llm.engine.executor
+    recorder = RecordingSampler(runner.sampler)
+    runner.sampler = recorder
+    continued = []
+    plan = runner.backend.plan
+
+    def recording_plan(layout):
+        plan(layout)
+        continued.append(runner.backend._step is not None and runner.backend._step.continued is not None)
+
+    runner.backend.plan = recording_plan
+    rng = random.Random(6)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = {"stream": [rng.randrange(1, 128000) for _ in range(40)],
+               "long": [rng.randrange(1, 128000) for _ in range(2500)]}  # fmt: skip
+    tokens: dict[str, list[int]] = {"stream": [], "long": []}
+    engine.add_request("stream", prompts["stream"], params)
+    for out in engine.step():  # the stream's prompt; from here it decodes
+        tokens[out.request_id] += out.new_token_ids
+    engine.add_request("long", prompts["long"], params)
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    runner.sampler = recorder.inner
+    runner.backend.plan = plan
+    assert any(continued), "no step attended a continued prompt apart"
+    assert [len(tokens[rid]) for rid in prompts] == [12, 12]
+    done = [SimpleNamespace(request_id=rid, prompt_token_ids=prompts[rid], token_ids=tokens[rid]) for rid in prompts]
+    assert_sampled_from_teacher_forced_logits(llm, recorder, done)

@@ -207,8 +207,10 @@ def test_layer_loop_does_not_synchronise_with_the_host(new: list[int]) -> None:
 
 @pytest.fixture
 def fresh_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every step's trailing fresh prompts attended apart, however few their tokens."""
+    """Every step's trailing fresh prompts, and the continued prompts just before them, attended
+    apart, however few their tokens."""
     monkeypatch.setattr(flashinfer_backend, "RAGGED_MIN_TOKENS", 1)
+    monkeypatch.setattr(flashinfer_backend, "CONTINUED_MIN_TOKENS", 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -216,17 +218,56 @@ def fresh_apart(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("group", [1, 4])
 def test_fresh_prompts_attended_apart_match_the_reference(group: int, head_dim: int, dtype: torch.dtype,
                                                           fresh_apart: None) -> None:  # fmt: skip
-    """Fresh prompts after decodes, a chunk after its prefix and other fresh prompts; then only
-    fresh prompts (no row over pages); then decodes over what the fresh prompts appended."""
+    """A fresh prompt and a decode, then a chunk after its prefix and fresh prompts (those four
+    apart); then only fresh prompts (no row over pages); then decodes over what they appended."""
     fi, ref = make_backends(KV_HEADS * group, head_dim, dtype)
     reqs = make_requests([0, 40, 21, 0, 0, 0], seed=group + head_dim)
     run_step(fi, ref, reqs, [9, 1, 30, 17, 1, 45], TOL[dtype], dtype, seed=1)
-    assert fi._step is not None and fi._step.ragged_from == 9 + 1 + 30  # the last three apart
+    assert fi._step is not None and (fi._step.ragged_from, fi._step.continued_to) == (9 + 1, 9 + 1 + 30)
     for s, new in enumerate([[1, 1, 1, 1, 1, 1], [2, 1, 1, 1, 1, 1]]):
         run_step(fi, ref, reqs, new, TOL[dtype], dtype, seed=2 + s)
     fresh = make_requests([0, 0, 0], seed=9)
     run_step(fi, ref, fresh, [5, 16, 40], TOL[dtype], dtype, seed=5)
     assert fi._step is not None and fi._step.ragged is not None and fi._step.wrapper is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_continued_prompts_attended_apart_match_the_reference(group: int, dtype: torch.dtype,
+                                                              fresh_apart: None) -> None:  # fmt: skip
+    """Prompts continued after cached tokens (an unaligned prefix, a page-aligned one) attend their
+    own tokens in the ragged pass and their cached ones in a second pass, merged: beside decodes
+    and a fresh prompt, then alone, as the reference attends them."""
+    fi, ref = make_backends(KV_HEADS * group, 128, dtype)
+    reqs = make_requests([40, 21, 32, 150, 0], seed=7 + group, room=120)
+    run_step(fi, ref, reqs[:4], [1, 30, 18, 1], TOL[dtype], dtype, seed=11)
+    # A decode last: nothing apart, every row in the paged pass.
+    assert fi._step is not None and fi._step.ragged is None
+    run_step(fi, ref, [*reqs[:3], reqs[4]], [1, 30, 18, 25], TOL[dtype], dtype, seed=12)
+    assert fi._step is not None and fi._step.continued is not None
+    assert (fi._step.ragged_from, fi._step.continued_to) == (1, 1 + 30 + 18)
+    run_step(fi, ref, reqs[1:3], [40, 33], TOL[dtype], dtype, seed=13)
+    assert fi._step is not None and fi._step.wrapper is None and fi._step.continued_to == 73
+
+
+def test_continued_prompts_over_an_fp8_cache_attend_their_new_keys_unquantized(fresh_apart: None) -> None:
+    """Over an FP8 cache a continued prompt attends its cached tokens' FP8 copies and the K/V it
+    computes in the step as computed: as a reference over a bf16 cache that holds those FP8 values."""
+    fi, _ = make_backends(KV_HEADS * 4, 128, torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn)
+    _, ref = make_backends(KV_HEADS * 4, 128, torch.bfloat16)
+    for (fk, fv), (rk, rv) in zip(fi.kv_cache, ref.kv_cache):
+        rk.copy_(fk.to(torch.bfloat16))
+        rv.copy_(fv.to(torch.bfloat16))
+    reqs = make_requests([40, 21, 0], seed=13)
+    layout = layout_for(reqs, [1, 48, 30])
+    fi.plan(layout)
+    ref.plan(layout)
+    assert fi._step is not None and fi._step.continued is not None
+    gen = torch.Generator("cuda").manual_seed(4)
+    q = torch.randn(79, KV_HEADS * 4, 128, generator=gen, device="cuda").bfloat16()
+    k, v = (torch.randn(79, KV_HEADS, 128, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    err = rel_err(fi.forward(0, q, k, v), ref.forward(0, q, k, v))
+    assert err < TOL[torch.bfloat16] / 2, f"relative error {err:.2e}"
 
 
 def test_fresh_prompts_over_an_fp8_cache_attend_their_own_keys_unquantized(fresh_apart: None) -> None:

@@ -74,6 +74,38 @@ class BatchLayout:
             first = i
         return first
 
+    def continued_rows_from(self, fresh: int, min_tokens: int) -> int:
+        """The first request of the run of continued prompts just before row `fresh` (the trailing
+        fresh prompts, `fresh_rows_from`): requests of at least `min_tokens` (and 2) new tokens over
+        tokens cached before this step, as a prompt's later chunk is. `fresh` when the row before it
+        is not one. Each attends its own new tokens causally and its cached tokens (`prefix_pages`)
+        in full, which a backend may compute apart and merge."""
+        first = fresh
+        while first > 0:
+            i = first - 1
+            new = self.qo_indptr[i + 1] - self.qo_indptr[i]
+            pages = self.kv_indptr[i + 1] - self.kv_indptr[i]
+            kv_len = (pages - 1) * self.page_size + self.kv_last_page_len[i]
+            if new < max(2, min_tokens) or kv_len == new:
+                break
+            first = i
+        return first
+
+    def prefix_pages(self, rows: range) -> tuple[list[int], list[int], list[int]]:
+        """The pages of the tokens that `rows` had cached before this step, as (kv_indptr,
+        kv_indices, kv_last_page_len) over those rows alone; each row must have some."""
+        indptr, indices, last = [0], [], []
+        for i in rows:
+            pages = self.kv_indptr[i + 1] - self.kv_indptr[i]
+            cached = (pages - 1) * self.page_size + self.kv_last_page_len[i] - (self.qo_indptr[i + 1] - self.qo_indptr[i])
+            if cached <= 0:
+                raise ValueError(f"row {i} has no cached tokens")
+            n = -(-cached // self.page_size)
+            indices.extend(self.kv_indices[self.kv_indptr[i] : self.kv_indptr[i] + n])
+            indptr.append(indptr[-1] + n)
+            last.append(last_page_len(cached, self.page_size))
+        return indptr, indices, last
+
     def saved_kv_reads(self) -> int:
         """KV tokens the prefix level reads once per group instead of once per member (0 without it)."""
         return 0 if self.prefix is None else self.prefix.saved_page_reads() * self.page_size

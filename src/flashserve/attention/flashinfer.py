@@ -67,6 +67,14 @@ PREFILL_BACKEND = "fa2"
 # 40 decode rows a prompt of 2,048 tokens 237 -> 142 / 291 -> 137 us, but one of 512 81 -> 96 /
 # 108 -> 134 us (the rows' own pass and its launch).
 RAGGED_MIN_TOKENS = 512
+# Continued prompts (`BatchLayout.continued_rows_from`: a prompt's later chunk, over its tokens cached
+# before the step) of at least this many tokens just before the fresh ones attend apart with them:
+# their own tokens in the ragged pass, their cached ones in a second, non-causal pass over pages
+# (`_continued`), the two merged by their log-sum-exps. In the paged pass beside 48 decode rows of
+# the 8B on an H200, a 1,024-token chunk after 1,024 cached tokens took 9.9 ms of attention a step
+# over an FP8 cache against 4.1 for the same chunk fresh (bf16: 6.8 against 3.6;
+# `benchmark.mixed_step`, results under `benchmark/results/NVIDIA_H200/mixed_step/`).
+CONTINUED_MIN_TOKENS = 128
 
 
 class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
@@ -153,6 +161,7 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             self._workspace, "NHD", use_tensor_cores=True, backend="fa2"
         )
         self._prefix: Any = None  # cascade prefix passes' wrapper, built when first needed
+        self._continued: Any = None  # continued prompts' cached-token pass, built when first needed
         hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
         # FA3 for plain prefill steps where it can run (see PREFILL_BACKEND): Hopper, and q, K/V and
         # output in one 16-bit dtype (cascade levels write float16, an FP8 cache mixes dtypes).
@@ -185,10 +194,21 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             assert segments is not None  # without a slot count there is no limit
             levels = [prefix.suffix_kv_indptr, prefix.suffix_kv_indices, segments.qo_indptr, segments.kv_indptr,
                       segments.kv_last_page_len, segments.kv_indices, np.frombuffer(segments.merge, dtype=np.uint8)]
+        # Rows [apart, batch) attend apart (`RAGGED_MIN_TOKENS`): fresh prompts from `fresh`, and the
+        # continued prompts before them (`CONTINUED_MIN_TOKENS`), whose cached tokens' pages go up too.
+        fresh = apart = layout.batch_size
+        continued: list[Sequence[int]] = []
+        if not layout.is_decode_only and not levels:
+            fresh = layout.fresh_rows_from()
+            apart = layout.continued_rows_from(fresh, CONTINUED_MIN_TOKENS)
+            if layout.num_tokens - int(qo_indptr[apart]) < (RAGGED_MIN_TOKENS if apart == 0 else 2 * RAGGED_MIN_TOKENS):
+                fresh = apart = layout.batch_size  # too few tokens: every row in the paged pass
+            elif apart < fresh:
+                continued = list(layout.prefix_pages(range(apart, fresh)))
         self._staging.begin()
         host, dev = self._staging.upload(
             [qo_indptr, layout.kv_indptr, layout.kv_last_page_len, layout.kv_indices, batch_indices, layout.positions,
-             *levels]
+             *levels, *continued]
         )
         qo_h, kv_indptr_h, last_h = host[:3]
         kv_indptr_d, last_d, indices_d, batch_d, pos_d = dev[1:6]
@@ -200,20 +220,22 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
             self._step = StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d)
             self._staging.end()
             return
-        fresh = layout.batch_size if layout.is_decode_only or levels else layout.fresh_rows_from()
-        fresh_from = int(qo_indptr[fresh])  # the fresh prompts' first token
-        if layout.num_tokens - fresh_from >= (RAGGED_MIN_TOKENS if fresh == 0 else 2 * RAGGED_MIN_TOKENS):
-            # The fresh prompts over their own k and v; the rows before them over their pages.
-            self._plan_ragged(qo_h[fresh:] - fresh_from)
-            wrapper = None
-            if fresh:
+        if apart < layout.batch_size:
+            # The rows from `apart` over their own k and v; the rows before them over their pages.
+            apart_from = int(qo_indptr[apart])  # the first token attended apart
+            self._plan_ragged(qo_h[apart:] - apart_from)
+            wrapper = prior = None
+            if apart:
                 wrapper = self._prefill_fa3 if self._prefill_fa3 is not None else self._prefill
-                self._plan_wrapper(wrapper, (qo_h[: fresh + 1], kv_indptr_h[: fresh + 1], indices_d, last_h[:fresh]),
-                                   {**self._plan_kwargs(), "causal": True})  # fmt: skip
-            else:
-                self._staging.end()
+                self._plan_wrapper(wrapper, (qo_h[: apart + 1], kv_indptr_h[: apart + 1], indices_d, last_h[:apart]),
+                                   {**self._plan_kwargs(), "causal": True}, last=False)  # fmt: skip
+            if continued:  # their cached tokens, all before their new ones: non-causal
+                prior = self._continued_wrapper()
+                self._plan_wrapper(prior, (qo_h[apart : fresh + 1] - apart_from, host[6], dev[7], host[8]),
+                                   {**self._plan_kwargs(), "causal": False}, last=False)  # fmt: skip
+            self._staging.end()
             self._step = StepIndices(wrapper, batch_d, pos_d, indices_d, kv_indptr_d, last_d, ragged=self._ragged,
-                                     ragged_from=fresh_from)  # fmt: skip
+                                     ragged_from=apart_from, continued=prior, continued_to=int(qo_indptr[fresh]))  # fmt: skip
             return
         if layout.is_decode_only:
             wrapper, args = self._decode, (attend_indptr_h, attend_indices_d, last_h)
@@ -244,6 +266,12 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         splits = triton_decode.max_splits(batch_size, self.num_kv_heads, self.device)
         return TritonDecode(kv_indptr, kv_indices, last, self.sm_scale, splits)
 
+    def _continued_wrapper(self) -> Any:
+        """The prefill wrapper of continued prompts' cached-token passes, built when first needed."""
+        if self._continued is None:
+            self._continued = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
+        return self._continued
+
     def _cascade_prefix_wrapper(self) -> Any:
         """The prefill wrapper of cascade prefix passes, built on the first cascade step."""
         if self._prefix is None:
@@ -256,9 +284,12 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         return {"q_data_type": self.dtype, "kv_data_type": self.cache_dtype, "o_data_type": out_dtype or self.dtype,
                 "sm_scale": self.sm_scale, "non_blocking": True}
 
-    def _plan_wrapper(self, wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _plan_wrapper(self, wrapper: Any, args: tuple[Any, ...], kwargs: dict[str, Any], last: bool = True) -> None:
+        """Plans a paged wrapper from the step's staged arrays; `last`: the step's last plan, after
+        which the staging buffer may be reused."""
         wrapper.plan(*args, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, **kwargs)
-        self._staging.end()
+        if last:
+            self._staging.end()
 
     def _plan_ragged(self, indptr: torch.Tensor) -> None:
         """Plans the fresh prompts' pass: causal over their own tokens (`indptr`, host int32, for
@@ -318,15 +349,22 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
 
     def _fresh_apart(self, step: StepIndices, cache: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-        """A step planned with its fresh prompts apart: the rows before them over their pages, the
-        fresh prompts over their own k and v; each writes its rows of one output."""
+        """A step planned with its last rows apart: the rows before them over their pages, the rows
+        apart over their own k and v, each writing its rows of one output; continued prompts' rows
+        then merge in their pass over their cached tokens, by the two passes' log-sum-exps."""
         into = out if out is not None and out_dtype == self.dtype else torch.empty_like(q)
         t = step.ragged_from
         if step.wrapper is not None:
             step.wrapper.run(q[:t], cache, out=into[:t])
         if k.dtype != self.dtype:
             k, v = k.to(self.dtype), v.to(self.dtype)
-        step.ragged.run(q[t:], k[t:], v[t:], out=into[t:])
+        if step.continued is None:
+            step.ragged.run(q[t:], k[t:], v[t:], out=into[t:])
+        else:
+            c = step.continued_to
+            _, lse = step.ragged.run(q[t:], k[t:], v[t:], out=into[t:], return_lse=True)
+            prior, prior_lse = step.continued.run(q[t:c], cache, return_lse=True)
+            self._fi.merge_state_in_place(into[t:c], lse[: c - t], prior, prior_lse)
         if out is not None and into is not out:
             return out.copy_(into)
         return into if into.dtype == out_dtype else into.to(out_dtype)

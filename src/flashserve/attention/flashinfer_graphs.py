@@ -61,6 +61,10 @@ class StepIndices:
     # rows before over their pages.
     ragged: Any = None
     ragged_from: int = 0
+    # Continued prompts among the rows apart (`CONTINUED_MIN_TOKENS`), tokens [ragged_from,
+    # continued_to): `continued` attends them to their cached tokens, merged into the ragged pass's.
+    continued: Any = None
+    continued_to: int = 0
 
 
 def prefix_slots(batch_size: int) -> int:
