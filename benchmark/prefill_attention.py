@@ -1,12 +1,13 @@
 """Prefill attention alone, per layer call: FlashInfer's paged prefill (FA2, or FA3 on Hopper) against
-fresh prompts attended apart (the backend's default from `RAGGED_MIN_TOKENS` tokens: the ragged pass
-over the step's own K/V, FA3 on Hopper, and the other rows over their pages).
+the step's last prompts attended apart (the backend's default from `RAGGED_MIN_TOKENS` tokens: the
+ragged pass over the step's own K/V, FA3 on Hopper, a second pass over their cached tokens' pages
+for prompts that continue, merged, and the other rows over their pages).
 
 Three steps of n new tokens, through `FlashInferAttentionBackend` as a step runs them (K/V appended
 to the pages, then the planned passes), with the Llama-3.1-8B heads (32 query, 8 KV, head dim 128),
-bf16 queries and a bf16 or FP8 KV cache: a lone prompt, a chunk after a cached prefix of n tokens
-(never apart: it has history), and 40 decode rows over 1,000 cached tokens each beside a fresh
-prompt of n tokens. Beside each time, the attention FLOPs per second (causal: half the score matrix
+bf16 queries and a bf16 or FP8 KV cache: a lone prompt, a chunk after a cached prefix of n tokens,
+and 40 decode rows over 1,000 cached tokens each beside a fresh prompt of n tokens or beside a
+chunk of n tokens after n cached ones. Beside each time, the attention FLOPs per second (causal: half the score matrix
 of the new tokens) and the largest error against a float32 attention of the same q, K and V.
 
     python -m benchmark.prefill_attention [--lens 512,2048,8192]
@@ -29,13 +30,14 @@ PAGE = 16
 HEADS, KV_HEADS, DIM = 32, 8, 128
 DECODES = 40  # the mixed step's decode rows
 DECODE_CONTEXT = 1000  # tokens each decode row has cached
-MODES = {"paged fa2": ("fa2", False), "paged fa3": ("fa3", False), "fresh apart": ("fa2", True)}
+MODES = {"paged fa2": ("fa2", False), "paged fa3": ("fa3", False), "apart": ("fa2", True)}
 
 
 def steps(n: int) -> dict[str, list[tuple[int, int]]]:
     """Each case's rows as (cached tokens, new tokens)."""
     return {"lone prompt": [(0, n)], "after a prefix": [(n, n)],
-            f"{DECODES} decodes + prompt": [(DECODE_CONTEXT, 1)] * DECODES + [(0, n)]}  # fmt: skip
+            f"{DECODES} decodes + prompt": [(DECODE_CONTEXT, 1)] * DECODES + [(0, n)],
+            f"{DECODES} decodes + chunk after a prefix": [(DECODE_CONTEXT, 1)] * DECODES + [(n, n)]}  # fmt: skip
 
 
 def layout(rows: list[tuple[int, int]], new: bool = True) -> Any:
@@ -128,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in MODES:
                     if mode == "paged fa3" and cache != torch.bfloat16:
                         continue  # FA3 does not read an FP8 cache beside bf16 queries
-                    if mode == "fresh apart" and case == "after a prefix":
-                        continue  # nothing fresh: the same as paged fa2
                     try:
                         rows.append(measure(mode, case, step, cache, seed=n))
                     except Exception as exc:  # noqa: BLE001 - one kernel failing must not end the table
