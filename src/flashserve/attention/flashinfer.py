@@ -67,14 +67,27 @@ PREFILL_BACKEND = "fa2"
 # 40 decode rows a prompt of 2,048 tokens 237 -> 142 / 291 -> 137 us, but one of 512 81 -> 96 /
 # 108 -> 134 us (the rows' own pass and its launch).
 RAGGED_MIN_TOKENS = 512
-# Continued prompts (`BatchLayout.continued_rows_from`: a prompt's later chunk, over its tokens cached
-# before the step) of at least this many tokens just before the fresh ones attend apart with them:
+# Continued prompts (`BatchLayout.continued_rows_from`: a prompt's later chunk, or the rest of a prompt
+# after its prefix-cache hit, over its tokens cached before the step) of at least this many tokens
+# just before the fresh ones attend apart with them (`apart_min_tokens`):
 # their own tokens in the ragged pass, their cached ones in a second, non-causal pass over pages
 # (`_continued`), the two merged by their log-sum-exps. In the paged pass beside 48 decode rows of
 # the 8B on an H200, a 1,024-token chunk after 1,024 cached tokens took 9.9 ms of attention a step
 # over an FP8 cache against 4.1 for the same chunk fresh (bf16: 6.8 against 3.6;
 # `benchmark.mixed_step`, results under `benchmark/results/NVIDIA_H200/mixed_step/`).
 CONTINUED_MIN_TOKENS = 128
+
+
+def apart_min_tokens(first: int, continued: bool) -> int:
+    """The tokens that rows from `first` on must hold to attend apart: `RAGGED_MIN_TOKENS`, twice as
+    many with rows over pages before them, four times as many for continued prompts alone. Per layer
+    call on an H200, 8B heads (`benchmark.prefill_attention`), paged FA2 -> apart, bf16 / FP8 cache: a
+    chunk of 1,024 tokens after 1,024 cached ones beside 40 decode rows 202 -> 182 / 257 -> 223 us, of
+    2,048 after 2,048 452 -> 368 / 596 -> 418 us; alone, of 1,024 tokens 112 -> 186 / 134 -> 225 us
+    (three launches where the paged pass is already efficient), of 2,048 384 -> 308 / 485 -> 356 us."""
+    if first == 0:
+        return 4 * RAGGED_MIN_TOKENS if continued else RAGGED_MIN_TOKENS
+    return 2 * RAGGED_MIN_TOKENS
 
 
 class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
@@ -201,7 +214,9 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         if not layout.is_decode_only and not levels:
             fresh = layout.fresh_rows_from()
             apart = layout.continued_rows_from(fresh, CONTINUED_MIN_TOKENS)
-            if layout.num_tokens - int(qo_indptr[apart]) < (RAGGED_MIN_TOKENS if apart == 0 else 2 * RAGGED_MIN_TOKENS):
+            if apart < fresh and layout.num_tokens - int(qo_indptr[apart]) < apart_min_tokens(apart, True):
+                apart = fresh  # too few tokens for the continued prompts' passes: fresh prompts only
+            if layout.num_tokens - int(qo_indptr[apart]) < apart_min_tokens(apart, apart < fresh):
                 fresh = apart = layout.batch_size  # too few tokens: every row in the paged pass
             elif apart < fresh:
                 continued = list(layout.prefix_pages(range(apart, fresh)))
