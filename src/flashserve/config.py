@@ -189,9 +189,9 @@ class SchedulerConfig:
     # next steps, so that no stream waits on a step much longer than a decode step. Steps that no
     # stream waits on are bounded by the step budgets only. 0 (the default): no bound. Measured under
     # the seed protocol on one H200 (the 8B), 1,024 raised P99 TTFT from 145 to 247 ms with FP8 and
-    # from 184 to 257 in bf16 while P99 ITL fell only from 34 to 31 and 48 to 37 ms: a prompt's later
-    # chunks attend over their pages beside the decode rows, not apart as a fresh prompt does
-    # (`attention/flashinfer.py` RAGGED_MIN_TOKENS), and two steps cost more than one.
+    # from 184 to 257 in bf16 while P99 ITL fell only from 34 to 31 and 48 to 37 ms; with later chunks
+    # attended apart since (`attention/flashinfer.py` CONTINUED_MIN_TOKENS), bf16 still measured 286:
+    # most prompts take two steps, which cost more than one (`benchmark/results/NVIDIA_H200/mixed_step/`).
     chunked_prefill_size: int = 0
     # Schedule and launch the next step while the device computes the last one; its decode tokens
     # come from the last step's sampled ids on the device (`engine/llm_engine.py`).

@@ -332,7 +332,7 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         out_dtype = q.dtype
         cache = self.kv_cache[layer]
         if step.ragged is not None and rope is not None:
-            q, k = self._rotate(q, k, rope)  # the fresh prompts' pass reads k rotated
+            q, k = self._rotate(q, k, rope)  # the ragged pass reads k rotated
             rope = None
         fresh_k, fresh_v = k, v  # before the append casts them to an FP8 cache's dtype
         if not append_paged(q, k, v, step.batch_indices, step.positions, step.kv_indices, step.kv_indptr, cache, rope):
@@ -347,7 +347,7 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         if q.dtype != self.dtype:
             q = q.to(self.dtype)
         if step.ragged is not None:
-            return self._fresh_apart(step, cache, q, fresh_k, fresh_v, out, out_dtype)
+            return self._apart(step, cache, q, fresh_k, fresh_v, out, out_dtype)
         if out is not None and step.prefix_wrapper is None and out_dtype == self.dtype \
                 and not isinstance(step.wrapper, TritonDecode):
             return step.wrapper.run(q, cache, out=out)
@@ -362,7 +362,7 @@ class FlashInferAttentionBackend(CudaGraphDecode, CudaGraphVerify):
         q, k = apply_rope_torch(rope.positions, q.reshape(t, -1), k.reshape(t, -1), d, rope.cos_sin)
         return q.view(t, -1, d), k.view(t, -1, d)
 
-    def _fresh_apart(self, step: StepIndices, cache: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+    def _apart(self, step: StepIndices, cache: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """A step planned with its last rows apart: the rows before them over their pages, the rows
         apart over their own k and v, each writing its rows of one output; continued prompts' rows

@@ -160,7 +160,9 @@ class Scheduler:
         update(out, []) anyway.
         """
         budget = self.config.max_num_batched_tokens
-        streams_wait = not all(not r.output_token_ids and not r.num_output_placeholders for r in self.running)
+        # Whether a running stream waits on this step: only asked where a budget depends on it.
+        streams_wait = bool(self.config.prefill_only_budget is not None or self.config.chunked_prefill_size) and any(
+            r.output_token_ids or r.num_output_placeholders for r in self.running)
         if self.config.prefill_only_budget is not None and not streams_wait:
             budget = max(budget, self.config.prefill_only_budget)  # no stream waits on this step
         scheduled: list[tuple[Request, int]] = []
