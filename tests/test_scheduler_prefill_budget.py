@@ -12,9 +12,13 @@ from flashserve.kv_cache.manager import KVCacheManager
 from flashserve.worker.step_budget import default_max_prefill_tokens
 
 
+def scheduler(**config: object) -> Scheduler:
+    """A scheduler of 8 sequences over 64 pages of 16 tokens, with `config`'s budgets."""
+    return Scheduler(SchedulerConfig(max_num_seqs=8, **config), KVCacheManager(64, 16, False), 4096)  # type: ignore[arg-type]
+
+
 def make(prefill_only: int | None) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, prefill_only_budget=prefill_only)
-    return Scheduler(config, KVCacheManager(64, 16, False), 4096)
+    return scheduler(max_num_batched_tokens=32, prefill_only_budget=prefill_only)
 
 
 def test_a_lone_prompt_prefills_in_one_step_under_the_prefill_only_budget() -> None:
@@ -50,8 +54,7 @@ def test_two_prompts_arriving_together_share_one_prefill_only_step() -> None:
 
 
 def capped(max_prefill: int) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_prefill_tokens=max_prefill)
-    return Scheduler(config, KVCacheManager(64, 16, False), 4096)
+    return scheduler(max_num_batched_tokens=512, max_prefill_tokens=max_prefill)
 
 
 def test_prompts_arriving_together_start_in_turn_when_together_they_pass_max_prefill_tokens() -> None:
@@ -78,8 +81,7 @@ def test_a_prompt_alone_takes_the_whole_step_budget_beyond_max_prefill_tokens() 
 
 
 def test_a_running_prompts_chunk_holds_later_prompts_back_past_max_prefill_tokens() -> None:
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_prefill_tokens=32)
-    s = Scheduler(config, KVCacheManager(64, 16, False), 4096)
+    s = scheduler(max_num_batched_tokens=256, max_prefill_tokens=32)
     s.add_request(req("long", prompt_len=300))
     step(s)  # its first chunk: 256 tokens
     s.add_request(req("short", prompt_len=8))
@@ -106,10 +108,8 @@ def test_a_negative_max_prefill_tokens_is_refused_with_its_name() -> None:
         SchedulerConfig(max_prefill_tokens=-1)
 
 
-def chunked(size: int, prefill_only: int | None = None) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, chunked_prefill_size=size,
-                             prefill_only_budget=prefill_only)
-    return Scheduler(config, KVCacheManager(64, 16, False), 4096)
+def chunked(size: int) -> Scheduler:
+    return scheduler(max_num_batched_tokens=512, chunked_prefill_size=size)
 
 
 def test_while_a_stream_decodes_a_long_prompt_is_chunked_at_chunked_prefill_size() -> None:

@@ -51,12 +51,17 @@ class BatchLayout:
     def is_decode_only(self) -> bool:
         return self.num_tokens == self.batch_size
 
+    def kv_len(self, i: int) -> int:
+        """Tokens in the cache for request `i` after the append."""
+        return (self.kv_indptr[i + 1] - self.kv_indptr[i] - 1) * self.page_size + self.kv_last_page_len[i]
+
+    def cached_len(self, i: int) -> int:
+        """Tokens request `i` had in the cache before this step."""
+        return self.kv_len(i) - (self.qo_indptr[i + 1] - self.qo_indptr[i])
+
     def kv_lens(self) -> list[int]:
         """Tokens in the cache per request after the append."""
-        return [
-            (self.kv_indptr[i + 1] - self.kv_indptr[i] - 1) * self.page_size + self.kv_last_page_len[i]
-            for i in range(self.batch_size)
-        ]
+        return [self.kv_len(i) for i in range(self.batch_size)]
 
     def fresh_rows_from(self) -> int:
         """The first request of the step's trailing run of fresh prompts: requests whose new tokens
@@ -65,13 +70,8 @@ class BatchLayout:
         puts running requests first and newly admitted ones last, so a step's fresh prompts are
         its last rows.)"""
         first = self.batch_size
-        while first > 0:
-            i = first - 1
-            pages = self.kv_indptr[i + 1] - self.kv_indptr[i]
-            kv_len = (pages - 1) * self.page_size + self.kv_last_page_len[i]
-            if kv_len != self.qo_indptr[i + 1] - self.qo_indptr[i]:
-                break
-            first = i
+        while first > 0 and self.cached_len(first - 1) == 0:
+            first -= 1
         return first
 
     def continued_rows_from(self, fresh: int, min_tokens: int) -> int:
@@ -83,10 +83,7 @@ class BatchLayout:
         first = fresh
         while first > 0:
             i = first - 1
-            new = self.qo_indptr[i + 1] - self.qo_indptr[i]
-            pages = self.kv_indptr[i + 1] - self.kv_indptr[i]
-            kv_len = (pages - 1) * self.page_size + self.kv_last_page_len[i]
-            if new < max(2, min_tokens) or kv_len == new:
+            if self.qo_indptr[i + 1] - self.qo_indptr[i] < max(2, min_tokens) or self.cached_len(i) == 0:
                 break
             first = i
         return first
@@ -96,8 +93,7 @@ class BatchLayout:
         kv_indices, kv_last_page_len) over those rows alone; each row must have some."""
         indptr, indices, last = [0], [], []
         for i in rows:
-            pages = self.kv_indptr[i + 1] - self.kv_indptr[i]
-            cached = (pages - 1) * self.page_size + self.kv_last_page_len[i] - (self.qo_indptr[i + 1] - self.qo_indptr[i])
+            cached = self.cached_len(i)
             if cached <= 0:
                 raise ValueError(f"row {i} has no cached tokens")
             n = -(-cached // self.page_size)
