@@ -50,6 +50,12 @@ def test_the_split_decode_attention_matches_float32_attention(measured: dict[str
     assert measured[f"decode_{cache}_{splits}_splits_err"] < 1e-5
 
 
+def test_the_split_decode_attention_of_a_bfloat16_q_over_an_fp8_cache_matches_float32_attention(
+        measured: dict[str, Any]) -> None:
+    # q and the products in float16 (the cache widened to it), the output rounded to bfloat16 once
+    assert measured["decode_fp8_bf16_q_err"] < 2**-7
+
+
 def test_the_fused_norm_adds_the_scaled_gemm_output_into_the_residual(measured: dict[str, Any]) -> None:
     assert measured["norm_residual_err"] < 1e-6
 

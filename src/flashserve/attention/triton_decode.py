@@ -14,9 +14,11 @@ Numerics: scores and the softmax in float32 as FlashInfer's; the probabilities e
 with V in float16 for a float16 q, as FlashInfer's do, and as TF32 for a bfloat16 q (10 mantissa
 bits where FlashInfer rounds them to bfloat16's 7: against a float32 attention the error of a
 bfloat16 decode step was half FlashInfer's on an H100); the splits stay float32 until the merge,
-which rounds once. An FP8 cache is widened to q's dtype (scale 1). The cache is the NHD
-layout (K, V) each [pages, page_size, Hkv, D] with FlashInfer's kv_indptr / kv_indices /
-kv_last_page_len.
+which rounds once. An FP8 cache (scale 1) is widened to q's dtype, but to float16 for a bfloat16 q,
+which is rounded to float16 for it (clamped to float16's range): e4m3 widens to float16 in one
+instruction on sm_89 and later, where widening it to bfloat16 costs several, and float16 keeps all
+of e4m3's values and 3 more of q's mantissa bits than bfloat16. The cache is the NHD layout (K, V)
+each [pages, page_size, Hkv, D] with FlashInfer's kv_indptr / kv_indices / kv_last_page_len.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def _kernels() -> Any:
     def decode_split_kernel(q_ptr, kc_ptr, vc_ptr, indptr_ptr, indices_ptr, last_ptr, o_ptr, lse_ptr, q_stride,
                scale_log2, PAGE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-               PDL: tl.constexpr):  # fmt: skip
+               PDL: tl.constexpr, F16_KV: tl.constexpr):  # fmt: skip
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // HKV
@@ -85,6 +87,8 @@ def _kernels() -> Any:
             heads = h * G + rg
             q = tl.load(q_ptr + b.to(tl.int64) * q_stride + heads[:, None] * D + rd[None, :], mask=g_in[:, None],
                         other=0.0)  # fmt: skip
+            if F16_KV:  # an FP8 cache: K and V widen to float16, so q and the products are float16
+                q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # float16's largest
             m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
             l = tl.zeros((BLOCK_G,), tl.float32)
             acc = tl.zeros((BLOCK_G, D), tl.float32)
@@ -137,11 +141,12 @@ def _kernels() -> Any:
 
 def decode_attention(
     q: Tensor, cache: tuple[Tensor, Tensor], kv_indptr: Tensor, kv_indices: Tensor, kv_last_page_len: Tensor,
-    sm_scale: float, splits: int,
+    sm_scale: float, splits: int, block_t: int = BLOCK_T, num_warps: int = 4, num_stages: int | None = None,
 ) -> Tensor:  # fmt: skip
     """q [B, Hq, D] (one new token a request, already in the cache) -> [B, Hq, D] in q's dtype:
     each request's query heads over its pages. `splits`: `max_splits` for the launch (a power of
-    two; fixed for a CUDA graph)."""
+    two; fixed for a CUDA graph). `block_t`, `num_warps`, `num_stages`: the split kernel's tile of
+    tokens and its launch (None: Triton's default stages)."""
     split_kernel, merge_kernel = _kernels()
     k_cache, v_cache = cache
     b, hq, d = q.shape
@@ -152,11 +157,14 @@ def decode_attention(
     o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
-    common = {"PAGE": page, "D": d, "BLOCK_T": BLOCK_T, "MAX_SPLITS": splits, "MIN_CHUNK": MIN_CHUNK,
+    common = {"PAGE": page, "D": d, "BLOCK_T": block_t, "MAX_SPLITS": splits, "MIN_CHUNK": max(MIN_CHUNK, block_t),
               **triton_pdl(q.device)}
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    f16_kv = k_cache.element_size() == 1 and q.dtype == torch.bfloat16  # an FP8 cache, a bfloat16 q
     split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, o, lse, q.stride(0), sm_scale * _LOG2E,
-        HKV=hkv, G=g, BLOCK_G=max(16, 1 << max(g - 1, 0).bit_length()), num_warps=4, **common,
+        HKV=hkv, G=g, BLOCK_G=max(16, 1 << max(g - 1, 0).bit_length()), F16_KV=f16_kv, num_warps=num_warps,
+        **stages, **common,
     )  # fmt: skip
     merge_kernel[(b * hq,)](o, lse, out, kv_indptr, kv_last_page_len, out.stride(0), HQ=hq, num_warps=4, **common)
     return out
