@@ -9,12 +9,18 @@ while the step's prompt tokens stay within it too; with `--chunked-prefill-size`
 streams wait on holds at most that many prompt tokens). A step's time is the
 longer of a decode step (the weights read once, `--decode-ms`, plus `--row-ms` a decode row) and
 its prefill tokens' compute (`--prefill-ms-per-token` each), plus `--row-ms` a decode row: a
-prefill chunk reads the same weights while it computes. Overlap scheduling, the host and the
-network are left out, so the figures are what the step costs alone allow.
+prefill chunk reads the same weights while it computes. With `--additive` it is their sum instead
+(plus `--prefill-step-ms` for a step with prompt tokens), as `benchmark.mixed_step` measured steps
+that carry both: the decode rows' attention does not hide under the prompt's GEMMs. `--overlap`
+schedules each step as the one before begins. The host and the network are left out, so the
+figures are what the step costs alone allow.
 
     python -m benchmark.ttft_model                        # the 70B at TP 4 on H200s, as measured
     python -m benchmark.ttft_model --decode-ms 4.9 --prefill-ms-per-token 0.0261 --floor-ms-per-token 0.0183 \\
         --rates 12 16 20 24                              # the 8B on one H200
+    python -m benchmark.ttft_model --additive --overlap --decode-ms 3.35 --row-ms 0.0625 --prefill-step-ms 1.9 \\
+        --prefill-ms-per-token 0.0105 --floor-ms-per-token 0.0105 --max-prefill-tokens 2048 --rates 24 \\
+        --chunked-prefill-size 1024 [--deadline-ms 80]   # the FP8 8B on one H200, from its mixed steps
 
 For each rate: median and P99 TTFT and ITL at the measured prefill speed (`--prefill-ms-per-token`,
 a lone 2,048-token prompt's TTFT over 2,048) and at fractions of the way to its compute floor
@@ -32,9 +38,16 @@ from typing import Any
 
 
 def simulate(rate: float, prefill_ms_per_token: float, decode_ms: float, row_ms: float, budget: int,
-             num_requests: int, seed: int, max_prefill: int = 0, chunk: int = 0) -> dict[str, float]:  # fmt: skip
+             num_requests: int, seed: int, max_prefill: int = 0, chunk: int = 0, additive: bool = False,
+             prefill_step_ms: float = 0.0, deadline_ms: float = 0.0, overlap: bool = False) -> dict[str, float]:  # fmt: skip
     """Median and P99 TTFT and ITL (ms) of `num_requests` Poisson arrivals at `rate` req/s.
-    `max_prefill`: the scheduler's `max_prefill_tokens`, `chunk` its `chunked_prefill_size` (0: no bound)."""
+    `max_prefill`: the scheduler's `max_prefill_tokens`, `chunk` its `chunked_prefill_size` (0: no bound).
+    `additive`: a step costs `decode_ms` + `row_ms` a decode row + (`prefill_step_ms` + its prompt
+    tokens' compute, if it has any), the mixed steps of `benchmark.mixed_step`; otherwise the longer
+    of a decode step and the prompt tokens' compute, plus the rows. `deadline_ms`: a step that streams
+    wait on holds more than `chunk` prompt tokens (up to `max_prefill`) while a prompt that has no
+    first token yet has waited that long. `overlap`: each step is scheduled when the one before it
+    starts (the engine's overlap scheduling), so it admits only prompts that had arrived by then."""
     rng = random.Random(seed)
     t, arrivals = 0.0, []
     for _ in range(num_requests):
@@ -45,13 +58,18 @@ def simulate(rate: float, prefill_ms_per_token: float, decode_ms: float, row_ms:
     ttft: list[float] = []
     itl: list[float] = []
     now, nxt, done = 0.0, 0, 0
+    seen = 0.0  # arrivals up to this time are known when the step is scheduled
     while done < num_requests:
-        while nxt < num_requests and arrivals[nxt][0] <= now:
+        while nxt < num_requests and arrivals[nxt][0] <= seen:
             a, prompt, out = arrivals[nxt]
             waiting.append({"arrival": a, "prefill": prompt, "out": out, "last": None})
             nxt += 1
         left, rows, prompt_tokens = budget, [], 0
         cap = chunk if chunk and any(r["last"] is not None for r in running) else budget  # streams wait
+        if cap < budget and deadline_ms:
+            first = [r["arrival"] for r in running if r["last"] is None] + [r["arrival"] for r in waiting[:1]]
+            if first and now - min(first) >= deadline_ms:
+                cap = max_prefill or budget  # a first token is late: steps of whole prompts until it is out
         for r in running:
             if left <= 0:
                 break
@@ -74,11 +92,16 @@ def simulate(rate: float, prefill_ms_per_token: float, decode_ms: float, row_ms:
             left -= n
             prompt_tokens += n
         if not rows:
-            now = arrivals[nxt][0]
+            now = seen = arrivals[nxt][0]  # an idle engine takes the next arrival at once
             continue
+        start = now
         prefill = sum(n for _, n, is_prefill in rows if is_prefill)
         decodes = sum(1 for _, _, is_prefill in rows if not is_prefill)
-        now += max(decode_ms, prefill * prefill_ms_per_token) + row_ms * decodes
+        if additive:
+            now += decode_ms + row_ms * decodes + (prefill_step_ms + prefill * prefill_ms_per_token if prefill else 0.0)
+        else:
+            now += max(decode_ms, prefill * prefill_ms_per_token) + row_ms * decodes
+        seen = start if overlap else now  # with overlap the next step was scheduled as this one began
         for r, n, is_prefill in rows:
             if is_prefill:
                 r["prefill"] -= n
@@ -112,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=8192, help="--max-num-batched-tokens")
     p.add_argument("--max-prefill-tokens", type=int, default=0, help="the scheduler's --max-prefill-tokens (0: no bound)")
     p.add_argument("--chunked-prefill-size", type=int, default=0, help="the scheduler's --chunked-prefill-size (0: no bound)")
+    p.add_argument("--additive", action="store_true",
+                   help="a step costs the decode step plus its prompt tokens' (benchmark.mixed_step), not the longer")
+    p.add_argument("--prefill-step-ms", type=float, default=0.0, help="with --additive: what a step with prompt "
+                   "tokens costs beyond the decode step and their per-token compute")
+    p.add_argument("--deadline-ms", type=float, default=0.0, help="with --chunked-prefill-size: steps of whole "
+                   "prompts (to --max-prefill-tokens) while a first token has waited this long (0: never)")
+    p.add_argument("--overlap", action="store_true", help="each step admits only prompts that arrived before the "
+                   "step before it began (overlap scheduling)")
     p.add_argument("--rates", type=float, nargs="+", default=[4.0, 5.0])
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--seeds", type=int, default=3, help="runs per cell, the mean of their figures")
@@ -125,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     for rate in args.rates:
         for name, per_token in speeds:
             runs = [simulate(rate, per_token, args.decode_ms, args.row_ms, args.budget, args.requests, seed,
-                             args.max_prefill_tokens, args.chunked_prefill_size) for seed in range(args.seeds)]  # fmt: skip
+                             args.max_prefill_tokens, args.chunked_prefill_size, args.additive, args.prefill_step_ms,
+                             args.deadline_ms, args.overlap) for seed in range(args.seeds)]  # fmt: skip
             row = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
             row.update(rate=rate, speed=name, prompt_2048_ms=per_token * 2048)
             rows.append(row)
