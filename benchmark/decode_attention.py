@@ -20,8 +20,10 @@ bytes over the copy bandwidth measured in the same run. Prints a table; writes
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,50 +156,53 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu = torch.cuda.get_device_name()
     rates = measure_rates("cuda")
-    rows = []
     if args.sweep:
-        for name in args.shapes.split(","):
-            for kv_dtype in args.kv_dtypes.split(","):
-                for batch in map(int, args.batches.split(",")):
-                    for kv_len in map(int, args.kv_lens.split(",")):
-                        timed = sweep(SHAPES[name], batch, kv_len, kv_dtype)
-                        default = measure_triton(SHAPES[name], batch, kv_len, kv_dtype)
-                        rows.append({"shape": name, "kv_dtype": kv_dtype, "batch": batch, "kv_len": kv_len,
-                                     "default_us": default, "timed": [[us, c] for us, c in timed]})
-                        best = ", ".join(f"{us:.1f} {c}" for us, c in timed[:3])
-                        print(f"{name} {kv_dtype} batch {batch} kv {kv_len}: default {default:.1f} us; best {best}",
-                              flush=True)
+        rows = sweep_rows(args)
         save_rows(args.out, gpu, "decode_attention_sweep.json", rates, rows)
         return 0
     print(f"{gpu}: decode attention per layer call, us (kernels only); floor = KV bytes / "
           f"{rates.copy_bytes_per_s / 1e12:.2f} TB/s")
     print(f"{'shape':>13} {'kv':>5} {'layout':>6} {'batch':>6} {'kv_len':>6} {'tensor cores':>13} {'no KV split':>12} "
           f"{'cuda cores':>11} {'triton':>7} {'tc q fp16':>10} {'cc q fp16':>10} {'floor':>7}")
-    for name in args.shapes.split(","):
+    rows = []
+    for name, kv_dtype, layout, batch, kv_len in cases(args, args.layouts.split(",")):
         shape = SHAPES[name]
-        for kv_dtype in args.kv_dtypes.split(","):
-            for layout in args.layouts.split(","):
-                for batch in map(int, args.batches.split(",")):
-                    for kv_len in map(int, args.kv_lens.split(",")):
-                        tc, cc = (measure(shape, batch, kv_len, t, kv_dtype=kv_dtype, layout=layout)
-                                  for t in (True, False))
-                        unsplit = measure(shape, batch, kv_len, True, split=False, kv_dtype=kv_dtype, layout=layout)
-                        tr = measure_triton(shape, batch, kv_len, kv_dtype) if layout == "NHD" else None
-                        fp8 = kv_dtype == "fp8"
-                        tc16, cc16 = ((measure(shape, batch, kv_len, t, kv_dtype=kv_dtype, layout=layout, q_fp16=True)
-                                       for t in (True, False)) if fp8 else (None, None))
-                        itemsize = 1 if kv_dtype == "fp8" else 2
-                        floor = 2 * batch * kv_len * shape[1] * shape[2] * itemsize / rates.copy_bytes_per_s * 1e6
-                        rows.append({"shape": name, "kv_dtype": kv_dtype, "layout": layout, "batch": batch,
-                                     "kv_len": kv_len, "tensor_cores_us": tc, "tensor_cores_no_split_us": unsplit,
-                                     "cuda_cores_us": cc, "triton_us": tr, "tensor_cores_q_fp16_us": tc16,
-                                     "cuda_cores_q_fp16_us": cc16, "floor_us": floor})
-                        opt = [f"{x:{w}.2f}" if x is not None else f"{'-':>{w}}"
-                               for x, w in ((tr, 7), (tc16, 10), (cc16, 10))]
-                        print(f"{name:>13} {kv_dtype:>5} {layout:>6} {batch:6d} {kv_len:6d} {tc:13.2f} {unsplit:12.2f} "
-                              f"{cc:11.2f} {' '.join(opt)} {floor:7.2f}", flush=True)
+        kw = {"kv_dtype": kv_dtype, "layout": layout}
+        tc, cc = (measure(shape, batch, kv_len, t, **kw) for t in (True, False))
+        unsplit = measure(shape, batch, kv_len, True, split=False, **kw)
+        tr = measure_triton(shape, batch, kv_len, kv_dtype) if layout == "NHD" else None
+        fp8 = kv_dtype == "fp8"
+        tc16, cc16 = ((measure(shape, batch, kv_len, t, q_fp16=True, **kw) for t in (True, False)) if fp8
+                      else (None, None))
+        floor = 2 * batch * kv_len * shape[1] * shape[2] * (1 if fp8 else 2) / rates.copy_bytes_per_s * 1e6
+        rows.append({"shape": name, "kv_dtype": kv_dtype, "layout": layout, "batch": batch, "kv_len": kv_len,
+                     "tensor_cores_us": tc, "tensor_cores_no_split_us": unsplit, "cuda_cores_us": cc,
+                     "triton_us": tr, "tensor_cores_q_fp16_us": tc16, "cuda_cores_q_fp16_us": cc16,
+                     "floor_us": floor})
+        opt = [f"{x:{w}.2f}" if x is not None else f"{'-':>{w}}" for x, w in ((tr, 7), (tc16, 10), (cc16, 10))]
+        print(f"{name:>13} {kv_dtype:>5} {layout:>6} {batch:6d} {kv_len:6d} {tc:13.2f} {unsplit:12.2f} {cc:11.2f} "
+              f"{' '.join(opt)} {floor:7.2f}", flush=True)
     save_rows(args.out, gpu, "decode_attention.json", rates, rows)
     return 0
+
+
+def cases(args: argparse.Namespace, layouts: list[str]) -> Iterator[tuple[str, str, str, int, int]]:
+    """(shape, KV dtype, layout, batch, cached tokens) for every combination the options name."""
+    return itertools.product(args.shapes.split(","), args.kv_dtypes.split(","), layouts,
+                             map(int, args.batches.split(",")), map(int, args.kv_lens.split(",")))
+
+
+def sweep_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The Triton decode's `sweep` for every case (NHD), against its default launch; prints the best."""
+    rows = []
+    for name, kv_dtype, _, batch, kv_len in cases(args, ["NHD"]):
+        timed = sweep(SHAPES[name], batch, kv_len, kv_dtype)
+        default = measure_triton(SHAPES[name], batch, kv_len, kv_dtype)
+        rows.append({"shape": name, "kv_dtype": kv_dtype, "batch": batch, "kv_len": kv_len, "default_us": default,
+                     "timed": [[us, c] for us, c in timed]})
+        best = ", ".join(f"{us:.1f} {c}" for us, c in timed[:3])
+        print(f"{name} {kv_dtype} batch {batch} kv {kv_len}: default {default:.1f} us; best {best}", flush=True)
+    return rows
 
 
 def save_rows(out: str, gpu: str, name: str, rates: Any, rows: list[dict[str, Any]]) -> Path:
