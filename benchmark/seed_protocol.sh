@@ -47,6 +47,9 @@ if [ ! -f "$TOKENIZER/tokenizer.json" ]; then
     .whl/llama3-tokenizer.tar.xz "$TOKENIZER" || exit 1
 fi
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+# Seconds a client's run needs at a rate: its prompts' arrivals, then 60 s for the last ones to finish
+# and for the client to start (tokenizer) and stop.
+need() { awk -v n="$NPROMPTS" -v r="$1" 'BEGIN { printf "%d", n / r + 60 }'; }
 SUMMARY="$OUT/summary_$NAME.md"
 echo "# $NAME: $MODEL, TP $TP, $GPU, server args: --no-enable-prefix-caching $SERVER_ARGS" | tee "$SUMMARY"
 
@@ -70,7 +73,7 @@ timeout -k 5 120 $PYTHON -m benchmark.seed_probe --base-url "http://127.0.0.1:$P
 seed=0
 for rate in $SGL_RATES; do
   seed=$(( seed + 1 ))
-  [ "$(left)" -gt 100 ] || { echo "SGLang client at $rate req/s: no time left" | tee -a "$SUMMARY"; break; }
+  [ "$(left)" -gt "$(need "$rate")" ] || { echo "SGLang client at $rate req/s: no time left" | tee -a "$SUMMARY"; break; }
   HF_HUB_OFFLINE=1 timeout -k 5 $(( $(left) - 20 )) $PYTHON .whl/sglbench/bench_serving.py --backend vllm \
     --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --tokenizer "$TOKENIZER" --dataset-name random-ids \
     --random-input-len 2048 --random-output-len 256 --random-range-ratio 0.25 --request-rate "$rate" \
@@ -79,7 +82,7 @@ for rate in $SGL_RATES; do
 done
 for rate in $FS_RATES; do
   seed=$(( seed + 1 ))
-  [ "$(left)" -gt 100 ] || { echo "serve_bench at $rate req/s: no time left" | tee -a "$SUMMARY"; break; }
+  [ "$(left)" -gt "$(need "$rate")" ] || { echo "serve_bench at $rate req/s: no time left" | tee -a "$SUMMARY"; break; }
   timeout -k 5 $(( $(left) - 20 )) $PYTHON -m benchmark.serve_bench --base-url "http://127.0.0.1:$PORT" \
     --workload random --range-ratio 0.25 --text --tokenizer "$TOKENIZER" --request-rate "$rate" \
     --num-requests "$NPROMPTS" --seed "$seed" --out-dir "$OUT/serve_bench_$NAME" --no-summary --no-progress \
