@@ -137,9 +137,9 @@ def decode() -> dict[str, float]:
             got = decode_attention(q, cache, indptr, indices, last, 0.3, splits)
             out[f"decode_{name}_{splits}_splits_err"] = rel(got, want)
         if name == "fp8":  # a bfloat16 q: widened to float16 with the cache, products in float16
-            q16 = q.to(torch.bfloat16)
-            got = decode_attention(q16, cache, indptr, indices, last, 0.3, 2)
-            out["decode_fp8_bf16_q_err"] = rel(got, reference_decode(q16.float(), cache, indptr, indices, last, 0.3))
+            q_bf16 = q.to(torch.bfloat16)
+            got = decode_attention(q_bf16, cache, indptr, indices, last, 0.3, 2)
+            out["decode_fp8_bf16_q_err"] = rel(got, reference_decode(q_bf16.float(), cache, indptr, indices, last, 0.3))
     return out
 
 
