@@ -192,6 +192,8 @@ class SchedulerConfig:
     # from 184 to 257 in bf16 while P99 ITL fell only from 34 to 31 and 48 to 37 ms; with later chunks
     # attended apart since (`attention/flashinfer.py` CONTINUED_MIN_TOKENS), bf16 still measured 286:
     # most prompts take two steps, which cost more than one (`benchmark/results/NVIDIA_H200/mixed_step/`).
+    # FP8 at 24 req/s on that tree: 1,280 gave P99 TTFT 195 ms and P99 ITL 3.3x its median, 1,024 206 ms
+    # and 2.6x, no bound 135 ms and 4.9x (`benchmark/results/NVIDIA_H200/seed_protocol/README.md`).
     chunked_prefill_size: int = 0
     # Schedule and launch the next step while the device computes the last one; its decode tokens
     # come from the last step's sampled ids on the device (`engine/llm_engine.py`).
