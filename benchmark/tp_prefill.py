@@ -102,7 +102,9 @@ def profile_step(runner: Any, step: Any, out: Path, steps: int = 3) -> dict[str,
     by_cat: dict[str, float] = defaultdict(float)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in prof.key_averages():
-        if e.device_type.name != "CUDA" or e.key.startswith(("Memcpy", "Memset")):
+        # "nccl:all_reduce" and the like: c10d's annotations of a collective, whose device time is
+        # its kernel's (counted once, under the kernel's name)
+        if e.device_type.name != "CUDA" or e.key.startswith(("Memcpy", "Memset", "nccl:")):
             continue
         by_cat[category(e.key)] += e.device_time_total / 1e3 / steps
         kernels[e.key][0] += e.device_time_total / 1e3 / steps

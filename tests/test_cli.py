@@ -87,27 +87,25 @@ def test_tp_overlap_min_tokens_reaches_the_model_config_and_takes_only_a_positiv
     assert "--tp-overlap-min-tokens" in capsys.readouterr().err
 
 
-def test_piecewise_graphs_serve_512_tokens_on_one_gpu_none_over_several_unless_asked(capsys):
+def test_piecewise_graphs_serve_512_tokens_unless_asked(capsys):
     import pytest
 
-    default = to_configs(build_parser({}).parse_args(["serve"])).model
-    assert (default.piecewise_graph_tokens(1), default.piecewise_graph_tokens(4)) == (512, 0)
+    assert to_configs(build_parser({}).parse_args(["serve"])).model.piecewise_graph_tokens() == 512
     ns = build_parser({}).parse_args(["serve", "--piecewise-cuda-graph-max-tokens", "1024"])
-    assert to_configs(ns).model.piecewise_graph_tokens(4) == 1024
+    assert to_configs(ns).model.piecewise_graph_tokens() == 1024
     ns = build_parser({}).parse_args(["serve", "--piecewise-cuda-graph-max-tokens", "0"])
-    assert to_configs(ns).model.piecewise_graph_tokens(1) == 0
+    assert to_configs(ns).model.piecewise_graph_tokens() == 0
     for bad in ("-1", "8193"):
         with pytest.raises(SystemExit):
             build_parser({}).parse_args(["serve", "--piecewise-cuda-graph-max-tokens", bad])
         assert "--piecewise-cuda-graph-max-tokens" in capsys.readouterr().err
 
 
-def test_piecewise_graphs_serve_2304_tokens_on_one_gpu_for_fp8_projections_unless_asked():
+def test_piecewise_graphs_serve_2304_tokens_for_fp8_projections_unless_asked():
     default = to_configs(build_parser({}).parse_args(["serve", "--quantization", "fp8"])).model
-    assert (default.piecewise_graph_tokens(1, fp8_projections=True),
-            default.piecewise_graph_tokens(4, fp8_projections=True)) == (2304, 0)  # fmt: skip
+    assert default.piecewise_graph_tokens(fp8_projections=True) == 2304
     ns = build_parser({}).parse_args(["serve", "--piecewise-cuda-graph-max-tokens", "512"])
-    assert to_configs(ns).model.piecewise_graph_tokens(1, fp8_projections=True) == 512
+    assert to_configs(ns).model.piecewise_graph_tokens(fp8_projections=True) == 512
 
 
 def test_max_prefill_tokens_reaches_the_scheduler_config_and_defaults_to_the_devices_choice():

@@ -171,8 +171,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--piecewise-cuda-graph-max-tokens", _graph_tokens, None, "steps with prompt tokens (short prompts, "
            "prefill chunks beside decode rows) of up to this many tokens replay the model's pieces between "
            "attention calls from CUDA graphs captured at start, attention eager between them (native model "
-           "with FlashInfer; 0: such steps run eagerly; default: 512 on one GPU, 2304 with FP8 projections, 0 "
-           "with --tensor-parallel-size > 1)"),
+           "with FlashInfer; 0: such steps run eagerly; default: 512, 2304 with FP8 projections)"),
     Option("--quantization", str, None, "fp8: quantize a bfloat16/float16 checkpoint's projections to FP8 at "
            "load (per-channel weights, per-token activations; FP8 GEMMs need a GPU of compute capability "
            ">= 8.9, a CPU computes with the FP8-rounded weights). FP8 checkpoints (compressed-tensors, "

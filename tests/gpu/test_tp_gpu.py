@@ -124,6 +124,43 @@ def test_tp_ranks_with_the_fused_allreduce_compute_the_logits_of_one_gpu(
     assert max(errs) < TOL[torch.bfloat16], errs
 
 
+def test_tp_ranks_with_overlapped_all_reduces_compute_the_logits_of_one_gpu(
+    model: str, one_gpu_logits: list[torch.Tensor], tp: int
+) -> None:
+    # --tp-overlap-min-tokens 64: the prefill step (236 tokens) runs its token-wise parts in two
+    # chunks, each chunk's NCCL all-reduce started while the other's GEMMs run; decode steps run whole.
+    with LLM(model, tensor_parallel_size=tp, cuda_graph=False, enable_flashinfer_allreduce_fusion=False,
+             tp_overlap_min_tokens=64, **ENGINE) as llm:  # fmt: skip
+        assert len(llm.engine.executor.model.model.token_chunks(236)) == 2  # type: ignore[attr-defined]
+        logits = step_logits(llm)
+    errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_logits)]
+    assert max(errs) < TOL[torch.bfloat16], errs
+
+
+def test_tp_ranks_replay_piecewise_graphs_of_a_prompt_step_computing_the_logits_of_one_gpu(
+    model: str, one_gpu_logits: list[torch.Tensor], tp: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Piecewise graphs up to 256 tokens, captured on every rank with the all-reduces inside: the
+    prefill step (236 tokens) replays 256's pieces, the decode steps their own graphs."""
+    with LLM(model, tensor_parallel_size=tp, enable_flashinfer_allreduce_fusion=False,
+             piecewise_cuda_graph_max_tokens=256, **ENGINE) as llm:  # fmt: skip
+        runner: Any = llm.engine.executor
+        pieces = runner.piecewise_graphs
+        assert pieces is not None and pieces.covers(236) and not pieces.covers(257)
+        replayed: list[int] = []
+        replay = type(pieces).__call__
+
+        def counted(self: Any, ids: torch.Tensor, *rest: Any) -> torch.Tensor:
+            replayed.append(ids.shape[0])
+            return replay(self, ids, *rest)
+
+        monkeypatch.setattr(type(pieces), "__call__", counted)
+        logits = step_logits(llm)
+    assert replayed == [236]
+    errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_logits)]
+    assert max(errs) < TOL[torch.bfloat16], errs
+
+
 LORA_LIDS = [1, 0, 2]  # the prompts' adapters (0: the base model)
 
 

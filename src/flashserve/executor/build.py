@@ -151,7 +151,7 @@ def build_runner(
                 capture_verify_graphs(runner, model, max_batch_size, speculative.num_speculative_tokens,
                                       speculative.disable_by_batch_size)  # fmt: skip
             fp8 = isinstance(model, NativeCausalLM) and model.model.fp8 is not None
-            capture_piecewise_graphs(runner, model, model_config.piecewise_graph_tokens(group.world_size, fp8))
+            capture_piecewise_graphs(runner, model, model_config.piecewise_graph_tokens(fp8))
         elif cuda_graph and group.rank == 0:
             logger.info("CUDA graphs need the FlashInfer backend; decoding eagerly")
     return runner, loaded, num_pages

@@ -90,6 +90,14 @@ class TensorParallelExecutor:
         return self.runner.graphs
 
     @property
+    def verify_graphs(self) -> Any:
+        return self.runner.verify_graphs
+
+    @property
+    def piecewise_graphs(self) -> Any:
+        return self.runner.piecewise_graphs
+
+    @property
     def page_size(self) -> int:
         return self.runner.page_size
 
