@@ -1,7 +1,9 @@
 """The all-reduce after a row-parallel projection, with the residual add and RMSNorm after it:
 NCCL then FlashInfer's fused add + RMSNorm (what the server runs with
 `--no-enable-flashinfer-allreduce-fusion`) against FlashInfer's one-kernel all-reduce + add + RMSNorm
-(`distributed/comm.py`'s FlashInferAllReduceNorm), at decode- and prefill-sized steps.
+(`distributed/comm.py`'s FlashInferAllReduceNorm), at decode- and prefill-sized steps; and the
+copy-engine all-reduce (`distributed/copy_engine.py`, what `--tp-overlap-comm copy-engine` runs for
+the overlapped chunks) then the same norm, alone here (beside GEMMs: `benchmark.tp_prefill`).
 
     python -m benchmark.tp_allreduce [--tp 4] [--hidden 8192] [--tokens 1,16,64,256,512,1024,2048,4096,8192]
 
@@ -65,11 +67,13 @@ def _rank_main(hidden: int, tokens: list[int], out: str) -> None:
     import flashinfer
 
     from flashserve.distributed.comm import FlashInferAllReduceNorm, close_tp_group, init_tp_group, local_rank
+    from flashserve.distributed.copy_engine import CopyEngineAllReduce
 
     device = torch.device("cuda", local_rank())
     group = init_tp_group(device)
     dtype = torch.bfloat16
     fused = FlashInferAllReduceNorm(group, max(tokens), hidden, dtype)
+    copies = CopyEngineAllReduce(group.process_group, max(tokens) * hidden, dtype, device)
     weight = torch.rand(hidden, dtype=dtype, device=device) + 0.5
     rows = []
     for n in tokens:
@@ -85,6 +89,14 @@ def _rank_main(hidden: int, tokens: list[int], out: str) -> None:
         def one_kernel() -> tuple[torch.Tensor, torch.Tensor]:
             return fused(partial, residual, weight, EPS)
 
+        ce_work, ce_res = partial.clone(), residual.clone()
+
+        def copy_engine() -> None:
+            copies.start(ce_work).wait()
+            flashinfer.fused_add_rmsnorm(ce_work, ce_res, weight, EPS)
+
+        check = partial.clone()
+        copies.start(check).wait()
         nccl()
         row: dict[str, Any] = {"tokens": n}
         try:  # a size the fused kernel refuses is refused on every rank alike (argument checks)
@@ -94,6 +106,11 @@ def _rank_main(hidden: int, tokens: list[int], out: str) -> None:
         torch.cuda.synchronize()
         if "fused_error" not in row:
             row["max_rel_err"] = ((normed.float() - work.float()).abs().max() / work.float().abs().max()).item()
+        # The copy-engine sum against NCCL's of the same partials (before any timing changed them).
+        summed = partial.clone()
+        group.all_reduce(summed)
+        row["copy_engine_max_rel_err"] = ((check.float() - summed.float()).abs().max()
+                                          / summed.float().abs().max()).item()  # fmt: skip
         for graph in (False, True):
             kind = "graph" if graph else "eager"
             dist.barrier()
@@ -101,27 +118,39 @@ def _rank_main(hidden: int, tokens: list[int], out: str) -> None:
             if "fused_error" not in row:
                 dist.barrier()
                 row[f"fused_{kind}_us"] = 1e3 * _time_ms(one_kernel, 20 if graph else 50, graph)
+            dist.barrier()
+            row[f"copy_engine_{kind}_us"] = 1e3 * _time_ms(copy_engine, 20 if graph else 50, graph)
         rows.append(row)
     fused.close()
+    copies.close()
     if group.rank == 0:
         Path(out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "world_size": group.world_size,
                                          "hidden": hidden, "dtype": "bfloat16", "rows": rows}, indent=1))  # fmt: skip
     close_tp_group(group)
 
 
+def copy_engine_columns(r: dict[str, Any]) -> str:
+    """The copy-engine all-reduce's columns of a row (absent from results written before it)."""
+    if "copy_engine_eager_us" not in r:
+        return ""
+    return (f" {r['copy_engine_eager_us']:18.1f} {r['copy_engine_graph_us']:18.1f} "
+            f"{r['copy_engine_max_rel_err']:15.2e}")
+
+
 def report(doc: dict[str, Any]) -> str:
     lines = [f"{doc['gpu']} x {doc['world_size']}: all-reduce + add + RMSNorm of [tokens, {doc['hidden']}] bfloat16, "
              "us per call (rank 0)",
              f"{'tokens':>7} {'NCCL+norm eager':>16} {'fused eager':>12} {'NCCL+norm graph':>16} {'fused graph':>12} "
-             f"{'fused/NCCL graph':>17} {'max rel err':>12}"]  # fmt: skip
+             f"{'fused/NCCL graph':>17} {'max rel err':>12} {'copies+norm eager':>18} {'copies+norm graph':>18} "
+             f"{'copies rel err':>15}"]  # fmt: skip
     for r in doc["rows"]:
         if "fused_error" in r:
             lines.append(f"{r['tokens']:7d} {r['nccl_eager_us']:16.1f} {'-':>12} {r['nccl_graph_us']:16.1f} {'-':>12} "
-                         f"fused: {r['fused_error']}")  # fmt: skip
+                         f"{'-':>17} {'-':>12}{copy_engine_columns(r)} fused: {r['fused_error']}")  # fmt: skip
             continue
         lines.append(f"{r['tokens']:7d} {r['nccl_eager_us']:16.1f} {r['fused_eager_us']:12.1f} {r['nccl_graph_us']:16.1f} "
                      f"{r['fused_graph_us']:12.1f} {r['fused_graph_us'] / r['nccl_graph_us']:17.2f} "
-                     f"{r['max_rel_err']:12.2e}")  # fmt: skip
+                     f"{r['max_rel_err']:12.2e}{copy_engine_columns(r)}")  # fmt: skip
     faster = [r["tokens"] for r in doc["rows"] if "fused_error" not in r and r["fused_eager_us"] < r["nccl_eager_us"]]
     lines.append(f"fused faster eagerly up to: {max(faster) if faster else 'never'} tokens "
                  f"(token counts where it is: {faster})")  # fmt: skip

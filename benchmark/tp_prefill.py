@@ -133,6 +133,7 @@ def tables(doc: dict[str, Any]) -> str:
         fmt += f", CUDA graphs (piecewise up to {doc.get('piecewise_max_tokens') or 'the default'} tokens)"
     if doc.get("overlap_min_tokens"):
         fmt += f", all-reduces overlapped in two chunks from {doc['overlap_min_tokens']} tokens"
+        fmt += " by copy engines" if doc.get("overlap_comm") == "copy-engine" else " (NCCL)"
     lines = [f"{doc['gpu']} x {doc['tp']}: {doc['model']}{fmt} (dummy weights), a lone prompt at TP={doc['tp']}; "
              f"bf16 matmul {doc['rates']['matmul_TFLOP_per_s']:.0f} TFLOP/s, copy {doc['rates']['copy_GB_per_s']:.0f} GB/s",
              "", "| prompt | step ms | TTFT ms (engine) | floor ms | step / floor | TTFT / floor |", "|---|---|---|---|---|---|"]  # fmt: skip
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="FlashInfer's prefill kernels at TP 1 (default: the server's, attention/flashinfer.py PREFILL_BACKEND)")
     p.add_argument("--overlap-min-tokens", type=int, default=None,
                    help="--tp-overlap-min-tokens: steps this large run in two chunks, all-reduces overlapped")
+    p.add_argument("--overlap-comm", choices=("nccl", "copy-engine"), default="nccl",
+                   help="--tp-overlap-comm: what carries the overlapped all-reduces")
     p.add_argument("--kv-cache-dtype", default="auto", help="fp8: an FP8 KV cache")
     p.add_argument("--graphs", action="store_true", help="capture the server's CUDA graphs (decode, and the "
                    "piecewise graphs that serve steps of up to --piecewise-max-tokens); default: every step eager")
@@ -195,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
               max_model_len=max(lens) + 64, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_flashinfer_allreduce_fusion=fused, cuda_graph=args.graphs, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, tp_overlap_min_tokens=args.overlap_min_tokens,
+              tp_overlap_comm=args.overlap_comm,
               piecewise_cuda_graph_max_tokens=args.piecewise_max_tokens)  # fmt: skip
     runner: Any = llm.engine.executor
     doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "tp": args.tp, "model": args.model,
                            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                           "overlap_min_tokens": args.overlap_min_tokens, "prefill_backend": args.prefill_backend,
+                           "overlap_min_tokens": args.overlap_min_tokens, "overlap_comm": args.overlap_comm,
+                           "prefill_backend": args.prefill_backend,
                            "graphs": args.graphs, "piecewise_max_tokens": args.piecewise_max_tokens,
                            "rates": rates.to_json(), "profile_len": args.profile_len, "rows": []}  # fmt: skip
     for n in lens:

@@ -87,6 +87,17 @@ def test_tp_overlap_min_tokens_reaches_the_model_config_and_takes_only_a_positiv
     assert "--tp-overlap-min-tokens" in capsys.readouterr().err
 
 
+def test_tp_overlap_comm_reaches_the_model_config_nccl_unless_asked(capsys):
+    import pytest
+
+    assert to_configs(build_parser({}).parse_args(["serve"])).model.tp_overlap_comm == "nccl"
+    ns = build_parser({}).parse_args(["serve", "--tp-overlap-min-tokens", "1024", "--tp-overlap-comm", "copy-engine"])
+    assert to_configs(ns).model.tp_overlap_comm == "copy-engine"
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["serve", "--tp-overlap-comm", "nvls"])
+    assert "--tp-overlap-comm" in capsys.readouterr().err
+
+
 def test_piecewise_graphs_serve_512_tokens_unless_asked(capsys):
     import pytest
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from flashserve.attention.cascade import CASCADE_MODES
-from flashserve.config import MAX_PIECEWISE_GRAPH_TOKENS, KVEventsConfig
+from flashserve.config import MAX_PIECEWISE_GRAPH_TOKENS, TP_OVERLAP_COMMS, KVEventsConfig
 from flashserve.spec_decode.config import SpeculativeConfig
 
 
@@ -168,6 +168,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("--tp-overlap-min-tokens", _positive_int, None, "with --tensor-parallel-size > 1: steps of at least this many "
            "tokens run each layer's token-wise part (projections, norms, MLP) in two chunks, so that one "
            "chunk's all-reduce runs beside the other chunk's GEMMs (default: off)"),
+    Option("--tp-overlap-comm", str, "nccl", "with --tp-overlap-min-tokens on GPUs that NVLink connects: what "
+           "carries the overlapped all-reduces: nccl, or copy-engine (peer copies through symmetric memory "
+           "and a small sum kernel, leaving the SMs to the GEMMs beside)", list(TP_OVERLAP_COMMS)),
     Option("--piecewise-cuda-graph-max-tokens", _graph_tokens, None, "steps with prompt tokens (short prompts, "
            "prefill chunks beside decode rows) of up to this many tokens replay the model's pieces between "
            "attention calls from CUDA graphs captured at start, attention eager between them (native model "

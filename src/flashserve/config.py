@@ -17,6 +17,11 @@ PIECEWISE_GRAPH_TOKENS = 512
 # (2,048 prompt tokens) beside 256 decode rows. Over several ranks the same (H200 x 2, the 70B at TP 2,
 # FP8: a 128-token prompt 59.0 ms eager, 17.5 from graphs; 512 tokens 59.5 and 45.4).
 FP8_PIECEWISE_GRAPH_TOKENS = 2304
+# What may carry the overlapped all-reduces (`ModelConfig.tp_overlap_comm`).
+TP_OVERLAP_COMMS = ("nccl", "copy-engine")
+# The largest chunk of tokens the copy-engine all-reduce takes (its symmetric buffer: this many rows
+# of the hidden size, and a rank's share more); larger chunks (steps over 8,192 tokens) take NCCL.
+COPY_ENGINE_MAX_CHUNK_TOKENS = 4096
 # The largest `piecewise_cuda_graph_max_tokens`: graphs are captured for every 128 tokens up to it.
 MAX_PIECEWISE_GRAPH_TOKENS = 8192
 
@@ -52,6 +57,9 @@ class ModelConfig:
     # in two chunks, one chunk's all-reduce beside the other's GEMMs (`models/llama.py`,
     # token_chunks). None: off.
     tp_overlap_min_tokens: int | None = None
+    # What carries those overlapped all-reduces on GPUs: "nccl", or "copy-engine" (peer copies over
+    # NVLink and a small sum kernel, `distributed/copy_engine.py`: no SMs taken from the GEMMs beside).
+    tp_overlap_comm: str = "nccl"
     # Steps with prompt tokens of up to this many tokens replay the native model's pieces between
     # attention calls from CUDA graphs (`worker/piecewise_graph.py`), every rank's with its all-reduces
     # inside; 0: eager. None: 512, or 2,304 with FP8 projections. See `piecewise_graph_tokens`.
@@ -63,6 +71,8 @@ class ModelConfig:
     lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.tp_overlap_comm not in TP_OVERLAP_COMMS:
+            raise ValueError(f"tp_overlap_comm must be one of {TP_OVERLAP_COMMS}, got {self.tp_overlap_comm!r}")
         tokens = self.piecewise_cuda_graph_max_tokens
         if tokens is not None and not 0 <= tokens <= MAX_PIECEWISE_GRAPH_TOKENS:
             raise ValueError(f"piecewise_cuda_graph_max_tokens must be 0 to {MAX_PIECEWISE_GRAPH_TOKENS}, got {tokens}")

@@ -69,6 +69,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
         tensor_parallel_size=ns.tensor_parallel_size,
         enable_flashinfer_allreduce_fusion=ns.enable_flashinfer_allreduce_fusion,
         tp_overlap_min_tokens=ns.tp_overlap_min_tokens,
+        tp_overlap_comm=ns.tp_overlap_comm,
         piecewise_cuda_graph_max_tokens=ns.piecewise_cuda_graph_max_tokens,
         quantization=ns.quantization,
         lora=lora_config,

@@ -129,6 +129,11 @@ class TorchDistGroup:
     def all_reduce_start(self, t: Tensor) -> PendingSum:
         return PendingSum(t, dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group, async_op=True))
 
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The torch.distributed group these collectives run in."""
+        return self._group if self._group is not None else dist.group.WORLD
+
     def all_gather(self, t: Tensor, dim: int = -1) -> Tensor:
         t = t.contiguous()
         # Gathered along the first dimension (one contiguous block per rank), then laid side by side.

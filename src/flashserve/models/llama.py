@@ -40,6 +40,7 @@ from torch import nn
 from flashserve.attention.base import AttentionBackend
 from flashserve.distributed.comm import (FlashInferAllReduceNorm, FusedAllReduceNorm, PendingSum, SingleRankGroup,
                                          TPGroup)
+from flashserve.distributed.copy_engine import CopyEngineAllReduce
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
 from flashserve.layers.linear import (
@@ -107,6 +108,9 @@ class LlamaModel(nn.Module):
         # Steps of at least this many tokens over several ranks run their token-wise parts in
         # chunks whose all-reduces overlap the next chunk's GEMMs (`token_chunks`); None: never.
         self.overlap_min_tokens: int | None = None
+        # What carries those overlapped all-reduces where it takes the tensor (`use_copy_engine_sums`:
+        # `distributed/copy_engine.py`); None: the group's (NCCL).
+        self.overlap_sums: CopyEngineAllReduce | None = None
         # A rank of several holds its (padded) rows of the vocabulary, as of the LM head.
         embed_rows = self.shard.vocab_size if self.sharded else spec.vocab_size
         self.embed_tokens = nn.ParameterDict({"weight": meta_param(embed_rows, spec.hidden_size)})
@@ -355,8 +359,14 @@ class LlamaModel(nn.Module):
         return self.group.all_reduce(dense(partial))
 
     def all_reduce_start(self, partial: Tensor | UnscaledRows) -> PendingSum:
-        """Starts the all-reduce of a row-parallel output (`reduce_add_norm` waits for it)."""
-        return self.group.all_reduce_start(dense(partial))
+        """Starts the all-reduce of a row-parallel output (`reduce_add_norm` waits for it): by the
+        copy engines where `overlap_sums` takes it (its size is the same on every rank, so all
+        ranks choose alike), else by the group."""
+        t = dense(partial)
+        sums = self.overlap_sums
+        if sums is not None and sums.takes(t):
+            return sums.start(t)
+        return self.group.all_reduce_start(t)
 
     def reduce_add_norm(
         self, partial: Tensor | UnscaledRows | PendingSum | None, residual: Tensor, norm_w: Tensor,
@@ -387,11 +397,25 @@ class LlamaModel(nn.Module):
         dtype = self.embed_tokens["weight"].dtype
         self.fused_allreduce = FlashInferAllReduceNorm(self.group, max_tokens, self.spec.hidden_size, dtype)
 
+    def use_copy_engine_sums(self, process_group: Any, max_chunk_tokens: int) -> None:
+        """The overlapped all-reduces of chunks of up to `max_chunk_tokens` tokens by the GPUs' copy
+        engines (`distributed/copy_engine.py`); larger ones keep the group's. Collective: every rank
+        calls it."""
+        if not self.sharded:
+            raise ValueError("copy-engine all-reduces are for a model over several ranks")
+        weight = self.embed_tokens["weight"]
+        self.overlap_sums = CopyEngineAllReduce(process_group, max_chunk_tokens * self.spec.hidden_size,
+                                                weight.dtype, weight.device)  # fmt: skip
+
     def close_fused_allreduce(self) -> None:
-        """Frees the fused all-reduce's buffers, if any (every rank, before the group ends)."""
+        """Frees the fused all-reduce's and the copy-engine all-reduce's buffers, if any (every
+        rank, before the group ends)."""
         if self.fused_allreduce is not None:
             self.fused_allreduce.close()
             self.fused_allreduce = None
+        if self.overlap_sums is not None:
+            self.overlap_sums.close()
+            self.overlap_sums = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (the rows to sample) -> float32 logits [N, vocab_size].
