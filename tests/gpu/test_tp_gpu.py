@@ -124,15 +124,16 @@ def test_tp_ranks_with_the_fused_allreduce_compute_the_logits_of_one_gpu(
     assert max(errs) < TOL[torch.bfloat16], errs
 
 
-@pytest.mark.parametrize(("comm", "cuda_graph"), [("nccl", False), ("copy-engine", False), ("copy-engine", True)],
-                         ids=["nccl", "copy-engine", "copy-engine-piecewise-graphs"])
+@pytest.mark.parametrize(("comm", "cuda_graph"), [("nccl", False), ("nccl", True), ("copy-engine", False),
+                                                  ("copy-engine", True)],
+                         ids=["nccl", "nccl-piecewise-graphs", "copy-engine", "copy-engine-piecewise-graphs"])
 def test_tp_ranks_with_overlapped_all_reduces_compute_the_logits_of_one_gpu(
     model: str, one_gpu_logits: list[torch.Tensor], tp: int, comm: str, cuda_graph: bool
 ) -> None:
     # --tp-overlap-min-tokens 64: the prefill step (236 tokens) runs its token-wise parts in two
     # chunks, each chunk's all-reduce (NCCL's, or peer copies through symmetric memory on a side
     # stream) started while the other's GEMMs run; decode steps run whole. With graphs the prefill
-    # step replays piecewise graphs that captured the side stream's work.
+    # step replays piecewise graphs that captured the all-reduces' streams.
     with LLM(model, tensor_parallel_size=tp, cuda_graph=cuda_graph, enable_flashinfer_allreduce_fusion=False,
              tp_overlap_min_tokens=64, tp_overlap_comm=comm, **ENGINE) as llm:  # fmt: skip
         native = llm.engine.executor.model.model  # type: ignore[attr-defined]
