@@ -323,3 +323,29 @@ def test_ranks_started_by_a_launcher_serve_and_all_exit_on_sigterm(tmp_path: Pat
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+def test_a_graph_release_that_fails_still_releases_the_other_graphs_before_the_group_ends() -> None:
+    """A rank leaving the group drops every graph even where one's release fails (a graph still
+    holding NCCL's communicator would stall the group's end), then raises that failure."""
+    from types import SimpleNamespace
+
+    from flashserve.executor.worker import release_before_group_end
+
+    released: list[str] = []
+
+    class Graphs:
+        def __init__(self, name: str, fails: bool = False) -> None:
+            self.name, self.fails = name, fails
+
+        def release(self) -> None:
+            if self.fails:
+                raise RuntimeError(f"{self.name} cannot be released")
+            released.append(self.name)
+
+    runner: Any = SimpleNamespace(piecewise_graphs=Graphs("piecewise", fails=True), verify_graphs=Graphs("verify"),
+                                  graphs=Graphs("decode"), model=SimpleNamespace())  # fmt: skip
+    with pytest.raises(RuntimeError, match="piecewise cannot be released"):
+        release_before_group_end(runner)
+    assert released == ["verify", "decode"]
+    assert (runner.piecewise_graphs, runner.verify_graphs, runner.graphs) == (None, None, None)

@@ -133,17 +133,21 @@ def shared_kv_pages(pages: int, page_bytes: int, device: torch.device, group: TP
 
 
 def release_before_group_end(runner: ModelRunner) -> None:
-    """Drops `runner`'s decode, verify and piecewise graphs (`CudaGraphRunner.release`), then the
-    buffers of its fused all-reduce, before its rank leaves the group."""
-    if runner.piecewise_graphs is not None:
-        runner.piecewise_graphs.release()
-        runner.piecewise_graphs = None
-    if runner.verify_graphs is not None:
-        runner.verify_graphs.release()
-        runner.verify_graphs = None
-    if runner.graphs is not None:
-        runner.graphs.release()
-        runner.graphs = None
+    """Drops `runner`'s piecewise, verify and decode graphs (`CudaGraphRunner.release`), then the
+    buffers of its fused and copy-engine all-reduces, before its rank leaves the group. Each is
+    released even where one before it fails (a graph still holding NCCL's communicator would stall
+    the group's end); the first failure is raised after."""
+    failures: list[Exception] = []
+    for name in ("piecewise_graphs", "verify_graphs", "graphs"):
+        graphs = getattr(runner, name)
+        setattr(runner, name, None)
+        if graphs is not None:
+            try:
+                graphs.release()
+            except Exception as exc:  # noqa: BLE001 - the others are released first, then it is raised
+                failures.append(exc)
     native = getattr(runner.model, "model", None)
     if isinstance(native, LlamaModel):
         native.close_fused_allreduce()
+    if failures:
+        raise failures[0]
