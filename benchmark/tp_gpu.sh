@@ -22,6 +22,9 @@
 #   prefill    python -m benchmark.tp_prefill: the 70B's lone-prompt step and TTFT at 512/2,048/8,192
 #              tokens against the compute floor measured here, and rank 0's profile of a 2,048-token
 #              step (kernel time by category, GEMMs by per-rank shape, host gap)
+#   overlap    the 70B's 2,048- and 8,192-token prompts (tp_prefill, profiled at 2,048) run whole, then with
+#              --tp-overlap-min-tokens 1024 over NCCL, then over the copy engines (--tp-overlap-comm
+#              copy-engine): whether hiding the all-reduces behind the other chunk's GEMMs pays
 #   decode70b  python -m benchmark.tp_decode: the 70B's decode step at TP ranks, NCCL and fused,
 #              batch 1 and 16, against the per-GPU weight floor
 #   serve70b   `flashserve serve` of the 70B at TP ranks with the Llama-3 tokenizer, under
@@ -36,7 +39,7 @@ set -u
 cd "$(dirname "$0")/.." || exit 2
 T0=$(date +%s)
 PYTHON=${PYTHON:-python3}
-CHECKS=${CHECKS:-kernels,start,tests,allreduce,prefill,decode70b,serve70b,decode8b}  # run in this order
+CHECKS=${CHECKS:-kernels,start,tests,allreduce,prefill,overlap,decode70b,serve70b,decode8b}  # run in this order
 BUDGET=${BUDGET:-570}
 RATES=${RATES:-2,3,4,5,6}
 NREQ=${NREQ:-60}
@@ -137,6 +140,16 @@ if want prefill && [ "$(limit prefill 200)" -gt 0 ]; then
   timeout -k 10 "$(limit prefill 200)" $PYTHON -m benchmark.tp_prefill --tp "$TP" --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/tp_prefill.txt"
   phase prefill "${PIPESTATUS[0]}" "$s"
+fi
+if want overlap; then
+  for comm in none nccl copy-engine; do
+    [ "$(limit overlap 120)" -gt 0 ] || break
+    s=$(date +%s)
+    args=(); [ "$comm" = none ] || args=(--overlap-min-tokens 1024 --overlap-comm "${comm}")
+    timeout -k 10 "$(limit overlap 120)" $PYTHON -m benchmark.tp_prefill --tp "$TP" --lens 2048,8192 \
+      ${args[@]+"${args[@]}"} --out "$OUT/overlap_$comm" 2>&1 | quiet | tee "$OUT/overlap_$comm.txt"
+    phase "overlap ($comm)" "${PIPESTATUS[0]}" "$s"
+  done
 fi
 decode() {  # name, then tp_decode's arguments
   local name=$1 lim=$2; shift 2
