@@ -242,6 +242,12 @@ def test_a_large_step_over_several_ranks_splits_into_chunks_of_whole_16_token_ro
     assert single.token_chunks(2048) == [slice(0, 2048)]  # one rank has nothing to overlap
 
 
+def test_copy_engine_all_reduces_are_refused_off_gpus_with_the_flag_named() -> None:
+    model = LlamaModel(LlamaSpec.from_hf_config(configs()[NAMES[0]]), torch_ops())
+    with pytest.raises(ValueError, match="--tp-overlap-comm copy-engine"):
+        model.use_copy_engine_sums(4096)
+
+
 def test_every_rank_returns_the_whole_vocabulary(runs: dict[str, Any]) -> None:
     for name in NAMES:
         rank0, rank1 = (runs["ranks"][r]["models"][name]["state"] for r in range(WORLD))

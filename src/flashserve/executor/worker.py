@@ -148,6 +148,6 @@ def release_before_group_end(runner: ModelRunner) -> None:
                 failures.append(exc)
     native = getattr(runner.model, "model", None)
     if isinstance(native, LlamaModel):
-        native.close_fused_allreduce()
+        native.close_collective_buffers()
     if failures:
         raise failures[0]

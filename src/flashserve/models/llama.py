@@ -39,7 +39,7 @@ from torch import nn
 
 from flashserve.attention.base import AttentionBackend
 from flashserve.distributed.comm import (FlashInferAllReduceNorm, FusedAllReduceNorm, PendingSum, SingleRankGroup,
-                                         TPGroup)
+                                         TorchDistGroup, TPGroup)
 from flashserve.distributed.copy_engine import CopyEngineAllReduce
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
@@ -393,21 +393,21 @@ class LlamaModel(nn.Module):
         of up to `max_tokens` tokens; larger steps keep NCCL. Collective: every rank calls it."""
         if not self.sharded:
             raise ValueError("the fused all-reduce is for a model over several ranks")
-        self.close_fused_allreduce()
+        self.close_collective_buffers()
         dtype = self.embed_tokens["weight"].dtype
         self.fused_allreduce = FlashInferAllReduceNorm(self.group, max_tokens, self.spec.hidden_size, dtype)
 
-    def use_copy_engine_sums(self, process_group: Any, max_chunk_tokens: int) -> None:
+    def use_copy_engine_sums(self, max_chunk_tokens: int) -> None:
         """The overlapped all-reduces of chunks of up to `max_chunk_tokens` tokens by the GPUs' copy
         engines (`distributed/copy_engine.py`); larger ones keep the group's. Collective: every rank
         calls it."""
-        if not self.sharded:
-            raise ValueError("copy-engine all-reduces are for a model over several ranks")
         weight = self.embed_tokens["weight"]
-        self.overlap_sums = CopyEngineAllReduce(process_group, max_chunk_tokens * self.spec.hidden_size,
+        if not isinstance(self.group, TorchDistGroup) or weight.device.type != "cuda":
+            raise ValueError("--tp-overlap-comm copy-engine is for a model over several GPUs")
+        self.overlap_sums = CopyEngineAllReduce(self.group.process_group, max_chunk_tokens * self.spec.hidden_size,
                                                 weight.dtype, weight.device)  # fmt: skip
 
-    def close_fused_allreduce(self) -> None:
+    def close_collective_buffers(self) -> None:
         """Frees the fused all-reduce's and the copy-engine all-reduce's buffers, if any (every
         rank, before the group ends)."""
         if self.fused_allreduce is not None:
