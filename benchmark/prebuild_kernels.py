@@ -71,7 +71,8 @@ def spec_factories(head_dims: list[int], dtypes: list[str]) -> list[tuple[str, s
                     f"torch.int32, {head_dim}, {head_dim}, 0, False, False, False)"
                 )
     # FA3 (Hopper) for fresh prompts' ragged pass (`RAGGED_MIN_TOKENS`), of the first dtype and head size.
-    fa3 = (f"_gen_batch_prefill_primary_module('fa3', torch.{dtypes[0]}, torch.{dtypes[0]}, torch.{dtypes[0]}, "
+    # FlashInfer builds every backend but FA2 through the public generator (runtime paged-KV strides).
+    fa3 = (f"gen_batch_prefill_module('fa3', torch.{dtypes[0]}, torch.{dtypes[0]}, torch.{dtypes[0]}, "
            f"torch.int32, {head_dims[0]}, {head_dims[0]}, 0, False, False, False)")
     first, rest = [attention[0], fa3], attention[1:]
     # FP8: attention over an FP8 KV cache (queries and output in the model's dtype) for the first
@@ -95,7 +96,7 @@ FIRST_USE = {"fp8": ["gen_gemm_module()"]}
 GENERATORS = """
 import torch
 from flashinfer.jit.activation import gen_act_and_mul_module
-from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
+from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module, gen_batch_prefill_module
 from flashinfer.jit.cascade import gen_cascade_module
 from flashinfer.jit.comm import gen_trtllm_comm_module
 from flashinfer.jit.gemm import gen_gemm_module
