@@ -75,6 +75,15 @@ OVERLAP_CHUNKS = 2
 _RECOMPILE_LIMIT = 64
 
 
+def in_rows_of(whole: Tensor, rows: slice, q_size: int, qkv: tuple[Tensor, Tensor, Tensor]) -> bool:
+    """Whether a chunk's q, k, v are its `rows` of `whole` (q's columns first, then k's, then v's)."""
+    q, k, v = qkv
+    start = whole[rows.start]
+    kv = k.shape[-2] * k.shape[-1]
+    return q.data_ptr() == start.data_ptr() and k.data_ptr() == start[q_size:].data_ptr() \
+        and v.data_ptr() == start[q_size + kv:].data_ptr()
+
+
 class LlamaModel(nn.Module):
     """The decoder and its LM head, with fused weights. See the module docstring for the seam.
 
@@ -294,17 +303,38 @@ class LlamaModel(nn.Module):
         spec, qkv = self.rank_spec, layer.qkv_proj.args
         q_norm = layer.q_norm["weight"] if spec.qk_norm else None
         k_norm = layer.k_norm["weight"] if spec.qk_norm else None
+        # Over several chunks a plain projection writes each chunk's rows of one [T, q + 2 kv]
+        # output, so that the step's q, k, v are views of it, as of one chunk's (no copy to join them).
+        weight, bias = qkv[0], qkv[1]
+        whole = None
+        if len(chunks) > 1 and lora is None and weight.dtype in (torch.bfloat16, torch.float16, torch.float32) \
+                and not weight.is_mkldnn:
+            whole = torch.empty(positions.shape[0], weight.shape[0], dtype=weight.dtype, device=weight.device)
         parts = []
         for j, c in enumerate(chunks):
             # With adapters the norms write plain rows (the adapters read them; an FP8 projection
             # quantizes them itself).
             normed, residuals[j] = self.reduce_add_norm(partials[j], residuals[j], layer.input_layernorm["weight"],
                                                         qkv if lora is None else None)  # fmt: skip
+            if lora is not None:
+                fused = lora.project(i, "qkv", normed, qkv)
+            elif whole is not None and isinstance(normed, Tensor):
+                fused = whole[c]
+                torch.mm(normed, weight.t(), out=fused) if bias is None else torch.addmm(bias, normed, weight.t(), out=fused)
+            else:
+                fused = None
             parts.append(self._qkv_rope(
                 spec, self.ops, normed, positions[c] if len(chunks) > 1 else positions, self.cos_sin_cache, qkv,
-                q_norm, k_norm, rotate, None if lora is None else lora.project(i, "qkv", normed, qkv),
+                q_norm, k_norm, rotate, fused,
             ))  # fmt: skip
-        return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
+        if len(parts) == 1:
+            return parts[0]
+        if whole is not None and all(in_rows_of(whole, c, spec.q_size, part) for c, part in zip(chunks, parts)):
+            # The q/k norms and RoPE ran in place (FlashInfer's): the chunks' q, k, v are rows of `whole`.
+            q, k, v = whole.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+            t, d = whole.shape[0], spec.head_dim
+            return q.view(t, spec.num_heads, d), k.view(t, spec.num_kv_heads, d), v.view(t, spec.num_kv_heads, d)
+        return tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
 
     def _o_and_mlp(self, i: int, layer: LlamaDecoderLayer, chunks: list[slice], attn: Tensor, partials: list[Any],
                    residuals: list[Tensor], defer: bool, lora: LoRAStack | None) -> None:  # fmt: skip
