@@ -249,6 +249,17 @@ def test_the_forced_fused_allreduce_runs_without_nvlink(monkeypatch: Any) -> Non
     assert take_fused(monkeypatch, True, blocker=None, gap="NVLink does not connect cuda:0 and cuda:1")
 
 
+def test_the_start_up_log_names_what_carries_the_overlapped_all_reduces() -> None:
+    from flashserve.config import ModelConfig
+    from flashserve.executor.build import all_reduce_summary
+
+    plain = all_reduce_summary(False, ModelConfig())
+    copies = all_reduce_summary(True, ModelConfig(tp_overlap_min_tokens=1024, tp_overlap_comm="copy-engine"))
+    assert plain == "NCCL all-reduce"
+    assert copies.startswith("FlashInfer's fused all-reduce") and "steps of 1024+ tokens" in copies
+    assert "overlapped by copy engines" in copies
+
+
 def test_the_forced_fused_allreduce_where_it_cannot_run_is_an_error(monkeypatch: Any) -> None:
     with pytest.raises(ValueError, match="--enable-flashinfer-allreduce-fusion: it takes float16 or bfloat16"):
         take_fused(monkeypatch, True, blocker="it takes float16 or bfloat16 models, not torch.float32", gap=None)

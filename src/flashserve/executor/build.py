@@ -36,6 +36,18 @@ from flashserve.worker.runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
+def all_reduce_summary(fused: bool, model_config: ModelConfig) -> str:
+    """What carries a model's all-reduces over several ranks, for the start-up log."""
+    said = f"FlashInfer's fused all-reduce + RMSNorm (steps up to {FUSED_ALLREDUCE_MAX_TOKENS} tokens)" if fused \
+        else "NCCL all-reduce"
+    least = model_config.tp_overlap_min_tokens
+    if least is not None:
+        by = f"copy engines (chunks of up to {COPY_ENGINE_MAX_CHUNK_TOKENS} tokens)" \
+            if model_config.tp_overlap_comm == "copy-engine" else "NCCL"
+        said += f"; steps of {least}+ tokens in two chunks, all-reduces overlapped by {by}"
+    return said
+
+
 def build_runner(
     model_config: ModelConfig,
     cache_config: CacheConfig,
@@ -130,8 +142,7 @@ def build_runner(
             "%s, KV cache %d pages x %d tokens (%s, %.2f GB per rank); start-up: shard loaded in %.1f s, "
             "KV cache sized and allocated in %.1f s",
             loaded.name, group.world_size, device, loaded.dtype, shape.num_heads, shape.num_kv_heads, backend_name,
-            f"FlashInfer's fused all-reduce + RMSNorm (steps up to {FUSED_ALLREDUCE_MAX_TOKENS} tokens)" if fused
-            else "NCCL all-reduce", num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
+            all_reduce_summary(fused, model_config), num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
             t_kv - t_loaded,
         )  # fmt: skip
     sampler = pick_sampler(device, model_config.seed if seed is None else seed)
