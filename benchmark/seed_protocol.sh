@@ -28,6 +28,7 @@ SGL_RATES=${SGL_RATES:-4}
 FS_RATES=${FS_RATES:-}
 NPROMPTS=${NPROMPTS:-256}
 BUDGET=${BUDGET:-570}
+PROBE=${PROBE:-1}  # 0: no floors and no lone-prompt probe (A/B runs of one rate)
 if ! $PYTHON -c "import flashinfer, fastapi" 2>/dev/null; then
   flock /tmp/seed_pip.lock $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
@@ -53,7 +54,7 @@ need() { awk -v n="$NPROMPTS" -v r="$1" 'BEGIN { printf "%d", n / r + 60 }'; }
 SUMMARY="$OUT/summary_$NAME.md"
 echo "# $NAME: $MODEL, TP $TP, $GPU, server args: --no-enable-prefix-caching $SERVER_ARGS" | tee "$SUMMARY"
 
-$PYTHON -m benchmark.floor --out "$OUT/rates_$NAME.json" >/dev/null 2>&1 || echo "floor rates: failed" | tee -a "$SUMMARY"
+[ "$PROBE" = 0 ] || $PYTHON -m benchmark.floor --out "$OUT/rates_$NAME.json" >/dev/null 2>&1 || echo "floor rates: failed" | tee -a "$SUMMARY"
 t=$(date +%s.%N)
 $PYTHON -m flashserve serve --load-format dummy --model "$MODEL" --tokenizer "$TOKENIZER" --tp "$TP" --port "$PORT" \
   --no-enable-prefix-caching $SERVER_ARGS >"$OUT/server_$NAME.log" 2>&1 &
@@ -67,7 +68,7 @@ done
 echo "healthy after $(awk "BEGIN { printf \"%.1f\", $(date +%s.%N) - $t }") s" | tee -a "$SUMMARY"
 grep -i -E "all-reduce|allreduce|quantiz|kv cache|graph" "$OUT/server_$NAME.log" | head -n 8 | tee -a "$SUMMARY"
 
-timeout -k 5 120 $PYTHON -m benchmark.seed_probe --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --tp "$TP" \
+[ "$PROBE" = 0 ] || timeout -k 5 120 $PYTHON -m benchmark.seed_probe --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --tp "$TP" \
   --rates "$OUT/rates_$NAME.json" --out "$OUT/probe_$NAME.json" >/dev/null 2>&1 || echo "probe: failed" | tee -a "$SUMMARY"
 
 seed=0
