@@ -9,6 +9,7 @@ fixture); the shard arithmetic is tested in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from flashserve.layers.ops import torch_ops
 from flashserve.message.sampling_params import SamplingParams
 from flashserve.model_loader.checkpoint import load_llama
 from flashserve.models.llama import LlamaModel, LlamaSpec
+import flashserve.models.llama as llama_module
 
 WORLD = 2
 PAGE = 16
@@ -152,6 +154,20 @@ def _rank_main(checkpoints: str, names: list[str], out_dir: str) -> None:
     overlapped.overlap_min_tokens = OVERLAP_MIN_TOKENS
     found["overlap"] = {"logits": run_schedule(overlapped),
                         "chunks": {n: len(overlapped.token_chunks(n)) for n in (3, 21, 23)}}  # fmt: skip
+    # RoPE in place, as FlashInfer's, and dense weights, as on GPUs (not packed for oneDNN): the
+    # chunks' q, k, v stay rows of one qkv output (no join).
+    packs = llama_module.packs_for_onednn
+    llama_module.packs_for_onednn = lambda *_: False  # type: ignore[assignment]
+    in_place = LlamaModel.from_hf(load_file(os.path.join(checkpoints, names[0], "model.safetensors")), config_of(
+        os.path.join(checkpoints, names[0])), torch.float32, "cpu", ops="torch", group=group)
+    llama_module.packs_for_onednn = packs
+    in_place.overlap_min_tokens = OVERLAP_MIN_TOKENS
+    in_place.ops = dataclasses.replace(in_place.ops, apply_rope=rope_in_place)
+    seen: list[bool] = []
+    rows_of = llama_module.in_rows_of
+    llama_module.in_rows_of = lambda *args: seen.append(rows_of(*args)) or seen[-1]  # type: ignore[assignment]
+    found["overlap_rows"] = {"logits": run_schedule(in_place), "rows_of_one_output": seen}
+    llama_module.in_rows_of = rows_of
     fused = RecordingFusedAllReduce(group)
     model = LlamaModel.from_hf(load_file(os.path.join(checkpoints, names[0], "model.safetensors")), config_of(
         os.path.join(checkpoints, names[0])), torch.float32, "cpu", ops="torch", group=group)
@@ -159,6 +175,13 @@ def _rank_main(checkpoints: str, names: list[str], out_dir: str) -> None:
     found["fused"] = {"logits": run_schedule(model), "tokens": fused.tokens}
     torch.save(found, os.path.join(out_dir, f"rank{group.rank}.pt"))
     close_tp_group(group)
+
+
+def rope_in_place(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
+                  cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's RoPE written back into q and k, as FlashInfer's kernel rotates them."""
+    rotated_q, rotated_k = torch_ops().apply_rope(positions, q, k, head_dim, cos_sin)
+    return q.copy_(rotated_q), k.copy_(rotated_k)
 
 
 def config_of(path: str) -> Any:
@@ -222,6 +245,16 @@ def test_steps_run_in_token_chunks_with_overlapped_all_reduces_give_the_logits_o
     for rank in range(WORLD):
         assert runs["ranks"][rank]["overlap"]["chunks"] == {3: 1, 21: 2, 23: 2}
         for step, got in enumerate(runs["ranks"][rank]["overlap"]["logits"]):
+            torch.testing.assert_close(got, runs["one_rank"][NAMES[0]][step], atol=1e-5, rtol=1e-4)
+
+
+def test_overlapped_chunks_with_rope_in_place_attend_rows_of_one_qkv_output_with_the_logits_of_one_rank(
+    runs: dict[str, Any],
+) -> None:
+    for rank in range(WORLD):
+        seen = runs["ranks"][rank]["overlap_rows"]["rows_of_one_output"]
+        assert seen and all(seen)  # every chunked layer's q, k, v were views, none joined by a copy
+        for step, got in enumerate(runs["ranks"][rank]["overlap_rows"]["logits"]):
             torch.testing.assert_close(got, runs["one_rank"][NAMES[0]][step], atol=1e-5, rtol=1e-4)
 
 
