@@ -13,8 +13,8 @@ NCCL's kernels take SMs, and the GEMMs beside them and the all-reduces both slow
 3. each rank pulls every rank's summed slice into its partial, in place.
 
 All of it runs on a side stream, after the stream that made the partial (over more than two ranks
-the copies to the peers fan out to a stream each, so that several copy engines move them at once); `PendingSum.wait()` makes
-the current stream wait for it. Buffers come from torch's symmetric memory (`rendezvous` over the
+the copies to the peers fan out to a stream each, so that several copy engines move them at once);
+`PendingSum.wait()` makes the current stream wait for it. Buffers come from torch's symmetric memory (`rendezvous` over the
 model's NCCL group); NVLink multicast stays off. It follows the pattern of PyTorch's low-contention
 reduce-scatter and all-gather (`torch.distributed._symmetric_memory`), as one all-reduce with two
 barriers instead of three and no SM copy of the rank's own slice. Ranks launch these in the same

@@ -142,8 +142,8 @@ def build_runner(
             "%s, KV cache %d pages x %d tokens (%s, %.2f GB per rank); start-up: shard loaded in %.1f s, "
             "KV cache sized and allocated in %.1f s",
             loaded.name, group.world_size, device, loaded.dtype, shape.num_heads, shape.num_kv_heads, backend_name,
-            all_reduce_summary(fused, model_config), num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9, t_loaded - t0,
-            t_kv - t_loaded,
+            all_reduce_summary(fused, model_config), num_pages, page_size, kv_dtype, num_pages * page_bytes / 1e9,
+            t_loaded - t0, t_kv - t_loaded,
         )  # fmt: skip
     sampler = pick_sampler(device, model_config.seed if seed is None else seed)
     # Cascade attention runs on one rank only.

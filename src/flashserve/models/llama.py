@@ -320,7 +320,10 @@ class LlamaModel(nn.Module):
                 fused = lora.project(i, "qkv", normed, qkv)
             elif whole is not None and isinstance(normed, Tensor):
                 fused = whole[c]
-                torch.mm(normed, weight.t(), out=fused) if bias is None else torch.addmm(bias, normed, weight.t(), out=fused)
+                if bias is None:
+                    torch.mm(normed, weight.t(), out=fused)
+                else:
+                    torch.addmm(bias, normed, weight.t(), out=fused)
             else:
                 fused = None
             parts.append(self._qkv_rope(
