@@ -249,6 +249,43 @@ def test_the_forced_fused_allreduce_runs_without_nvlink(monkeypatch: Any) -> Non
     assert take_fused(monkeypatch, True, blocker=None, gap="NVLink does not connect cuda:0 and cuda:1")
 
 
+def copy_engine_blocker(monkeypatch: Any, device: str, gap: str | None, local: int = 2) -> str | None:
+    """Why two ranks on `device` cannot run the copy-engine all-reduce, NVML reporting `gap`, `local`
+    ranks a node."""
+    import torch
+
+    from flashserve.executor import worker
+
+    monkeypatch.setattr(worker, "nvlink_gap", lambda _: gap)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    return worker.copy_engine_blocker(2, torch.device(device))
+
+
+def test_copy_engine_all_reduces_run_on_gpus_of_one_node_that_nvlink_connects(monkeypatch: Any) -> None:
+    assert copy_engine_blocker(monkeypatch, "cuda", gap=None) is None
+
+
+def test_copy_engine_all_reduces_need_nvlink_between_the_gpus(monkeypatch: Any) -> None:
+    gap = "NVLink does not connect cuda:0 and cuda:1"
+    assert copy_engine_blocker(monkeypatch, "cuda", gap=gap) == gap
+
+
+def test_copy_engine_all_reduces_need_every_rank_on_one_node(monkeypatch: Any) -> None:
+    assert "within one node" in str(copy_engine_blocker(monkeypatch, "cuda", gap=None, local=1))
+
+
+def test_copy_engine_all_reduces_are_refused_at_start_with_the_flag_and_the_reason_named(monkeypatch: Any) -> None:
+    import types
+
+    import torch
+
+    from flashserve.executor import worker
+
+    monkeypatch.setattr(worker.dist, "all_reduce", lambda t, op: t)
+    with pytest.raises(ValueError, match="--tp-overlap-comm copy-engine: it needs CUDA GPUs"):
+        worker.check_copy_engine_sums(types.SimpleNamespace(rank=0, world_size=2), torch.device("cpu"))
+
+
 def test_the_start_up_log_names_what_carries_the_overlapped_all_reduces() -> None:
     from flashserve.config import ModelConfig
     from flashserve.executor.build import all_reduce_summary

@@ -20,7 +20,9 @@ from flashserve.attention.cascade import cascade_policy
 from flashserve.attention.kv_quant import resolve_kv_cache_dtype
 from flashserve.config import COPY_ENGINE_MAX_CHUNK_TOKENS, CacheConfig, ModelConfig
 from flashserve.distributed.comm import SingleRankGroup, TPGroup
-from flashserve.executor.worker import FUSED_ALLREDUCE_MAX_TOKENS, rank_device, shared_kv_pages, take_fused_allreduce
+from flashserve.executor.worker import (
+    FUSED_ALLREDUCE_MAX_TOKENS, check_copy_engine_sums, rank_device, shared_kv_pages, take_fused_allreduce,
+)
 from flashserve.lora.manager import enable_lora
 from flashserve.model_loader import LoadedModel, load
 from flashserve.models.native import NativeCausalLM
@@ -100,6 +102,7 @@ def build_runner(
         assert isinstance(model, NativeCausalLM)
         model.model.overlap_min_tokens = model_config.tp_overlap_min_tokens
         if model_config.tp_overlap_comm == "copy-engine":
+            check_copy_engine_sums(group, device)
             model.model.use_copy_engine_sums(COPY_ENGINE_MAX_CHUNK_TOKENS)
     # The adapters' device slots, before the KV cache takes the memory left too.
     lora = enable_lora(model, model_config.lora) if model_config.lora is not None else None

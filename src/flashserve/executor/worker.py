@@ -19,6 +19,7 @@ timeout. The gloo group also carries a step too large for the channel.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -115,6 +116,28 @@ def take_fused_allreduce(model_config: ModelConfig, group: TPGroup, device: torc
         logger.info("all-reduce: NCCL, then the norm (FlashInfer's fused all-reduce is off: %s)",
                     reason or "another rank cannot run it")  # fmt: skip
     return False
+
+
+def copy_engine_blocker(world_size: int, device: torch.device) -> str | None:
+    """Why `--tp-overlap-comm copy-engine` cannot run for these ranks, or None when it can: it maps
+    every peer's buffer into each GPU (torch's symmetric memory) and moves the sums by peer copies,
+    so it needs CUDA GPUs, every rank on this node and NVLink between them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if device.type != "cuda":
+        return "it needs CUDA GPUs"
+    if local != world_size:
+        return f"it maps GPU memory within one node, and the {world_size} ranks run {local} to a node"
+    return nvlink_gap(range(world_size))
+
+
+def check_copy_engine_sums(group: TPGroup, device: torch.device) -> None:
+    """Raises on every rank alike where any rank cannot run the copy-engine all-reduce
+    (`copy_engine_blocker`). Collective."""
+    reason = copy_engine_blocker(group.world_size, device)
+    able = torch.tensor([reason is None], dtype=torch.int32, device=device)
+    dist.all_reduce(able, op=dist.ReduceOp.MIN)
+    if not able.item():
+        raise ValueError(f"--tp-overlap-comm copy-engine: {reason or 'another rank cannot run it'}")
 
 
 def shared_kv_pages(pages: int, page_bytes: int, device: torch.device, group: TPGroup) -> int:
