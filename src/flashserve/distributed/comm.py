@@ -168,6 +168,13 @@ class FusedAllReduceNorm(Protocol):
     def close(self) -> None: ...
 
 
+def off_node_ranks(world_size: int) -> str | None:
+    """None where all `world_size` ranks run on this node (torchrun's LOCAL_WORLD_SIZE, or the
+    ranks this process started), else how they are spread."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return None if local == world_size else f"the {world_size} ranks run {local} to a node"
+
+
 def allreduce_fusion_blocker(world_size: int, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why `FlashInferAllReduceNorm` cannot run for these ranks, or None when it can: it needs CUDA
     GPUs, a float16 or bfloat16 model, every rank on this node (its buffers are shared by CUDA IPC)
@@ -176,9 +183,9 @@ def allreduce_fusion_blocker(world_size: int, device: torch.device, dtype: torch
         return "it needs CUDA GPUs"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"it takes float16 or bfloat16 models, not {dtype}"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if local != world_size:
-        return f"it shares GPU memory within one node, and the {world_size} ranks run {local} to a node"
+    spread = off_node_ranks(world_size)
+    if spread is not None:
+        return f"it shares GPU memory within one node, and {spread}"
     try:
         import flashinfer.comm  # noqa: F401  (needs cuda-python and nvidia-ml-py besides flashinfer)
     except ImportError as exc:

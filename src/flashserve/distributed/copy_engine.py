@@ -75,7 +75,7 @@ def _each_peer(peers: list[int], copy: Any, streams: list[Any] | None) -> None:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             copy(p)
-    for stream in streams[:len(peers)]:
+    for stream in streams:
         current.wait_stream(stream)
 
 

@@ -19,7 +19,6 @@ timeout. The gloo group also carries a step too large for the channel.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flashserve.config import ModelConfig
-from flashserve.distributed.comm import TPGroup, allreduce_fusion_blocker, local_rank, nvlink_gap
+from flashserve.distributed.comm import TPGroup, allreduce_fusion_blocker, local_rank, nvlink_gap, off_node_ranks
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.message.lora import LoRAAdapterError, LoRARequest
 from flashserve.models.llama import LlamaModel
@@ -106,38 +105,42 @@ def take_fused_allreduce(model_config: ModelConfig, group: TPGroup, device: torc
     reason = allreduce_fusion_blocker(group.world_size, device, dtype)
     if reason is None and setting is None:
         reason = nvlink_gap(range(group.world_size))
-    able = torch.tensor([reason is None], dtype=torch.int32, device=device)
-    dist.all_reduce(able, op=dist.ReduceOp.MIN)
-    if able.item():
+    reason = every_rank_able(reason, device)
+    if reason is None:
         return True
     if setting:
-        raise ValueError(f"--enable-flashinfer-allreduce-fusion: {reason or 'another rank cannot run it'}")
+        raise ValueError(f"--enable-flashinfer-allreduce-fusion: {reason}")
     if group.rank == 0:
-        logger.info("all-reduce: NCCL, then the norm (FlashInfer's fused all-reduce is off: %s)",
-                    reason or "another rank cannot run it")  # fmt: skip
+        logger.info("all-reduce: NCCL, then the norm (FlashInfer's fused all-reduce is off: %s)", reason)
     return False
+
+
+def every_rank_able(reason: str | None, device: torch.device) -> str | None:
+    """None where no rank has a `reason` it cannot run something, else this rank's reason (or that
+    another rank cannot). Collective: every rank gets the same answer."""
+    able = torch.tensor([reason is None], dtype=torch.int32, device=device)
+    dist.all_reduce(able, op=dist.ReduceOp.MIN)
+    return None if able.item() else reason or "another rank cannot run it"
 
 
 def copy_engine_blocker(world_size: int, device: torch.device) -> str | None:
     """Why `--tp-overlap-comm copy-engine` cannot run for these ranks, or None when it can: it maps
     every peer's buffer into each GPU (torch's symmetric memory) and moves the sums by peer copies,
     so it needs CUDA GPUs, every rank on this node and NVLink between them."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if device.type != "cuda":
         return "it needs CUDA GPUs"
-    if local != world_size:
-        return f"it maps GPU memory within one node, and the {world_size} ranks run {local} to a node"
+    spread = off_node_ranks(world_size)
+    if spread is not None:
+        return f"it maps GPU memory within one node, and {spread}"
     return nvlink_gap(range(world_size))
 
 
 def check_copy_engine_sums(group: TPGroup, device: torch.device) -> None:
     """Raises on every rank alike where any rank cannot run the copy-engine all-reduce
     (`copy_engine_blocker`). Collective."""
-    reason = copy_engine_blocker(group.world_size, device)
-    able = torch.tensor([reason is None], dtype=torch.int32, device=device)
-    dist.all_reduce(able, op=dist.ReduceOp.MIN)
-    if not able.item():
-        raise ValueError(f"--tp-overlap-comm copy-engine: {reason or 'another rank cannot run it'}")
+    reason = every_rank_able(copy_engine_blocker(group.world_size, device), device)
+    if reason is not None:
+        raise ValueError(f"--tp-overlap-comm copy-engine: {reason}")
 
 
 def shared_kv_pages(pages: int, page_bytes: int, device: torch.device, group: TPGroup) -> int:
