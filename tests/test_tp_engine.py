@@ -274,6 +274,13 @@ def test_copy_engine_all_reduces_need_every_rank_on_one_node(monkeypatch: Any) -
     assert "within one node" in str(copy_engine_blocker(monkeypatch, "cuda", gap=None, local=1))
 
 
+def test_copy_engine_all_reduces_take_one_model_a_process(monkeypatch: Any) -> None:
+    from flashserve.distributed import copy_engine
+
+    monkeypatch.setattr(copy_engine, "_RENDEZVOUS_MADE", True)
+    assert "one model a process" in str(copy_engine_blocker(monkeypatch, "cuda", gap=None))
+
+
 def test_copy_engine_all_reduces_are_refused_at_start_with_the_flag_and_the_reason_named(monkeypatch: Any) -> None:
     import types
 

@@ -124,24 +124,81 @@ def test_tp_ranks_with_the_fused_allreduce_compute_the_logits_of_one_gpu(
     assert max(errs) < TOL[torch.bfloat16], errs
 
 
-@pytest.mark.parametrize(("comm", "cuda_graph"), [("nccl", False), ("nccl", True), ("copy-engine", False),
-                                                  ("copy-engine", True)],
-                         ids=["nccl", "nccl-piecewise-graphs", "copy-engine", "copy-engine-piecewise-graphs"])
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "piecewise-graphs"])
 def test_tp_ranks_with_overlapped_all_reduces_compute_the_logits_of_one_gpu(
-    model: str, one_gpu_logits: list[torch.Tensor], tp: int, comm: str, cuda_graph: bool
+    model: str, one_gpu_logits: list[torch.Tensor], tp: int, cuda_graph: bool
 ) -> None:
     # --tp-overlap-min-tokens 64: the prefill step (236 tokens) runs its token-wise parts in two
-    # chunks, each chunk's all-reduce (NCCL's, or peer copies through symmetric memory on a side
-    # stream) started while the other's GEMMs run; decode steps run whole. With graphs the prefill
-    # step replays piecewise graphs that captured the all-reduces' streams.
+    # chunks, each chunk's NCCL all-reduce started while the other's GEMMs run; decode steps run
+    # whole. With graphs the prefill step replays piecewise graphs that captured the all-reduces' streams.
     with LLM(model, tensor_parallel_size=tp, cuda_graph=cuda_graph, enable_flashinfer_allreduce_fusion=False,
-             tp_overlap_min_tokens=64, tp_overlap_comm=comm, **ENGINE) as llm:  # fmt: skip
+             tp_overlap_min_tokens=64, **ENGINE) as llm:  # fmt: skip
         native = llm.engine.executor.model.model  # type: ignore[attr-defined]
-        assert len(native.token_chunks(236)) == 2
-        assert (native.overlap_sums is not None) == (comm == "copy-engine")
+        assert len(native.token_chunks(236)) == 2 and native.overlap_sums is None
         logits = step_logits(llm)
     errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_logits)]
     assert max(errs) < TOL[torch.bfloat16], errs
+
+
+SHORT = [[5] * 40, list(range(7, 47))]  # an 80-token prefill step: two overlapped chunks
+
+
+@pytest.fixture(scope="module")
+def one_gpu_short_logits(model: str) -> list[torch.Tensor]:
+    with LLM(model, cuda_graph=False, **ENGINE) as llm:
+        return step_logits(llm, SHORT)
+
+
+def copy_engine_llm(model: str, tp: int) -> LLM:
+    """Ranks whose overlapped all-reduces (steps of 64 tokens or more) go by the copy engines, with
+    piecewise graphs up to 128 tokens."""
+    return LLM(model, tensor_parallel_size=tp, enable_flashinfer_allreduce_fusion=False, tp_overlap_min_tokens=64,
+               tp_overlap_comm="copy-engine", piecewise_cuda_graph_max_tokens=128, **ENGINE)  # fmt: skip
+
+
+def in_a_new_process(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` in a new process (rank 0 of the model it builds): torch's symmetric memory takes
+    one model with copy-engine all-reduces a process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout=300)
+
+
+def copy_engine_logits(model: str, tp: int) -> list[torch.Tensor]:
+    with copy_engine_llm(model, tp) as llm:
+        runner: Any = llm.engine.executor
+        assert runner.model.model.overlap_sums is not None
+        assert runner.piecewise_graphs.covers(80) and not runner.piecewise_graphs.covers(236)
+        return [t.cpu() for t in step_logits(llm) + step_logits(llm, SHORT)]
+
+
+def second_copy_engine_model(model: str, tp: int) -> str:
+    """Builds and closes one model with copy-engine all-reduces, then tries a second: its error."""
+    with copy_engine_llm(model, tp):
+        pass
+    try:
+        copy_engine_llm(model, tp).close()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_tp_ranks_with_copy_engine_all_reduces_compute_the_logits_of_one_gpu(
+    model: str, one_gpu_logits: list[torch.Tensor], one_gpu_short_logits: list[torch.Tensor], tp: int
+) -> None:
+    # Both paths in one model: the 236-token prefill step runs its two chunks eagerly, peer copies
+    # through symmetric memory on side streams; the 80-token one replays the piecewise graphs that
+    # captured those streams.
+    logits = in_a_new_process(copy_engine_logits, model, tp)
+    errs = [rel_err(a, b.cpu()) for a, b in zip(logits, one_gpu_logits + one_gpu_short_logits)]
+    assert max(errs) < TOL[torch.bfloat16], errs
+
+
+def test_a_second_model_with_copy_engine_all_reduces_in_one_process_is_refused_naming_why(model: str, tp: int) -> None:
+    error = in_a_new_process(second_copy_engine_model, model, tp)
+    assert error.startswith("--tp-overlap-comm copy-engine: one model a process"), error
 
 
 def test_tp_ranks_replay_piecewise_graphs_of_a_prompt_step_computing_the_logits_of_one_gpu(

@@ -79,6 +79,19 @@ def _each_peer(peers: list[int], copy: Any, streams: list[Any] | None) -> None:
         current.wait_stream(stream)
 
 
+# Whether this process has made a symmetric-memory rendezvous: torch's CUDA symmetric memory
+# numbers its store exchanges with one counter for the whole process and keeps each group name's
+# store, so a process that made one cannot meet peers that are new processes (rank 0 of a second
+# model in one process would wait forever on keys they never write). `copy_engine_blocker` refuses
+# such a start instead.
+_RENDEZVOUS_MADE = False
+
+
+def rendezvous_made_here() -> bool:
+    """Whether this process has built a `CopyEngineAllReduce` (a symmetric-memory rendezvous) before."""
+    return _RENDEZVOUS_MADE
+
+
 class StreamDone:
     """The `work` of a `PendingSum` whose sum runs on a side stream: `wait()` makes the current
     stream wait for the event recorded after it (the host does not wait)."""
@@ -110,6 +123,8 @@ class CopyEngineAllReduce:
         slice_max = self.max_numel // n
         # Slots 0..N-1: the slices the ranks push here; then this rank's summed slice.
         self._buffer = symm_mem.empty(self.max_numel + slice_max, dtype=dtype, device=device)
+        global _RENDEZVOUS_MADE
+        _RENDEZVOUS_MADE = True  # from its start: a rendezvous that failed half-way leaves the counter moved too
         self._handle = symm_mem.rendezvous(self._buffer, process_group)
         self._sum_offset = self.max_numel
         self.stream = torch.cuda.Stream(device=device)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from flashserve.config import ModelConfig
 from flashserve.distributed.comm import TPGroup, allreduce_fusion_blocker, local_rank, nvlink_gap, off_node_ranks
+from flashserve.distributed.copy_engine import rendezvous_made_here
 from flashserve.engine.outputs import SchedulerOutput
 from flashserve.message.lora import LoRAAdapterError, LoRARequest
 from flashserve.models.llama import LlamaModel
@@ -126,9 +127,15 @@ def every_rank_able(reason: str | None, device: torch.device) -> str | None:
 def copy_engine_blocker(world_size: int, device: torch.device) -> str | None:
     """Why `--tp-overlap-comm copy-engine` cannot run for these ranks, or None when it can: it maps
     every peer's buffer into each GPU (torch's symmetric memory) and moves the sums by peer copies,
-    so it needs CUDA GPUs, every rank on this node and NVLink between them."""
+    so it needs CUDA GPUs, every rank on this node and NVLink between them; and, as torch's symmetric
+    memory meets only peers that have made as many rendezvous as this process, a process that has not
+    built such a model before (`copy_engine.rendezvous_made_here`: a second `LLM` in one process, whose
+    other ranks are new processes)."""
     if device.type != "cuda":
         return "it needs CUDA GPUs"
+    if rendezvous_made_here():
+        return ("one model a process: this process built a model with it before, and torch's symmetric memory "
+                "cannot meet new rank processes from one that has (start a new process, or use nccl)")
     spread = off_node_ranks(world_size)
     if spread is not None:
         return f"it maps GPU memory within one node, and {spread}"
