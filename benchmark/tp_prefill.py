@@ -14,7 +14,8 @@ Dummy weights in a real shape. For each prompt length:
 
 Then torch.profiler on rank 0 over 3 steps of `--profile-len` tokens: kernel time by category
 (GEMM, all-reduce, attention, norm, RoPE, activation, other), the host gap (step wall time less the
-sum of its kernels, unprofiled), and the GEMMs by per-rank shape with their achieved TFLOP/s. Writes
+sum of its kernels, unprofiled), the GPU's idle time within the profiled steps and its longest gaps
+with the operations on either side, and the GEMMs by per-rank shape with their achieved TFLOP/s. Writes
 `tp_prefill.json`, `tp_prefill.md` (the tables) and the profiled steps' Chrome trace under `--out`.
 """
 
@@ -88,6 +89,31 @@ def gemm_flops(shapes: list[list[int]], name: str) -> float:
     return 2.0 * m * n * k
 
 
+def device_idle(ops: list[tuple[float, float, str]], steps: int, top: int = 5) -> dict[str, Any]:
+    """Where rank 0's GPU did nothing within the profiled steps: `ops` are its device operations
+    (start us, end us, name), kernels, copies and memsets on every stream. Their union's gaps, from
+    the first start to the last end, per step; and the `top` longest gaps with the operations on
+    either side (a gap at a step's start follows the previous step's last operation)."""
+    ops = sorted(ops)
+    gaps: list[tuple[float, str, str]] = []
+    end, last = ops[0][1], ops[0][2]
+    for start, stop, name in ops[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    idle_us = sum(g[0] for g in gaps)
+    return {"idle_ms": idle_us / 1e3 / steps, "span_ms": (end - ops[0][0]) / 1e3 / steps,
+            "longest_gaps": [{"ms": g / 1e3, "after": a[:80], "before": b[:80]}
+                             for g, a, b in sorted(gaps, key=lambda g: -g[0])[:top]]}  # fmt: skip
+
+
+def device_ops(prof: Any) -> list[tuple[float, float, str]]:
+    """The profiler's device operations (kernels, copies, memsets): (start us, end us, name)."""
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type.name == "CUDA" and not e.name.startswith("nccl:")]  # fmt: skip
+
+
 def profile_step(runner: Any, step: Any, out: Path, steps: int = 3) -> dict[str, Any]:
     """Rank 0's kernels of `steps` forward steps by category and by GEMM shape, and the host gap."""
     import torch
@@ -118,8 +144,10 @@ def profile_step(runner: Any, step: Any, out: Path, steps: int = 3) -> dict[str,
                           "TFLOP_per_s": flops / (ms / 1e3) / 1e12 if ms else 0.0})  # fmt: skip
     kernel_ms = sum(by_cat.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+    ops = device_ops(prof)
     return {"tokens": len(step.requests[0].new_token_ids) if hasattr(step, "requests") else None,
             "wall_ms": wall_ms, "kernel_ms": kernel_ms, "host_gap_ms": wall_ms - kernel_ms,
+            "device_idle": device_idle(ops, steps) if ops else None,
             "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
             "gemms": sorted(gemms, key=lambda g: -g["ms"]),
             "top_kernels": [{"name": k[:120], "ms": v[0], "calls": v[1]} for k, v in top]}  # fmt: skip
@@ -146,6 +174,13 @@ def tables(doc: dict[str, Any]) -> str:
                   f"host gap {p['host_gap_ms']:.1f} ms", "", "| category | ms | share of kernels |", "|---|---|---|"]  # fmt: skip
         for c, ms in p["by_category_ms"].items():
             lines.append(f"| {c} | {ms:.2f} | {ms / p['kernel_ms']:.1%} |")
+        idle = p.get("device_idle")
+        if idle:
+            lines += ["", f"GPU idle within the profiled steps (every stream; copies and memsets count as busy): "
+                      f"{idle['idle_ms']:.2f} ms a step of {idle['span_ms']:.1f}; the longest gaps:", "",
+                      "| gap ms | after | before |", "|---|---|---|"]  # fmt: skip
+            for g in idle["longest_gaps"]:
+                lines.append(f"| {g['ms']:.3f} | {g['after']} | {g['before']} |")
         lines += ["", "| GEMM (per-rank shapes) | calls | ms | TFLOP/s |", "|---|---|---|---|"]
         for g in p["gemms"][:12]:
             lines.append(f"| {g['op']} {g['shapes']} | {g['calls']} | {g['ms']:.2f} | {g['TFLOP_per_s']:.0f} |")

@@ -56,3 +56,17 @@ def test_serve_bench_writes_its_runs_and_summary_under_the_local_folder_by_defau
     assert args.out_dir is None and serve_bench.RESULTS_DIR == LOCAL_RESULTS  # run files: RESULTS_DIR/<gpu>/
     assert args.summary_path.parent == LOCAL_RESULTS
 
+
+
+def test_tp_prefill_reports_the_gpu_idle_between_device_operations_of_any_stream() -> None:
+    from benchmark.tp_prefill import device_idle
+
+    # Two steps: a GEMM, an all-reduce on another stream overlapping it, a 300 us gap, a norm; a 1 ms
+    # gap to the next step's GEMM, which a copy covers in part.
+    ops = [(0.0, 100.0, "gemm"), (50.0, 150.0, "nccl_allreduce"), (450.0, 500.0, "norm"),
+           (1500.0, 1600.0, "gemm"), (1400.0, 1550.0, "Memcpy HtoD")]  # fmt: skip
+    idle = device_idle(ops, steps=2)
+    assert idle["idle_ms"] == (300 + 900) / 1e3 / 2
+    assert idle["span_ms"] == 1600 / 1e3 / 2
+    assert [(g["ms"], g["after"], g["before"]) for g in idle["longest_gaps"]] == [
+        (0.9, "norm", "Memcpy HtoD"), (0.3, "nccl_allreduce", "norm")]
