@@ -16,7 +16,8 @@
 #              twice (the first start of a 70B here, then a restart), each stopped with SIGTERM;
 #              the server's own log lines say where its time went
 #   tests      pytest tests/gpu/test_tp_gpu.py at TP ranks (logits against one GPU, eager and from
-#              graphs, with NCCL and with the fused all-reduce; greedy tokens; close); TESTS_K: pytest's -k
+#              graphs, with NCCL and with the fused all-reduce; greedy tokens; close); TESTS_K: pytest's -k;
+#              up to 540 s (the whole file took 408 s at TP 2 on two H200s)
 #   allreduce  python -m benchmark.tp_allreduce: NCCL + norm against FlashInfer's fused all-reduce +
 #              add + RMSNorm at TP ranks, [tokens, 8192] bf16, decode- to prefill-sized
 #   prefill    python -m benchmark.tp_prefill: the 70B's lone-prompt step and TTFT at 512/2,048/8,192
@@ -123,9 +124,9 @@ if want start && [ "$(limit start 200)" -gt 0 ]; then
   } > >(tee "$OUT/start.txt") 2>&1
   phase start $rc "$s"
 fi
-if want tests && [ "$(limit tests 270)" -gt 0 ]; then
+if want tests && [ "$(limit tests 540)" -gt 0 ]; then
   s=$(date +%s)
-  FLASHSERVE_TEST_TP=$TP timeout -k 10 "$(limit tests 270)" $PYTHON -m pytest -v -m gpu tests/gpu/test_tp_gpu.py \
+  FLASHSERVE_TEST_TP=$TP timeout -k 10 "$(limit tests 540)" $PYTHON -m pytest -v -m gpu tests/gpu/test_tp_gpu.py \
     ${TESTS_K:+-k "$TESTS_K"} -p no:cacheprovider --durations=0 >"$OUT/tp_gpu_tests.log" 2>&1
   rc=$?; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tp_gpu_tests.log" | tail -n 12; phase tests $rc "$s"
 fi
