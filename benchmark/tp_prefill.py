@@ -144,10 +144,14 @@ def profile_step(runner: Any, step: Any, out: Path, steps: int = 3) -> dict[str,
                           "TFLOP_per_s": flops / (ms / 1e3) / 1e12 if ms else 0.0})  # fmt: skip
     kernel_ms = sum(by_cat.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
-    ops = device_ops(prof)
+    try:  # not yet run on a GPU: a failure here names itself rather than costing the profile
+        ops = device_ops(prof)
+        idle: dict[str, Any] | None = device_idle(ops, steps) if ops else None
+    except Exception as exc:  # noqa: BLE001 - reported in the results
+        idle = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     return {"tokens": len(step.requests[0].new_token_ids) if hasattr(step, "requests") else None,
             "wall_ms": wall_ms, "kernel_ms": kernel_ms, "host_gap_ms": wall_ms - kernel_ms,
-            "device_idle": device_idle(ops, steps) if ops else None,
+            "device_idle": idle,
             "by_category_ms": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
             "gemms": sorted(gemms, key=lambda g: -g["ms"]),
             "top_kernels": [{"name": k[:120], "ms": v[0], "calls": v[1]} for k, v in top]}  # fmt: skip
@@ -175,7 +179,9 @@ def tables(doc: dict[str, Any]) -> str:
         for c, ms in p["by_category_ms"].items():
             lines.append(f"| {c} | {ms:.2f} | {ms / p['kernel_ms']:.1%} |")
         idle = p.get("device_idle")
-        if idle:
+        if idle and "error" in idle:
+            lines += ["", f"GPU idle within the profiled steps: not measured ({idle['error']})"]
+        elif idle:
             lines += ["", f"GPU idle within the profiled steps (every stream; copies and memsets count as busy): "
                       f"{idle['idle_ms']:.2f} ms a step of {idle['span_ms']:.1f}; the longest gaps:", "",
                       "| gap ms | after | before |", "|---|---|---|"]  # fmt: skip
