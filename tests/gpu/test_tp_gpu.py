@@ -86,10 +86,24 @@ def step_logits(llm: LLM, prompts: list[list[int]] = PROMPTS, lids: list[int] | 
     return logits
 
 
+SHORT = [[5] * 40, list(range(7, 47))]  # an 80-token prefill step: two overlapped chunks
+
+
 @pytest.fixture(scope="module")
-def one_gpu_logits(model: str) -> list[torch.Tensor]:
+def one_gpu_runs(model: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One GPU's `step_logits` of PROMPTS and of SHORT."""
     with LLM(model, cuda_graph=False, **ENGINE) as llm:
-        return step_logits(llm)
+        return step_logits(llm), step_logits(llm, SHORT)
+
+
+@pytest.fixture(scope="module")
+def one_gpu_logits(one_gpu_runs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> list[torch.Tensor]:
+    return one_gpu_runs[0]
+
+
+@pytest.fixture(scope="module")
+def one_gpu_short_logits(one_gpu_runs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> list[torch.Tensor]:
+    return one_gpu_runs[1]
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graphs"])
@@ -138,15 +152,6 @@ def test_tp_ranks_with_overlapped_all_reduces_compute_the_logits_of_one_gpu(
         logits = step_logits(llm)
     errs = [rel_err(a, b) for a, b in zip(logits, one_gpu_logits)]
     assert max(errs) < TOL[torch.bfloat16], errs
-
-
-SHORT = [[5] * 40, list(range(7, 47))]  # an 80-token prefill step: two overlapped chunks
-
-
-@pytest.fixture(scope="module")
-def one_gpu_short_logits(model: str) -> list[torch.Tensor]:
-    with LLM(model, cuda_graph=False, **ENGINE) as llm:
-        return step_logits(llm, SHORT)
 
 
 def copy_engine_llm(model: str, tp: int) -> LLM:

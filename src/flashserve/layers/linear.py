@@ -62,6 +62,18 @@ def linear_unscaled(
     return F.linear(x, weight, bias)
 
 
+def writes_into(weight: Tensor) -> bool:
+    """Whether `linear_into` takes this weight: dense, not packed for oneDNN."""
+    return weight.dtype != FP8_DTYPE and not weight.is_mkldnn
+
+
+def linear_into(out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None = None, *_: object) -> Tensor:
+    """`linear` of a dense weight (`writes_into`) written into `out`, e.g. some rows of a larger output."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
 def dense(x: Tensor | UnscaledRows) -> Tensor:
     """A projection's output as a plain tensor (scales applied, if any were deferred)."""
     return x.scaled() if isinstance(x, UnscaledRows) else x

@@ -44,8 +44,8 @@ from flashserve.distributed.copy_engine import CopyEngineAllReduce
 from flashserve.distributed.sharding import ShardLayout
 from flashserve.layers.fp8 import QuantizedRows, UnscaledRows
 from flashserve.layers.linear import (
-    Linear, LinearArgs, add_rmsnorm_for, dense, linear, linear_unscaled, pack_for_onednn, packs_for_onednn,
-    takes_dynamic_fp8,
+    Linear, LinearArgs, add_rmsnorm_for, dense, linear, linear_into, linear_unscaled, pack_for_onednn,
+    packs_for_onednn, takes_dynamic_fp8, writes_into,
 )  # fmt: skip
 from flashserve.layers.ops import Ops, rope_cos_sin_cache, rope_inv_freq, select_ops, torch_ops
 from flashserve.layers.quantization import Fp8Scheme, projection_loading
@@ -305,10 +305,9 @@ class LlamaModel(nn.Module):
         k_norm = layer.k_norm["weight"] if spec.qk_norm else None
         # Over several chunks a plain projection writes each chunk's rows of one [T, q + 2 kv]
         # output, so that the step's q, k, v are views of it, as of one chunk's (no copy to join them).
-        weight, bias = qkv[0], qkv[1]
+        weight = qkv[0]
         whole = None
-        if len(chunks) > 1 and lora is None and weight.dtype in (torch.bfloat16, torch.float16, torch.float32) \
-                and not weight.is_mkldnn:
+        if len(chunks) > 1 and lora is None and writes_into(weight):
             whole = torch.empty(positions.shape[0], weight.shape[0], dtype=weight.dtype, device=weight.device)
         parts = []
         for j, c in enumerate(chunks):
@@ -318,12 +317,8 @@ class LlamaModel(nn.Module):
                                                         qkv if lora is None else None)  # fmt: skip
             if lora is not None:
                 fused = lora.project(i, "qkv", normed, qkv)
-            elif whole is not None and isinstance(normed, Tensor):
-                fused = whole[c]
-                if bias is None:
-                    torch.mm(normed, weight.t(), out=fused)
-                else:
-                    torch.addmm(bias, normed, weight.t(), out=fused)
+            elif whole is not None:
+                fused = linear_into(whole[c], normed, *qkv)
             else:
                 fused = None
             parts.append(self._qkv_rope(
