@@ -207,6 +207,10 @@ class SchedulerConfig:
     # Schedule and launch the next step while the device computes the last one; its decode tokens
     # come from the last step's sampled ids on the device (`engine/llm_engine.py`).
     overlap_scheduling: bool = True
+    # With overlap scheduling: hold the launch behind a step of decode rows until shortly before that
+    # step's predicted end, receiving requests until then, so that a prompt arriving meanwhile joins
+    # the next step instead of the one after it (`engine/late_launch.py`).
+    late_launch: bool = True
     # `--speculative-config`: draft tokens verified in each decode step (`spec_decode/`); None: off.
     speculative: SpeculativeConfig | None = None
 

@@ -82,6 +82,7 @@ def to_configs(ns: argparse.Namespace) -> ServeArgs:
     scheduler = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                                 max_prefill_tokens=ns.max_prefill_tokens,
                                 chunked_prefill_size=ns.chunked_prefill_size, overlap_scheduling=ns.overlap_scheduling,
+                                late_launch=ns.late_launch,
                                 speculative=ns.speculative_config)
     api_keys = tuple(ns.api_key or ())
     server = ServerConfig(host=ns.host, port=ns.port, log_level=ns.log_level, api_keys=api_keys)

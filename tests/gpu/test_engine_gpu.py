@@ -187,3 +187,18 @@ def test_a_prompt_chunked_beside_a_stream_samples_the_teacher_forced_logits():
     assert [len(tokens[rid]) for rid in prompts] == [12, 12]
     done = [SimpleNamespace(request_id=rid, prompt_token_ids=prompts[rid], token_ids=tokens[rid]) for rid in prompts]
     assert_sampled_from_teacher_forced_logits(llm, recorder, done)
+
+
+def test_a_decode_step_s_device_time_is_measured_for_late_launches_within_its_wall_time(llm):
+    import time
+
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    llm.generate([[1, 2, 3, 4]] * 4, params)  # warm: graphs, the first steps' times
+    start = time.perf_counter()
+    llm.generate([[5, 6, 7, 8]] * 4, params)
+    wall_per_step = (time.perf_counter() - start) / 64
+    late = llm.engine.late
+    assert late is not None and late.decode_s is not None
+    # Steps run back to back under overlap scheduling: a step's device time is at most the wall time
+    # a step takes (the prefill's share included), and more than nothing.
+    assert 0 < late.decode_s <= wall_per_step, (late.decode_s, wall_per_step)

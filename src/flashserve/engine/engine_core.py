@@ -103,6 +103,11 @@ class EngineCore:
         with existing_objects_frozen():
             while self.front_ends:
                 received = self._receive(wait_for=self._idle_wait())
+                # Late launches: keep receiving until shortly before the step on the device ends, so
+                # that what arrives meanwhile joins the step launched behind it.
+                deadline = self.engine.launch_deadline()
+                while deadline is not None and self.front_ends and (left := deadline - time.monotonic()) > 0:
+                    received += self._receive(wait_for=left)
                 try:
                     outputs = self.step(received)
                 except Exception as exc:  # the loop died: every front end hears it

@@ -13,6 +13,11 @@ scheduled and launched, then the host detokenizes N. Either way a request that a
 string finishes may already be in the launched step; `update` drops its token, and its freed
 pages are reused only by steps that run after it on the device.
 
+With late launches as well (`late_launch=True`, `engine/late_launch.py`), the loop that drives the
+engine may hold a step of decode rows on the device to a deadline shortly before it ends
+(`launch_deadline`), receiving requests until then, so that a prompt arriving meanwhile joins the
+step right behind it rather than the one after that.
+
 `LLMEngine` is driven by exactly one thread (the engine loop of `AsyncEngine`, or the caller of
 the offline API); nothing in it is thread-safe and nothing in it needs to be.
 """
@@ -20,11 +25,13 @@ the offline API); nothing in it is thread-safe and nothing in it needs to be.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from flashserve.detokenizer import IncrementalDetokenizer, raw_decoder
+from flashserve.engine.late_launch import DeviceTimes, LateLaunch
 from flashserve.engine.lora_registry import LoRARegistry
 from flashserve.engine.outputs import SampledTokens, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request
@@ -79,11 +86,12 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab
 class LLMEngine:
     def __init__(
         self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None, *, vocab_size: int,
-        overlap: bool = False, loras: LoRARegistry | None = None,
+        overlap: bool = False, loras: LoRARegistry | None = None, late_launch: bool = False,
     ) -> None:
         """overlap: schedule and launch each step before collecting the one before (the executor
         fills tokens in flight from `previous`). loras: the LoRA adapters the executor has loaded
-        (default: none, and none can be)."""
+        (default: none, and none can be). late_launch: with overlap, time the steps and give the
+        driving loop a deadline for the next launch (`launch_deadline`)."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.scheduler = scheduler
@@ -95,6 +103,9 @@ class LLMEngine:
         self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
+        # Late launches need the executor's device times (`DeviceTimes`: a GPU's runner).
+        self.late = LateLaunch() if overlap and late_launch and hasattr(executor, "device_seconds") else None
+        self._deadline_given = False  # the driving loop held the next launch to a deadline
         self.num_step_tokens = 0  # output tokens the last step() produced, held ones included
 
     def set_tokenizer(self, tokenizer: Any | None) -> None:
@@ -151,6 +162,13 @@ class LLMEngine:
         self.scheduler.finish(request_id, FinishReason.ABORT, error)
         return self._output(live)
 
+    def launch_deadline(self) -> float | None:
+        """With late launches: until when (`time.monotonic()`) the driving loop may receive requests
+        before its next `step`, a step of decode rows being on the device; None: step at once."""
+        deadline = self.late.deadline() if self.late is not None and self._launched is not None else None
+        self._deadline_given = deadline is not None
+        return deadline
+
     def step(self) -> list[RequestOutput]:
         """Run one step; return an output for every request that got tokens or finished.
 
@@ -162,21 +180,37 @@ class LLMEngine:
             self._launched = None
             if self.overlap and out.schedules_ahead:
                 touched += self._launch(handle)  # behind the step on the device, before its results
-                touched += self.scheduler.update(out, self.executor.collect(handle))
+                touched += self.scheduler.update(out, self._collect(out, handle, behind=self._launched is not None))
             else:
-                touched += self.scheduler.update(out, self.executor.collect(handle))
+                touched += self.scheduler.update(out, self._collect(out, handle, behind=False))
                 touched += self._launch()
         self.num_step_tokens = 0
         return [output for r in touched if r.request_id in self._live
                 if (output := self._process(self._live[r.request_id])) is not None]
 
     def _launch(self, previous: Any = None) -> list[Request]:
+        start = time.monotonic()
         out = self.scheduler.schedule()
         if out.is_empty:
             # update() reports requests the scheduler failed on its own (e.g. too long to fit).
             return self.scheduler.update(out, [])
         self._launched = (out, self.executor.launch(out, previous))
+        if self.late is not None:
+            end = time.monotonic()
+            times: DeviceTimes = self.executor  # type: ignore[assignment]
+            found_done = times.step_done(previous) if previous is not None and self._deadline_given else None
+            self.late.launched(out, start, end, at_deadline=self._deadline_given, found_done=found_done)
+            self._deadline_given = False
         return []
+
+    def _collect(self, out: SchedulerOutput, handle: Any, behind: bool) -> list[SampledTokens]:
+        if self.late is None:
+            return self.executor.collect(handle)
+        start = time.monotonic()
+        results = self.executor.collect(handle)
+        times: DeviceTimes = self.executor  # type: ignore[assignment]
+        self.late.collected(out, start, time.monotonic(), times.device_seconds(handle), behind)
+        return results
 
     def _process(self, live: _Live) -> RequestOutput | None:
         """The request's new tokens turned into text and checked for stop strings; its output, or

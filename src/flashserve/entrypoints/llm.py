@@ -103,7 +103,7 @@ def build_engine(
         overlap = False
     tokenizer = loaded.tokenizer if detokenize else None
     engine = LLMEngine(sched, runner, tokenizer, vocab_size=loaded.vocab_size, overlap=overlap,
-                       loras=LoRARegistry(runner, model.lora))
+                       loras=LoRARegistry(runner, model.lora), late_launch=scheduler.late_launch)
     return EngineStack(engine, loaded, num_pages, cache.page_size, budget)
 
 

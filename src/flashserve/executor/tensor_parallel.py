@@ -115,6 +115,12 @@ class TensorParallelExecutor:
     def collect(self, step: LaunchedStep) -> list[SampledTokens]:
         return self.runner.collect(step)
 
+    def step_done(self, step: LaunchedStep) -> bool | None:
+        return self.runner.step_done(step)
+
+    def device_seconds(self, step: LaunchedStep) -> float | None:
+        return self.runner.device_seconds(step)
+
     def forward(self, out: SchedulerOutput, prompt_rows: Sequence[int] = (),
                 previous: LaunchedStep | None = None) -> torch.Tensor:
         """Rank 0's float32 logits of one step, the step sent to the workers first, as

@@ -26,6 +26,8 @@ class LaunchedStep:
     # collecting a step must not wait for a step launched after it.
     host_ids: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    # On a GPU, recorded as the launch began: with `ready`, the step's time on the device.
+    started: torch.cuda.Event | None = None
     # Sampling rows (positions in `sampling`) that asked for logprobs, and how many top tokens.
     logprob_rows: list[int] = field(default_factory=list)
     logprob_top: list[int] = field(default_factory=list)

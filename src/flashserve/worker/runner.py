@@ -167,6 +167,10 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Enqueues the step's forward, sampling and logprobs without waiting for the device.
         `previous`: the launched step whose sampled ids fill this step's tokens in flight."""
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         step = self._launch(out, previous)
         if step.ids is not None:
             # Enqueued now, so that collect() waits for this step only, not for later ones.
@@ -174,9 +178,22 @@ class ModelRunner:
             if step.logprobs is not None:
                 step.logprobs = step.logprobs.to_cpu()
             if step.ids.is_cuda:
-                step.ready = torch.cuda.Event()
+                step.ready = torch.cuda.Event(enable_timing=True)
                 step.ready.record()
+                step.started = started
         return step
+
+    def step_done(self, step: LaunchedStep) -> bool | None:
+        """Whether a launched step's sampled ids are on the host, without waiting; None: unknown (on
+        a CPU, or a step that samples nothing)."""
+        return step.ready.query() if step.ready is not None else None
+
+    def device_seconds(self, step: LaunchedStep) -> float | None:
+        """A collected step's time on the GPU, from its launch's start to its sampled ids on the host
+        (the engine's late launches, `engine/late_launch.py`); None: unknown."""
+        if step.started is None or step.ready is None:
+            return None
+        return step.started.elapsed_time(step.ready) / 1e3
 
     def _launch(self, out: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         rows = self.batch.update(out)
