@@ -98,6 +98,10 @@ class EngineCore:
         finally:
             if self.pins is not None:
                 self.pins.release_all()
+            if (late := self.engine.late) is not None and late.num_deadlines:
+                logger.info("late launches: %d held to a deadline, %d of them found the step before ended "
+                            "(decode step %.2f ms, launch %.2f ms, margin %.2f ms)", late.num_deadlines, late.num_late,
+                            1e3 * (late.decode_s or 0.0), 1e3 * (late.launch_s or 0.0), 1e3 * late.margin_s)
 
     def _run(self) -> str | None:
         with existing_objects_frozen():
