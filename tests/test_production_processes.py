@@ -285,3 +285,14 @@ def test_the_front_ends_sockets_refuse_a_port_that_another_server_listens_on() -
     finally:
         for sock in first:
             sock.close()
+
+
+def test_a_server_stopped_by_sigterm_logs_no_error(model_config: str) -> None:
+    from live_server import RUNNING_LOGS
+
+    with live_server(dummy_args(model_config, "--log-level", "info")) as (_, proc):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        lines = Path(RUNNING_LOGS[-1]).read_text().splitlines()
+    assert any("received SIGTERM" in line for line in lines), lines[-20:]
+    assert not [line for line in lines if "ERROR" in line], lines[-20:]

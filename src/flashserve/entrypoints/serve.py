@@ -152,7 +152,10 @@ class Supervisor:
             wait([*(c.sentinel for c in self.cores), *(f.sentinel for f in live)])
             gone = [c for c in self.cores if not c.is_alive()]
             if gone:  # one engine core is gone: the server with it (the front ends fail and exit)
-                logger.error("engine core %s exited with code %s; stopping", gone[0].name, gone[0].exitcode)
+                if self.stopping and gone[0].exitcode == 0:  # its front ends stopped first, as asked
+                    logger.info("engine core %s exited after its front ends", gone[0].name)
+                else:
+                    logger.error("engine core %s exited with code %s; stopping", gone[0].name, gone[0].exitcode)
                 self._join(live, FRONTEND_EXIT_SECONDS)
                 return EXIT_FAILED if gone[0].exitcode != 0 or not self.stopping else 0
             for front in [f for f in live if not f.is_alive()]:
