@@ -108,9 +108,12 @@ class EngineCore:
             while self.front_ends:
                 received = self._receive(wait_for=self._idle_wait())
                 # Late launches: keep receiving until shortly before the step on the device ends, so
-                # that what arrives meanwhile joins the step launched behind it.
+                # that a prompt arriving meanwhile joins the step launched behind it. A prompt ends the
+                # wait: its step's launch takes longer than the decode step's the deadline allows for.
                 deadline = self.engine.launch_deadline()
-                while deadline is not None and self.front_ends and (left := deadline - time.monotonic()) > 0:
+                waiting = self.engine.scheduler.num_waiting
+                while (deadline is not None and self.front_ends and self.engine.scheduler.num_waiting == waiting
+                       and (left := deadline - time.monotonic()) > 0):
                     received += self._receive(wait_for=left)
                 try:
                     outputs = self.step(received)
