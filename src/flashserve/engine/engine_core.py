@@ -108,12 +108,9 @@ class EngineCore:
             while self.front_ends:
                 received = self._receive(wait_for=self._idle_wait())
                 # Late launches: keep receiving until shortly before the step on the device ends, so
-                # that a prompt arriving meanwhile joins the step launched behind it. A prompt ends the
-                # wait: its step's launch takes longer than the decode step's the deadline allows for.
+                # that what arrives meanwhile joins the step launched behind it.
                 deadline = self.engine.launch_deadline()
-                waiting = self.engine.scheduler.num_waiting
-                while (deadline is not None and self.front_ends and self.engine.scheduler.num_waiting == waiting
-                       and (left := deadline - time.monotonic()) > 0):
+                while deadline is not None and self.front_ends and (left := deadline - time.monotonic()) > 0:
                     received += self._receive(wait_for=left)
                 try:
                     outputs = self.step(received)

@@ -14,9 +14,7 @@ without them (the CPU, whose `launch` computes the step) get no deadlines. From 
 calls it takes the host's launch time (scheduling a step and handing it to the executor) and when a
 wait for a step ended, which is when the device moved on to the step behind it.
 
-The deadline leaves the launch time and a margin before the predicted end. A prompt that arrives ends
-the wait (`engine/engine_core.py`): its step is launched at once, since its launch takes longer
-than a decode step's, which is what the deadline allows for. A launch at a deadline
+The deadline leaves the launch time and a margin before the predicted end. A launch at a deadline
 that finds the step before it already ended (the device waited) doubles the margin, up to half a
 decode step; each one in time narrows it by a tenth, down to `MIN_MARGIN_S`. Steps with prompt or
 draft tokens get no deadline (the next step is scheduled at once, as without this): their times vary
