@@ -209,8 +209,10 @@ class SchedulerConfig:
     overlap_scheduling: bool = True
     # With overlap scheduling: hold the launch behind a step of decode rows until shortly before that
     # step's predicted end, receiving requests until then, so that a prompt arriving meanwhile joins
-    # the next step instead of the one after it (`engine/late_launch.py`).
-    late_launch: bool = True
+    # the next step instead of the one after it (`engine/late_launch.py`). Off by default: on two H200s
+    # it took 19 ms off the 70B's median TTFT at TP 2 and 3-4.5 ms off the 8B's in one A/B, nothing
+    # in another, where the streams' mean gap rose 3% (`benchmark/results/NVIDIA_H200/late_launch/`).
+    late_launch: bool = False
     # `--speculative-config`: draft tokens verified in each decode step (`spec_decode/`); None: off.
     speculative: SpeculativeConfig | None = None
 
