@@ -92,3 +92,8 @@ def test_min_tokens_counts_the_token_in_flight(llm: LLM) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, min_tokens=k, stop_token_ids=(greedy[k],))
     (result,) = llm.generate(prompt, params)
     assert result.token_ids == greedy[: k + 1] and result.finish_reason == "stop"
+
+
+def test_late_launches_are_not_started_on_a_cpu_which_has_no_device_times(llm: LLM) -> None:
+    assert not llm.engine.start_late_launches()
+    assert llm.engine.late is None and llm.engine.launch_deadline() is None

@@ -192,10 +192,7 @@ def test_a_prompt_chunked_beside_a_stream_samples_the_teacher_forced_logits():
 def test_a_decode_step_s_device_time_is_measured_for_late_launches_within_its_wall_time(llm):
     import time
 
-    from flashserve.engine.late_launch import LateLaunch
-
-    assert llm.engine.overlap and hasattr(llm.engine.executor, "device_seconds")
-    llm.engine.late = LateLaunch()  # what --late-launch gives an engine with overlap scheduling on a GPU
+    assert llm.engine.start_late_launches()  # what --late-launch does at start
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     llm.generate([[1, 2, 3, 4]] * 4, params)  # warm: graphs, the first steps' times
     start = time.perf_counter()

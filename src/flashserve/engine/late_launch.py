@@ -9,8 +9,9 @@ end, until which the loop keeps receiving requests; then it schedules and launch
 which reaches the device before this one ends and takes what arrived meanwhile.
 
 What it needs from the executor (`DeviceTimes`): a collected step's device time (on a GPU, CUDA
-events around the step), and whether a launched step has ended (the end event's query). Executors
-without them (the CPU, whose `launch` computes the step) get no deadlines. From the engine's own
+events around the step, recorded once `start_timing` asks for them), and whether a launched step
+has ended (the end event's query). Executors without them (the CPU, whose `launch` computes the
+step) get no late launches. From the engine's own
 calls it takes the host's launch time (scheduling a step and handing it to the executor) and when a
 wait for a step ended, which is when the device moved on to the step behind it.
 
@@ -35,6 +36,10 @@ WAITED_S = 0.0002  # a wait at least this long: the step ended during it, so its
 
 
 class DeviceTimes(Protocol):
+    def start_timing(self) -> bool:
+        """Time every step on the device from now on; False where the executor cannot."""
+        ...
+
     def step_done(self, handle: Any) -> bool | None:
         """Whether a launched step has ended on the device, without waiting; None: unknown."""
         ...

@@ -103,9 +103,10 @@ class LLMEngine:
         self._decode = raw_decoder(tokenizer) if tokenizer is not None else None
         self._live: dict[str, _Live] = {}
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
-        # Late launches need the executor's device times (`DeviceTimes`: a GPU's runner).
-        self.late = LateLaunch() if overlap and late_launch and hasattr(executor, "device_seconds") else None
+        self.late: LateLaunch | None = None
         self._deadline_given = False  # the driving loop held the next launch to a deadline
+        if overlap and late_launch:
+            self.start_late_launches()
         self.num_step_tokens = 0  # output tokens the last step() produced, held ones included
 
     def set_tokenizer(self, tokenizer: Any | None) -> None:
@@ -161,6 +162,14 @@ class LLMEngine:
             return None
         self.scheduler.finish(request_id, FinishReason.ABORT, error)
         return self._output(live)
+
+    def start_late_launches(self) -> bool:
+        """Times the steps and gives the driving loop deadlines (`launch_deadline`) from now on; False
+        where the executor has no device times (`DeviceTimes`: a GPU's runner has them)."""
+        start = getattr(self.executor, "start_timing", None)
+        if self.overlap and start is not None and start():
+            self.late = LateLaunch()
+        return self.late is not None
 
     def launch_deadline(self) -> float | None:
         """With late launches: until when (`time.monotonic()`) the driving loop may receive requests

@@ -115,6 +115,9 @@ class TensorParallelExecutor:
     def collect(self, step: LaunchedStep) -> list[SampledTokens]:
         return self.runner.collect(step)
 
+    def start_timing(self) -> bool:
+        return self.runner.start_timing()
+
     def step_done(self, step: LaunchedStep) -> bool | None:
         return self.runner.step_done(step)
 

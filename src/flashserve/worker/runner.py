@@ -86,6 +86,7 @@ class ModelRunner:
         self.group: TPGroup = group if group is not None else SingleRankGroup()
         self.before_forward: Callable[[SchedulerOutput, Sequence[int]], None] | None = None
         self.device = device
+        self.timing_steps = False  # CUDA events around each step (`start_timing`)
         self.backend = backend
         self.sampler = sampler
         self.page_size = page_size
@@ -168,7 +169,7 @@ class ModelRunner:
         """Enqueues the step's forward, sampling and logprobs without waiting for the device.
         `previous`: the launched step whose sampled ids fill this step's tokens in flight."""
         started = None
-        if self.device.type == "cuda":
+        if self.timing_steps:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         step = self._launch(out, previous)
@@ -178,10 +179,15 @@ class ModelRunner:
             if step.logprobs is not None:
                 step.logprobs = step.logprobs.to_cpu()
             if step.ids.is_cuda:
-                step.ready = torch.cuda.Event(enable_timing=True)
+                step.ready = torch.cuda.Event(enable_timing=started is not None)
                 step.ready.record()
                 step.started = started
         return step
+
+    def start_timing(self) -> bool:
+        """Time every step on the device from now on (`device_seconds`); False where it cannot (a CPU)."""
+        self.timing_steps = self.device.type == "cuda"
+        return self.timing_steps
 
     def step_done(self, step: LaunchedStep) -> bool | None:
         """Whether a launched step's sampled ids are on the host, without waiting; None: unknown (on
