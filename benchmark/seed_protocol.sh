@@ -29,6 +29,7 @@ FS_RATES=${FS_RATES:-}
 NPROMPTS=${NPROMPTS:-256}
 BUDGET=${BUDGET:-570}
 PROBE=${PROBE:-1}  # 0: no floors and no lone-prompt probe (A/B runs of one rate)
+# SEED0: the first rate draws seed SEED0 + 1, the next SEED0 + 2 (default 0)
 if ! $PYTHON -c "import flashinfer, fastapi" 2>/dev/null; then
   flock /tmp/seed_pip.lock $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
@@ -71,7 +72,7 @@ grep -i -E "all-reduce|allreduce|quantiz|kv cache|graph" "$OUT/server_$NAME.log"
 [ "$PROBE" = 0 ] || timeout -k 5 120 $PYTHON -m benchmark.seed_probe --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --tp "$TP" \
   --rates "$OUT/rates_$NAME.json" --out "$OUT/probe_$NAME.json" >/dev/null 2>&1 || echo "probe: failed" | tee -a "$SUMMARY"
 
-seed=0
+seed=${SEED0:-0}  # the first rate draws seed SEED0 + 1
 for rate in $SGL_RATES; do
   seed=$(( seed + 1 ))
   [ "$(left)" -gt "$(need "$rate")" ] || { echo "SGLang client at $rate req/s: no time left" | tee -a "$SUMMARY"; break; }
