@@ -68,6 +68,7 @@ class ModelRunner:
     """
 
     overlap_capable = True  # the engine may schedule a step behind one still running
+    timing_steps = False  # CUDA events around each step (`start_timing`)
     # Speculative decoding is configured (n-gram drafts from the scheduler, or `drafter`): steps may
     # carry draft tokens to verify. Off: `_launch` never looks for them. `build_runner` sets it.
     speculative = False
@@ -86,7 +87,6 @@ class ModelRunner:
         self.group: TPGroup = group if group is not None else SingleRankGroup()
         self.before_forward: Callable[[SchedulerOutput, Sequence[int]], None] | None = None
         self.device = device
-        self.timing_steps = False  # CUDA events around each step (`start_timing`)
         self.backend = backend
         self.sampler = sampler
         self.page_size = page_size
