@@ -160,6 +160,6 @@ def test_late_launches_keep_the_device_busy_between_decode_steps():
         core.thread.join(5)
 
     asyncio.run(main())
-    assert engine.late is not None and engine.late.decode_s is not None  # deadlines were given
+    assert engine.late is not None and engine.late.num_deadlines > 10  # launches were held to deadlines
     idle = [start - end for (_, end, _), (start, _, _) in zip(executor.steps_run, executor.steps_run[1:])]
     assert sum(gap > 0.005 for gap in idle) <= 3, idle
