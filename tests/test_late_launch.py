@@ -37,11 +37,11 @@ def steady(late: LateLaunch, steps: int, device_s: float = 10 * MS, launch_s: fl
     step = step or decode_step()
     late.launched(step, 0.0, launch_s)  # the first step, alone: it starts as its launch ends
     late.launched(step, launch_s, 2 * launch_s)  # the second, behind it
-    late.collected(step, 2 * launch_s, launch_s + device_s, device_s, behind=True)
+    late.collected(2 * launch_s, launch_s + device_s, device_s)
     end = launch_s + device_s
     for _ in range(steps):  # each next step launched as the wait for the one before it ends
         late.launched(step, end, end + launch_s)
-        late.collected(step, end + launch_s, end + device_s, device_s, behind=True)
+        late.collected(end + launch_s, end + device_s, device_s)
         end += device_s
     return end
 
@@ -57,7 +57,7 @@ def test_a_step_with_prompt_tokens_on_the_device_gets_no_deadline():
     late = LateLaunch()
     end = steady(late, 5)
     late.launched(prompt_step(), end, end + 1 * MS)
-    late.collected(decode_step(), end + 1 * MS, end + 10 * MS, 10 * MS, behind=True)
+    late.collected(end + 1 * MS, end + 10 * MS, 10 * MS)
     assert late.deadline() is None
 
 
@@ -65,7 +65,7 @@ def test_no_deadline_follows_a_wait_that_ended_at_once():
     late = LateLaunch()
     end = steady(late, 5)
     late.launched(decode_step(), end, end + 20 * MS)  # the host took longer than the device
-    late.collected(decode_step(), end + 20 * MS, end + 20 * MS, 10 * MS, behind=True)
+    late.collected(end + 20 * MS, end + 20 * MS, 10 * MS)
     assert late.deadline() is None
 
 
@@ -76,7 +76,7 @@ def test_a_launch_that_finds_the_step_before_it_ended_widens_the_margin_and_one_
     assert deadline is not None
     late.launched(decode_step(), deadline, deadline + 1 * MS, at_deadline=True, found_done=True)
     assert late.num_late == 1 and late.margin_s == 2 * MIN_MARGIN_S
-    late.collected(decode_step(), deadline + 1 * MS, deadline + 1 * MS, 10 * MS, behind=True)
+    late.collected(deadline + 1 * MS, deadline + 1 * MS, 10 * MS)
     late.launched(decode_step(), end, end + 1 * MS, at_deadline=True, found_done=False)
     assert late.num_late == 1 and late.num_deadlines == 2 and late.margin_s < 2 * MIN_MARGIN_S
 

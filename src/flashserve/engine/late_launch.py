@@ -24,6 +24,7 @@ with what they carry.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Protocol
 
 from flashserve.engine.outputs import SchedulerOutput
@@ -68,8 +69,9 @@ class LateLaunch:
         self.margin_s = MIN_MARGIN_S
         self.num_deadlines = 0  # launches held to a deadline
         self.num_late = 0  # of those, launches that found the step before them ended
-        self._running_decode = False  # the step the device runs once the one being waited for ends
-        self._launched_decode = False  # the step launched last (it becomes `_running_decode`)
+        # Whether each launched step not yet collected is `decode_only`, oldest first: steps are
+        # collected in the order they were launched.
+        self._decode_steps: deque[bool] = deque()
         self._last_end: float | None = None  # when the last wait for a step ended, if it waited
 
     def launched(self, out: SchedulerOutput, start: float, end: float, *, at_deadline: bool = False,
@@ -78,7 +80,7 @@ class LateLaunch:
         engine loop held it to a deadline; `found_done`: the step it was launched behind had ended by
         then (None: unknown, or launched behind none)."""
         self.launch_s = _average(self.launch_s, end - start)
-        self._launched_decode = decode_only(out)
+        self._decode_steps.append(decode_only(out))
         if at_deadline and found_done is not None:
             self.num_deadlines += 1
             if found_done:
@@ -87,18 +89,19 @@ class LateLaunch:
             else:
                 self.margin_s = max(MIN_MARGIN_S, self.margin_s * SHRINK)
 
-    def collected(self, out: SchedulerOutput, start: float, end: float, device_s: float | None, behind: bool) -> None:
-        """The engine waited for step `out` from `start` to `end`; `device_s`: its device time, if the
-        executor knows it; `behind`: a step was launched behind it before the wait."""
-        if device_s is not None and decode_only(out):
-            self.decode_s = _average(self.decode_s, device_s)
+    def collected(self, start: float, end: float, device_s: float | None) -> None:
+        """The engine waited for its oldest launched step from `start` to `end`; `device_s`: the step's
+        device time, if the executor knows it."""
+        if self._decode_steps.popleft() if self._decode_steps else False:
+            if device_s is not None:
+                self.decode_s = _average(self.decode_s, device_s)
         self._last_end = end if end - start >= WAITED_S else None
-        self._running_decode = behind and self._launched_decode
 
     def deadline(self) -> float | None:
         """Until when the engine loop may receive requests before it schedules the next step (on the
         clock of `launched` and `collected`); None: schedule it at once."""
-        if not self._running_decode or self._last_end is None or self.decode_s is None or self.launch_s is None:
+        running_decode = bool(self._decode_steps) and self._decode_steps[0]  # the step launched behind
+        if not running_decode or self._last_end is None or self.decode_s is None or self.launch_s is None:
             return None
         margin = self.launch_s + self.margin_s
         if margin >= self.decode_s:

@@ -104,6 +104,7 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self._launched: tuple[SchedulerOutput, Any] | None = None  # the step on the device
         self.late: LateLaunch | None = None
+        self._times: DeviceTimes | None = None  # the executor, once it times the steps
         self._deadline_given = False  # the driving loop held the next launch to a deadline
         if overlap and late_launch:
             self.start_late_launches()
@@ -168,7 +169,7 @@ class LLMEngine:
         where the executor has no device times (`DeviceTimes`: a GPU's runner has them)."""
         start = getattr(self.executor, "start_timing", None)
         if self.overlap and start is not None and start():
-            self.late = LateLaunch()
+            self.late, self._times = LateLaunch(), self.executor  # type: ignore[assignment]
         return self.late is not None
 
     def launch_deadline(self) -> float | None:
@@ -189,9 +190,9 @@ class LLMEngine:
             self._launched = None
             if self.overlap and out.schedules_ahead:
                 touched += self._launch(handle)  # behind the step on the device, before its results
-                touched += self.scheduler.update(out, self._collect(out, handle, behind=self._launched is not None))
+                touched += self.scheduler.update(out, self._collect(handle))
             else:
-                touched += self.scheduler.update(out, self._collect(out, handle, behind=False))
+                touched += self.scheduler.update(out, self._collect(handle))
                 touched += self._launch()
         self.num_step_tokens = 0
         return [output for r in touched if r.request_id in self._live
@@ -205,20 +206,20 @@ class LLMEngine:
             return self.scheduler.update(out, [])
         self._launched = (out, self.executor.launch(out, previous))
         if self.late is not None:
+            assert self._times is not None
             end = time.monotonic()
-            times: DeviceTimes = self.executor  # type: ignore[assignment]
-            found_done = times.step_done(previous) if previous is not None and self._deadline_given else None
+            found_done = self._times.step_done(previous) if previous is not None and self._deadline_given else None
             self.late.launched(out, start, end, at_deadline=self._deadline_given, found_done=found_done)
             self._deadline_given = False
         return []
 
-    def _collect(self, out: SchedulerOutput, handle: Any, behind: bool) -> list[SampledTokens]:
+    def _collect(self, handle: Any) -> list[SampledTokens]:
         if self.late is None:
             return self.executor.collect(handle)
+        assert self._times is not None
         start = time.monotonic()
         results = self.executor.collect(handle)
-        times: DeviceTimes = self.executor  # type: ignore[assignment]
-        self.late.collected(out, start, time.monotonic(), times.device_seconds(handle), behind)
+        self.late.collected(start, time.monotonic(), self._times.device_seconds(handle))
         return results
 
     def _process(self, live: _Live) -> RequestOutput | None:
