@@ -36,5 +36,5 @@ for round in $(seq 1 "$ROUNDS"); do
     echo "round $round $side: done at $(( $(date +%s) - T0 )) s"
   done
 done
-grep -h "late launches" "$OUT"/server_*.log
+zgrep -h "late launches" "$OUT"/server_*.log.gz
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ${PYTHON:-python3} -m benchmark.ab_pairs "$OUT" --a late --b nolate | tee "$OUT/ab.md"

@@ -13,7 +13,8 @@
 # its `random-ids` dataset (no download). Both clients draw prompts as text from the server's
 # tokenizer (the Llama-3 tokenizer: `make gpu-tokenizer-xz`). Each rate's prompts have their own seed.
 # Results under OUT (default benchmark/results/<GPU>/seed_protocol): probe_NAME.json, sgl_NAME.jsonl,
-# serve_bench_NAME/*.json, server_NAME.log, and the table in summary_NAME.md.
+# serve_bench_NAME/*.json, server_NAME.log.gz (gzipped at the end: request logs are large), and the table in
+# summary_NAME.md.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 T0=$(date +%s)
@@ -91,6 +92,8 @@ for rate in $FS_RATES; do
     >/dev/null 2>&1 || echo "serve_bench at $rate req/s: exit $?" | tee -a "$SUMMARY"
 done
 kill -TERM $SERVER; wait $SERVER; echo "server exit after SIGTERM: $?" | tee -a "$SUMMARY"
+grep -h "late launches" "$OUT/server_$NAME.log" | tee -a "$SUMMARY"
+gzip -f "$OUT/server_$NAME.log"
 trap - EXIT
 $PYTHON - "$OUT" "$NAME" <<'PY' | tee -a "$SUMMARY"
 import json, sys, pathlib
