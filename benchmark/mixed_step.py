@@ -1,6 +1,6 @@
 """What a prompt chunk costs the streams it shares a step with: engine steps timed by what they carry.
 
-    python -m benchmark.mixed_step --model llama-3.1-8b --batch 48 [--quantization fp8 --kv-cache-dtype fp8] [--tp 2]
+    python -m benchmark.mixed_step --model llama-3.1-8b --batch 48 [--quantization fp8 --kv-cache-dtype fp8]
 
 Keeps `--batch` streams decoding (dummy weights, prompts of `--context` tokens, no prefix cache, the
 server's CUDA graphs and overlap scheduling), then adds one fresh prompt of C tokens at a time, for
@@ -87,7 +87,6 @@ def kernel_profile(engine: Any, run_step: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the profile is rank 0's)")
     p.add_argument("--batch", type=int, default=48, help="running streams (the seed protocol's 8B at 24 req/s: about 48)")
     p.add_argument("--context", type=int, default=1280, help="the streams' prompt tokens")
     p.add_argument("--chunks", default="256,512,768,1024,1536,2048")
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashserve.message.sampling_params import SamplingParams
 
     chunks = [int(c) for c in args.chunks.split(",")]
-    llm = LLM(args.model, load_format="dummy", tensor_parallel_size=args.tp, max_num_seqs=max(64, args.batch + 8), max_model_len=8192,
+    llm = LLM(args.model, load_format="dummy", max_num_seqs=max(64, args.batch + 8), max_model_len=8192,
               gpu_memory_utilization=0.85, cuda_graph=True, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
               piecewise_cuda_graph_max_tokens=args.piecewise_max_tokens,
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.abort(f"s{i}")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     fmt = f", {args.quantization} weights, {args.kv_cache_dtype} KV" if args.quantization else ""
-    lines = [f"{gpu}: {args.model}{fmt} (dummy weights), TP {args.tp}, {args.batch} streams of {args.context}+ tokens decoding; "
+    lines = [f"{gpu}: {args.model}{fmt} (dummy weights), {args.batch} streams of {args.context}+ tokens decoding; "
              f"decode step gap median {decode_ms:.2f} ms ({len(decode)} steps)", "",
              "| chunk tokens | mixed step gap ms | decode + lone prompt ms | mixed / (decode + lone) | next step gap ms |",
              "|---|---|---|---|---|"]  # fmt: skip
