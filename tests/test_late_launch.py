@@ -11,7 +11,7 @@ from test_engine import VOCAB, ScriptedExecutor
 from test_engine_core import CoreThread, _collect
 
 from flashserve.config import SchedulerConfig
-from flashserve.engine.late_launch import MIN_MARGIN_S, LateLaunch
+from flashserve.engine.late_launch import AUTO_MIN_DECODE_S, MIN_MARGIN_S, LateLaunch
 from flashserve.engine.llm_engine import LLMEngine
 from flashserve.engine.outputs import ScheduledRequest, SchedulerOutput
 from flashserve.engine.scheduler import Scheduler
@@ -59,6 +59,18 @@ def test_a_step_with_prompt_tokens_on_the_device_gets_no_deadline():
     late.launched(prompt_step(), end, end + 1 * MS)
     late.collected(end + 1 * MS, end + 10 * MS, 10 * MS)
     assert late.deadline() is None
+
+
+def test_decode_steps_shorter_than_the_least_asked_get_no_deadline():
+    late = LateLaunch(min_decode_s=AUTO_MIN_DECODE_S)
+    steady(late, 5, device_s=AUTO_MIN_DECODE_S / 2)
+    assert late.deadline() is None
+
+
+def test_decode_steps_at_least_as_long_as_the_least_asked_get_a_deadline():
+    late = LateLaunch(min_decode_s=AUTO_MIN_DECODE_S)
+    steady(late, 5, device_s=2 * AUTO_MIN_DECODE_S)
+    assert late.deadline() is not None
 
 
 def test_no_deadline_follows_a_wait_that_ended_at_once():
@@ -113,7 +125,7 @@ class DeviceExecutor(ScriptedExecutor):
         return self.step_s
 
 
-def device_engine(step_s: float, late_launch: bool = True) -> LLMEngine:
+def device_engine(step_s: float, late_launch: bool | None = True) -> LLMEngine:
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
     sched = Scheduler(config, KVCacheManager(64, 16), max_model_len=512)
     return LLMEngine(sched, DeviceExecutor([5], step_s), None, vocab_size=VOCAB, overlap=True, late_launch=late_launch)
@@ -163,3 +175,26 @@ def test_late_launches_keep_the_device_busy_between_decode_steps():
     assert engine.late is not None and engine.late.num_deadlines > 10  # launches were held to deadlines
     idle = [start - end for (_, end, _), (start, _, _) in zip(executor.steps_run, executor.steps_run[1:])]
     assert sum(gap > 0.005 for gap in idle) <= 3, idle
+
+
+def deadlines_given(step_s: float, late_launch: bool | None) -> int:
+    """How many of a 12-token stream's launches an engine holds to a deadline with steps of `step_s`."""
+    engine = device_engine(step_s, late_launch=late_launch)
+    engine.add_request("long", [1], SamplingParams(max_tokens=12, ignore_eos=True))
+    held = 0
+    while engine.has_unfinished:
+        held += engine.launch_deadline() is not None
+        engine.step()
+    return held
+
+
+def test_by_default_launches_are_held_behind_decode_steps_of_at_least_8_ms():
+    assert deadlines_given(2 * AUTO_MIN_DECODE_S, late_launch=None) > 0
+
+
+def test_by_default_launches_are_not_held_behind_shorter_decode_steps():
+    assert deadlines_given(AUTO_MIN_DECODE_S / 4, late_launch=None) == 0
+
+
+def test_late_launch_true_holds_launches_behind_short_decode_steps_too():
+    assert deadlines_given(AUTO_MIN_DECODE_S / 4, late_launch=True) > 0

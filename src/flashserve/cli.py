@@ -225,10 +225,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            "stream waits on are bounded by --max-num-batched-tokens only (default 0: no bound)"),
     Option("--overlap-scheduling", _bool, True, "schedule and launch each step while the device computes "
            "the one before (--no-overlap-scheduling: one after the other)"),
-    Option("--late-launch", _bool, False, "with overlap scheduling: schedule the step behind a decode step "
+    Option("--late-launch", _bool, None, "with overlap scheduling: schedule the step behind a decode step "
            "shortly before that one ends (predicted from the steps before), not as it starts, so that a prompt "
            "arriving meanwhile starts up to one decode step sooner; it costs the streams the moments a launch "
-           "comes late"),
+           "comes late (default: behind decode steps of at least 8 ms on a GPU, as a 70B's; --late-launch: "
+           "behind every decode step; --no-late-launch: never)"),
     Option("--speculative-config", _speculative_config, None, "speculative decoding, as vLLM's option (JSON): "
            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
            "\"prompt_lookup_max\": 4}' proposes draft tokens by looking the request's last tokens up in its own "

@@ -209,10 +209,12 @@ class SchedulerConfig:
     overlap_scheduling: bool = True
     # With overlap scheduling: hold the launch behind a step of decode rows until shortly before that
     # step's predicted end, receiving requests until then, so that a prompt arriving meanwhile joins
-    # the next step instead of the one after it (`engine/late_launch.py`). Off by default: on two H200s
-    # it took 19 ms off the 70B's median TTFT at TP 2 and 3-4.5 ms off the 8B's in one A/B, nothing
-    # in another, where the streams' mean gap rose 3% (`benchmark/results/NVIDIA_H200/late_launch/`).
-    late_launch: bool = False
+    # the next step instead of the one after it (`engine/late_launch.py`). None (the default): behind
+    # decode steps of at least 8 ms on the device (`AUTO_MIN_DECODE_S`). On two H200s that took 2-19 ms
+    # off the median TTFT of the 70B's shapes (decode steps of 9-21 ms), where the 8B's 3.4-7.5 ms steps
+    # gained 0-5 ms in one A/B and lost 0.3 ms of median ITL in another
+    # (`benchmark/results/NVIDIA_H200/late_launch/`). True: behind every decode step; False: never.
+    late_launch: bool | None = None
     # `--speculative-config`: draft tokens verified in each decode step (`spec_decode/`); None: off.
     speculative: SpeculativeConfig | None = None
 

@@ -102,6 +102,9 @@ class EngineCore:
                 logger.info("late launches: %d held to a deadline, %d of them found the step before ended "
                             "(decode step %.2f ms, launch %.2f ms, margin %.2f ms)", late.num_deadlines, late.num_late,
                             1e3 * (late.decode_s or 0.0), 1e3 * (late.launch_s or 0.0), 1e3 * late.margin_s)
+            elif late is not None and late.decode_s is not None and late.decode_s < late.min_decode_s:
+                logger.info("late launches: none (decode steps of %.2f ms on the device, under the %.0f ms that "
+                            "--late-launch's default asks)", 1e3 * late.decode_s, 1e3 * late.min_decode_s)
 
     def _run(self) -> str | None:
         with existing_objects_frozen():

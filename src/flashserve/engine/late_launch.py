@@ -20,6 +20,12 @@ that finds the step before it already ended (the device waited) doubles the marg
 decode step; each one in time narrows it by a tenth, down to `MIN_MARGIN_S`. Steps with prompt or
 draft tokens get no deadline (the next step is scheduled at once, as without this): their times vary
 with what they carry.
+
+With `min_decode_s` (the server's default, `AUTO_MIN_DECODE_S`) decode steps shorter than that get
+no deadline either. A late launch idles the device for about the host's launch time, whatever the
+step's length, while what a prompt gains is a step: on two H200s the 70B's shapes (decode steps of
+9-21 ms) gained 2-19 ms of median TTFT, the 8B (3.4-7.5 ms) gained 0-5 ms in one A/B and lost 0.3 ms
+of median ITL in another (`benchmark/results/NVIDIA_H200/late_launch/README.md`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ MIN_MARGIN_S = 0.0005  # the least margin left before a step's predicted end, be
 GROW, SHRINK = 2.0, 0.9  # the margin after a late launch / after one in time
 MAX_MARGIN = 0.5  # the widest margin, as a share of a decode step
 WAITED_S = 0.0002  # a wait at least this long: the step ended during it, so its end time is known
+AUTO_MIN_DECODE_S = 0.008  # by default, decode steps at least this long on the device get late launches
 
 
 class DeviceTimes(Protocol):
@@ -63,7 +70,8 @@ class LateLaunch:
     """Times the engine's launches and waits (`launched`, `collected`, on one clock) and gives the
     engine loop its deadline for receiving requests (`deadline`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_decode_s: float = 0.0) -> None:
+        self.min_decode_s = min_decode_s  # shorter decode steps get no deadline
         self.decode_s: float | None = None  # a decode step's device time
         self.launch_s: float | None = None  # the host's time to schedule and launch a step
         self.margin_s = MIN_MARGIN_S
@@ -102,6 +110,8 @@ class LateLaunch:
         clock of `launched` and `collected`); None: schedule it at once."""
         running_decode = bool(self._decode_steps) and self._decode_steps[0]  # the step launched behind
         if not running_decode or self._last_end is None or self.decode_s is None or self.launch_s is None:
+            return None
+        if self.decode_s < self.min_decode_s:
             return None
         margin = self.launch_s + self.margin_s
         if margin >= self.decode_s:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from flashserve.detokenizer import IncrementalDetokenizer, raw_decoder
-from flashserve.engine.late_launch import DeviceTimes, LateLaunch
+from flashserve.engine.late_launch import AUTO_MIN_DECODE_S, DeviceTimes, LateLaunch
 from flashserve.engine.lora_registry import LoRARegistry
 from flashserve.engine.outputs import SampledTokens, SchedulerOutput
 from flashserve.engine.request import FinishReason, Request
@@ -86,12 +86,13 @@ def check_request(prompt_token_ids: Sequence[int], params: SamplingParams, vocab
 class LLMEngine:
     def __init__(
         self, scheduler: Scheduler, executor: Executor, tokenizer: Any | None = None, *, vocab_size: int,
-        overlap: bool = False, loras: LoRARegistry | None = None, late_launch: bool = False,
+        overlap: bool = False, loras: LoRARegistry | None = None, late_launch: bool | None = False,
     ) -> None:
         """overlap: schedule and launch each step before collecting the one before (the executor
         fills tokens in flight from `previous`). loras: the LoRA adapters the executor has loaded
         (default: none, and none can be). late_launch: with overlap, time the steps and give the
-        driving loop a deadline for the next launch (`launch_deadline`)."""
+        driving loop a deadline for the next launch (`launch_deadline`); None: only behind decode steps
+        of at least `AUTO_MIN_DECODE_S` on the device."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.scheduler = scheduler
@@ -106,8 +107,8 @@ class LLMEngine:
         self.late: LateLaunch | None = None
         self._times: DeviceTimes | None = None  # the executor, once it times the steps
         self._deadline_given = False  # the driving loop held the next launch to a deadline
-        if overlap and late_launch:
-            self.start_late_launches()
+        if overlap and late_launch is not False:
+            self.start_late_launches(AUTO_MIN_DECODE_S if late_launch is None else 0.0)
         self.num_step_tokens = 0  # output tokens the last step() produced, held ones included
 
     def set_tokenizer(self, tokenizer: Any | None) -> None:
@@ -164,12 +165,13 @@ class LLMEngine:
         self.scheduler.finish(request_id, FinishReason.ABORT, error)
         return self._output(live)
 
-    def start_late_launches(self) -> bool:
-        """Times the steps and gives the driving loop deadlines (`launch_deadline`) from now on; False
-        where the executor has no device times (`DeviceTimes`: a GPU's runner has them)."""
+    def start_late_launches(self, min_decode_s: float = 0.0) -> bool:
+        """Times the steps and gives the driving loop deadlines (`launch_deadline`) from now on, behind
+        decode steps of at least `min_decode_s` on the device; False where the executor has no device
+        times (`DeviceTimes`: a GPU's runner has them)."""
         start = getattr(self.executor, "start_timing", None)
         if self.overlap and start is not None and start():
-            self.late, self._times = LateLaunch(), self.executor  # type: ignore[assignment]
+            self.late, self._times = LateLaunch(min_decode_s), self.executor  # type: ignore[assignment]
         return self.late is not None
 
     def launch_deadline(self) -> float | None:
