@@ -25,13 +25,24 @@ figures are what the step costs alone allow.
 For each rate: median and P99 TTFT and ITL at the measured prefill speed (`--prefill-ms-per-token`,
 a lone 2,048-token prompt's TTFT over 2,048) and at fractions of the way to its compute floor
 (`--floor-ms-per-token`). Prints a table; writes ttft_model.json under `--out` when given.
+
+With `--replay SERVER_LOG` (a `flashserve serve` log, gzipped or not, with its request lines) the
+model runs the requests the server logged instead of random ones: each run of requests (a pause of
+more than 5 s between two arrivals starts the next) with the arrivals, prompt and output tokens the
+server saw, beside the TTFT the server logged for them (from the handler's start, so the client's
+side is left out of both):
+
+    python -m benchmark.ttft_model --overlap --decode-ms 8.95 --prefill-ms-per-token 0.0482 \
+        --max-prefill-tokens 2048 --replay server_70b-tp4rank-fp8.log.gz
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -39,20 +50,26 @@ from typing import Any
 
 def simulate(rate: float, prefill_ms_per_token: float, decode_ms: float, row_ms: float, budget: int,
              num_requests: int, seed: int, max_prefill: int = 0, chunk: int = 0, additive: bool = False,
-             prefill_step_ms: float = 0.0, deadline_ms: float = 0.0, overlap: bool = False) -> dict[str, float]:  # fmt: skip
+             prefill_step_ms: float = 0.0, deadline_ms: float = 0.0, overlap: bool = False,
+             arrivals: list[tuple[float, int, int]] | None = None) -> dict[str, float]:  # fmt: skip
     """Median and P99 TTFT and ITL (ms) of `num_requests` Poisson arrivals at `rate` req/s.
     `max_prefill`: the scheduler's `max_prefill_tokens`, `chunk` its `chunked_prefill_size` (0: no bound).
     `additive`: a step costs `decode_ms` + `row_ms` a decode row + (`prefill_step_ms` + its prompt
     tokens' compute, if it has any), the mixed steps of `benchmark.mixed_step`; otherwise the longer
-    of a decode step and the prompt tokens' compute, plus the rows. `deadline_ms`: a step that streams
+    of a decode step and the prompt tokens' compute, plus the rows (and `prefill_step_ms` if it has
+    prompt tokens). `deadline_ms`: a step that streams
     wait on holds more than `chunk` prompt tokens (up to `max_prefill`) while a prompt that has no
     first token yet has waited that long. `overlap`: each step is scheduled when the one before it
-    starts (the engine's overlap scheduling), so it admits only prompts that had arrived by then."""
-    rng = random.Random(seed)
-    t, arrivals = 0.0, []
-    for _ in range(num_requests):
-        t += rng.expovariate(rate) * 1e3
-        arrivals.append((t, rng.randint(512, 2048), rng.randint(64, 256)))
+    starts (the engine's overlap scheduling), so it admits only prompts that had arrived by then.
+    `arrivals`: (ms, prompt tokens, output tokens) of each request, in order, instead of `num_requests`
+    drawn at `rate` from `seed` (the seed protocol's lengths)."""
+    if arrivals is None:
+        rng = random.Random(seed)
+        t, arrivals = 0.0, []
+        for _ in range(num_requests):
+            t += rng.expovariate(rate) * 1e3
+            arrivals.append((t, rng.randint(512, 2048), rng.randint(64, 256)))
+    num_requests = len(arrivals)
     waiting: list[dict[str, Any]] = []
     running: list[dict[str, Any]] = []
     ttft: list[float] = []
@@ -101,6 +118,7 @@ def simulate(rate: float, prefill_ms_per_token: float, decode_ms: float, row_ms:
             now += decode_ms + row_ms * decodes + (prefill_step_ms + prefill * prefill_ms_per_token if prefill else 0.0)
         else:
             now += max(decode_ms, prefill * prefill_ms_per_token) + row_ms * decodes
+            now += prefill_step_ms if prefill else 0.0
         seen = start if overlap else now  # with overlap the next step was scheduled as this one began
         for r, n, is_prefill in rows:
             if is_prefill:
@@ -117,11 +135,63 @@ def simulate(rate: float, prefill_ms_per_token: float, decode_ms: float, row_ms:
                 running.remove(r)
                 done += 1
 
-    def p99(xs: list[float]) -> float:
-        return sorted(xs)[max(0, int(len(xs) * 0.99) - 1)]
-
     return {"median_ttft_ms": statistics.median(ttft), "p99_ttft_ms": p99(ttft), "median_itl_ms": statistics.median(itl),
             "p99_itl_ms": p99(itl)}  # fmt: skip
+
+
+def p99(xs: list[float]) -> float:
+    """The 99th percentile as the seed protocol's clients take it: the value below which 99% fall."""
+    return sorted(xs)[max(0, int(len(xs) * 0.99) - 1)]
+
+
+_REQUEST_LINE = re.compile(r"^(\S+ \S+) .*flashserve\.requests: request \S+ finished: prompt_tokens=(\d+) "
+                           r"completion_tokens=(\d+) ttft=([\d.]+)s latency=([\d.]+)s")
+
+
+def logged_runs(lines: Any, pause_s: float = 5.0) -> list[list[dict[str, float]]]:
+    """The finished requests of a server log (`metrics.py`'s request lines), by arrival, split into runs
+    where more than `pause_s` passes between two arrivals: each {"arrival" s, "prompt", "output", "ttft_ms"}."""
+    import datetime
+
+    reqs = []
+    for line in lines:
+        m = _REQUEST_LINE.match(line)
+        if m is None:
+            continue
+        end = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        reqs.append({"arrival": end - float(m[5]), "prompt": int(m[2]), "output": int(m[3]),
+                     "ttft_ms": float(m[4]) * 1e3})
+    reqs.sort(key=lambda r: r["arrival"])
+    runs: list[list[dict[str, float]]] = []
+    for r in reqs:
+        if not runs or r["arrival"] - runs[-1][-1]["arrival"] > pause_s:
+            runs.append([])
+        runs[-1].append(r)
+    return runs
+
+
+def replay(path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each logged run through the model at `--prefill-ms-per-token`, beside the server's TTFTs."""
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+        runs = logged_runs(f)
+    print("| run | requests | mean prompt tokens | span s | model median / P99 TTFT ms | logged median / P99 TTFT ms |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for i, run in enumerate(runs):
+        t0 = run[0]["arrival"]
+        arrivals = [((r["arrival"] - t0) * 1e3, int(r["prompt"]), max(1, int(r["output"]))) for r in run]
+        model = simulate(0.0, args.prefill_ms_per_token, args.decode_ms, args.row_ms, args.budget, 0, 0,
+                         args.max_prefill_tokens, args.chunked_prefill_size, args.additive, args.prefill_step_ms,
+                         args.deadline_ms, args.overlap, arrivals=arrivals)  # fmt: skip
+        logged = [r["ttft_ms"] for r in run]
+        row = {"run": i, "requests": len(run), "mean_prompt": statistics.mean(r["prompt"] for r in run),
+               "span_s": run[-1]["arrival"] - t0, "model": model,
+               "logged": {"median_ttft_ms": statistics.median(logged), "p99_ttft_ms": p99(logged)}}  # fmt: skip
+        rows.append(row)
+        got = row["logged"]
+        print(f"| {i} | {len(run)} | {row['mean_prompt']:.0f} | {row['span_s']:.1f} | {model['median_ttft_ms']:.0f} / "
+              f"{model['p99_ttft_ms']:.0f} | {got['median_ttft_ms']:.0f} / {got['p99_ttft_ms']:.0f} |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunked-prefill-size", type=int, default=0, help="the scheduler's --chunked-prefill-size (0: no bound)")
     p.add_argument("--additive", action="store_true",
                    help="a step costs the decode step plus its prompt tokens' (benchmark.mixed_step), not the longer")
-    p.add_argument("--prefill-step-ms", type=float, default=0.0, help="with --additive: what a step with prompt "
-                   "tokens costs beyond the decode step and their per-token compute")
+    p.add_argument("--prefill-step-ms", type=float, default=0.0, help="what a step with prompt tokens costs beyond "
+                   "the decode step (with --additive) and their per-token compute")
     p.add_argument("--deadline-ms", type=float, default=0.0, help="with --chunked-prefill-size: steps of whole "
                    "prompts (to --max-prefill-tokens) while a first token has waited this long (0: never)")
     p.add_argument("--overlap", action="store_true", help="each step admits only prompts that arrived before the "
@@ -147,7 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--seeds", type=int, default=3, help="runs per cell, the mean of their figures")
     p.add_argument("--out", default=None)
+    p.add_argument("--replay", type=Path, default=None, help="a server log: run its logged requests (see above)")
     args = p.parse_args(argv)
+    if args.replay is not None:
+        rows = replay(args.replay, args)
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "ttft_replay.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                              "runs": rows}, indent=1))
+        return 0
     speeds = [(f"{f:.0%} of the way to the floor", args.prefill_ms_per_token - f * (args.prefill_ms_per_token - args.floor_ms_per_token))
               for f in (0.0, 0.5, 1.0)]  # fmt: skip
     rows = []

@@ -41,3 +41,33 @@ def test_a_late_first_token_lifts_the_chunk_bound() -> None:
     bound = simulate(24.0, **common)
     lifted = simulate(24.0, deadline_ms=80.0, **common)
     assert lifted["p99_ttft_ms"] < bound["p99_ttft_ms"]
+
+
+LOG = [
+    "2026-11-30 01:56:56,166 INFO flashserve.requests: request cmpl-a finished: prompt_tokens=1000 completion_tokens=1 "
+    "ttft=0.101s latency=0.102s prompt_tokens_per_s=1.0 generation_tokens_per_s=0.0 finish_reason=length "
+    "x_request_id=-",
+    "2026-11-30 01:56:57,000 INFO uvicorn: something else",
+    "2026-11-30 01:56:58,166 INFO flashserve.requests: request cmpl-b finished: prompt_tokens=2000 completion_tokens=3 "
+    "ttft=0.150s latency=0.200s prompt_tokens_per_s=1.0 generation_tokens_per_s=0.0 finish_reason=length "
+    "x_request_id=-",
+    "2026-11-30 01:57:20,000 INFO flashserve.requests: request cmpl-c finished: prompt_tokens=512 completion_tokens=2 "
+    "ttft=0.050s latency=0.060s prompt_tokens_per_s=1.0 generation_tokens_per_s=0.0 finish_reason=length "
+    "x_request_id=-",
+]
+
+
+def test_a_server_log_s_requests_split_into_runs_where_arrivals_pause() -> None:
+    from benchmark.ttft_model import logged_runs
+
+    runs = logged_runs(LOG)
+    assert [[r["prompt"] for r in run] for run in runs] == [[1000, 2000], [512]]
+    assert abs(runs[0][1]["arrival"] - runs[0][0]["arrival"] - 1.902) < 1e-3  # ends minus latencies
+    assert runs[0][1]["ttft_ms"] == 150.0 and runs[0][1]["output"] == 3
+
+
+def test_replayed_arrivals_far_apart_take_their_own_compute() -> None:
+    per_token = 0.05
+    out = simulate(0.0, per_token, decode_ms=10.0, row_ms=0.0, budget=8192, num_requests=0, seed=0,
+                   arrivals=[(0.0, 1000, 2), (5000.0, 2000, 2), (10000.0, 1000, 2)])
+    assert out["median_ttft_ms"] == 1000 * per_token and out["p99_ttft_ms"] == 1000 * per_token
