@@ -1,13 +1,16 @@
 """What a prompt chunk costs the streams it shares a step with: engine steps timed by what they carry.
 
-    python -m benchmark.mixed_step --model llama-3.1-8b --batch 48 [--quantization fp8 --kv-cache-dtype fp8]
+    python -m benchmark.mixed_step --model llama-3.1-8b --batch 48 [--quantization fp8 --kv-cache-dtype fp8] [--tp 2]
 
 Keeps `--batch` streams decoding (dummy weights, prompts of `--context` tokens, no prefix cache, the
 server's CUDA graphs and overlap scheduling), then adds one fresh prompt of C tokens at a time, for
 each C of `--chunks`, and times every step as a running stream sees it: from the collection of the
 step before to its own, the stream's inter-token gap. Per C: the decode steps' gap, the gap of the
 step that carries the chunk ("mixed"), and a lone prompt of C tokens in the engine (no streams,
-`tp_prefill.ttft_ms`). Were the chunk and the streams free to share the step's weight reads, the
+`tp_prefill.ttft_ms`). Beside each gap, the step's time on the device (rank 0's with `--tp`): the
+runner's CUDA events from the step's launch to its sampled ids (`ModelRunner.device_seconds`). A
+launch that holds the host (an eager step's kernels, a TP step handed to the other ranks) moves time
+between two steps' gaps; the device time stays with its step. Were the chunk and the streams free to share the step's weight reads, the
 mixed step would take about the longer of the two; run one after the other, their sum.
 
 With `--profile-chunk C`, one decode step and one mixed step of C tokens run again without overlap
@@ -31,13 +34,17 @@ from benchmark import LOCAL_RESULTS
 
 class StepClock:
     """Wraps the engine's schedule and collect: for each step that ran, the time its results came
-    back and its prompt tokens (rows of more than one token, or rows that sample nothing)."""
+    back, its time on the device where the executor measures it (`device_seconds`), and its prompt
+    tokens (rows of more than one token, or rows that sample nothing)."""
 
     def __init__(self, engine: Any) -> None:
-        # (collected at, prompt tokens, decode rows, prompt tokens that continue a prompt begun before)
-        self.records: list[tuple[float, int, int, int]] = []
+        # (collected at, device ms or None, prompt tokens, decode rows, prompt tokens that continue a
+        # prompt begun before)
+        self.records: list[tuple[float, float | None, int, int, int]] = []
         self._pending: list[tuple[int, int, int]] = []
         schedule, collect = engine.scheduler.schedule, engine.executor.collect
+        start_timing = getattr(engine.executor, "start_timing", None)
+        timed = start_timing is not None and start_timing()
 
         def timed_schedule() -> Any:
             out = schedule()
@@ -49,17 +56,25 @@ class StepClock:
 
         def timed_collect(handle: Any) -> Any:
             result = collect(handle)
-            self.records.append((time.perf_counter(), *self._pending.pop(0)))
+            device_s = engine.executor.device_seconds(handle) if timed else None
+            device_ms = None if device_s is None else device_s * 1e3
+            self.records.append((time.perf_counter(), device_ms, *self._pending.pop(0)))
             return result
 
         engine.scheduler.schedule = timed_schedule
         engine.executor.collect = timed_collect
 
-    def gaps(self) -> list[tuple[float, int, int, int, int]]:
+    def gaps(self) -> list[tuple[float, int, int, int, int, float | None]]:
         """(gap ms, prompt tokens, decode rows, prompt tokens of the step before, continued prompt
-        tokens) of each step after the first."""
+        tokens, device ms or None) of each step after the first."""
         r = self.records
-        return [((r[i][0] - r[i - 1][0]) * 1e3, r[i][1], r[i][2], r[i - 1][1], r[i][3]) for i in range(1, len(r))]
+        return [((r[i][0] - r[i - 1][0]) * 1e3, r[i][2], r[i][3], r[i - 1][2], r[i][4], r[i][1])
+                for i in range(1, len(r))]  # fmt: skip
+
+
+def median_or_none(xs: list[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return statistics.median(known) if known else None
 
 
 def kernel_profile(engine: Any, run_step: Any) -> dict[str, Any]:
@@ -87,6 +102,7 @@ def kernel_profile(engine: Any, run_step: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (device times and profile: rank 0's)")
     p.add_argument("--batch", type=int, default=48, help="running streams (the seed protocol's 8B at 24 req/s: about 48)")
     p.add_argument("--context", type=int, default=1280, help="the streams' prompt tokens")
     p.add_argument("--chunks", default="256,512,768,1024,1536,2048")
@@ -108,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashserve.message.sampling_params import SamplingParams
 
     chunks = [int(c) for c in args.chunks.split(",")]
-    llm = LLM(args.model, load_format="dummy", max_num_seqs=max(64, args.batch + 8), max_model_len=8192,
+    llm = LLM(args.model, load_format="dummy", tensor_parallel_size=args.tp, max_num_seqs=max(64, args.batch + 8), max_model_len=8192,
               gpu_memory_utilization=0.85, cuda_graph=True, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
               piecewise_cuda_graph_max_tokens=args.piecewise_max_tokens,
@@ -147,16 +163,18 @@ def main(argv: list[str] | None = None) -> int:
                 mixed(c, f"m{c}-{rep}")
         steps(4)
     gaps = clock.gaps()[start:]
-    decode = [g for g, pt, _, before, _ in gaps if pt == 0 and before == 0]
+    decode = [g for g, pt, _, before, _, _ in gaps if pt == 0 and before == 0]
+    decode_device_ms = median_or_none([d for _, pt, _, before, _, d in gaps if pt == 0 and before == 0])
     rows = []
     for first in lone:  # each size of a prompt's first chunk
-        mix = [g for g, pt, _, _, cont in gaps if pt == first and not cont]
-        after = [g for g, pt, _, before, _ in gaps if pt == 0 and before == first]
+        mix = [g for g, pt, _, _, cont, _ in gaps if pt == first and not cont]
+        after = [g for g, pt, _, before, _, _ in gaps if pt == 0 and before == first]
         if mix:
             rows.append({"chunk": first, "mixed_ms": statistics.median(mix), "after_ms": statistics.median(after) if after else None,
-                         "lone_ms": lone[first], "samples": len(mix)})  # fmt: skip
+                         "lone_ms": lone[first], "samples": len(mix),
+                         "mixed_device_ms": median_or_none([d for _, pt, _, _, cont, d in gaps if pt == first and not cont])})  # fmt: skip
     continued: dict[int, list[float]] = defaultdict(list)  # steps that continue a prompt, by their prompt tokens
-    for g, pt, _, _, cont in gaps:
+    for g, pt, _, _, cont, _ in gaps:
         if cont:
             continued[pt].append(g)
     decode_ms = statistics.median(decode)
@@ -177,14 +195,17 @@ def main(argv: list[str] | None = None) -> int:
         engine.abort(f"s{i}")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     fmt = f", {args.quantization} weights, {args.kv_cache_dtype} KV" if args.quantization else ""
-    lines = [f"{gpu}: {args.model}{fmt} (dummy weights), {args.batch} streams of {args.context}+ tokens decoding; "
-             f"decode step gap median {decode_ms:.2f} ms ({len(decode)} steps)", "",
-             "| chunk tokens | mixed step gap ms | decode + lone prompt ms | mixed / (decode + lone) | next step gap ms |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    fmt_ms = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    lines = [f"{gpu}: {args.model}{fmt} (dummy weights), TP {args.tp}, {args.batch} streams of {args.context}+ tokens "
+             f"decoding; decode step gap median {decode_ms:.2f} ms ({len(decode)} steps), on the device "
+             f"{fmt_ms(decode_device_ms)} ms", "",
+             "| chunk tokens | mixed step gap ms | mixed step on the device ms | decode + lone prompt ms "
+             "| mixed / (decode + lone) | next step gap ms |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         both = decode_ms + r["lone_ms"]
-        after = f"{r['after_ms']:.2f}" if r["after_ms"] is not None else "-"
-        lines.append(f"| {r['chunk']} | {r['mixed_ms']:.2f} | {decode_ms:.2f} + {r['lone_ms']:.2f} | {r['mixed_ms'] / both:.2f} | {after} |")
+        lines.append(f"| {r['chunk']} | {r['mixed_ms']:.2f} | {fmt_ms(r['mixed_device_ms'])} | {decode_ms:.2f} + "
+                     f"{r['lone_ms']:.2f} | {r['mixed_ms'] / both:.2f} | {fmt_ms(r['after_ms'])} |")
     if continued:
         lines += ["", "| prompt tokens of a step continuing a prompt | steps | gap ms |", "|---|---|---|"]
         lines += [f"| {pt} | {len(g)} | {statistics.median(g):.2f} |" for pt, g in sorted(continued.items())]
@@ -196,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mixed_step.json").write_text(json.dumps({"gpu": gpu, "args": vars(args), "decode_ms": decode_ms, "rows": rows,
+    (out / "mixed_step.json").write_text(json.dumps({"gpu": gpu, "args": vars(args), "decode_ms": decode_ms,
+                                                     "decode_device_ms": decode_device_ms, "rows": rows,
                                                      "continued_ms": {pt: statistics.median(g) for pt, g in continued.items()},
                                                      "profiles": profiles, "report": report}, indent=1))  # fmt: skip
     llm.close()
