@@ -10,8 +10,9 @@ step that carries the chunk ("mixed"), and a lone prompt of C tokens in the engi
 `tp_prefill.ttft_ms`). Beside each gap, the step's time on the device (rank 0's with `--tp`): the
 runner's CUDA events from the step's launch to its sampled ids (`ModelRunner.device_seconds`). A
 launch that holds the host (an eager step's kernels, a TP step handed to the other ranks) moves time
-between two steps' gaps; the device time stays with its step. Were the chunk and the streams free to share the step's weight reads, the
-mixed step would take about the longer of the two; run one after the other, their sum.
+between two steps' gaps; the device time stays with its step. Were the chunk and the streams free
+to share the step's weight reads, the mixed step would take about the longer of the two; run one
+after the other, their sum.
 
 With `--profile-chunk C`, one decode step and one mixed step of C tokens run again without overlap
 scheduling under the PyTorch profiler: each step's kernels by category and its wall time, whose
@@ -75,6 +76,10 @@ class StepClock:
 def median_or_none(xs: list[float | None]) -> float | None:
     known = [x for x in xs if x is not None]
     return statistics.median(known) if known else None
+
+
+def ms_or_dash(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def kernel_profile(engine: Any, run_step: Any) -> dict[str, Any]:
@@ -195,17 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         engine.abort(f"s{i}")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     fmt = f", {args.quantization} weights, {args.kv_cache_dtype} KV" if args.quantization else ""
-    fmt_ms = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     lines = [f"{gpu}: {args.model}{fmt} (dummy weights), TP {args.tp}, {args.batch} streams of {args.context}+ tokens "
              f"decoding; decode step gap median {decode_ms:.2f} ms ({len(decode)} steps), on the device "
-             f"{fmt_ms(decode_device_ms)} ms", "",
+             f"{ms_or_dash(decode_device_ms)} ms", "",
              "| chunk tokens | mixed step gap ms | mixed step on the device ms | decode + lone prompt ms "
              "| mixed / (decode + lone) | next step gap ms |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         both = decode_ms + r["lone_ms"]
-        lines.append(f"| {r['chunk']} | {r['mixed_ms']:.2f} | {fmt_ms(r['mixed_device_ms'])} | {decode_ms:.2f} + "
-                     f"{r['lone_ms']:.2f} | {r['mixed_ms'] / both:.2f} | {fmt_ms(r['after_ms'])} |")
+        lines.append(f"| {r['chunk']} | {r['mixed_ms']:.2f} | {ms_or_dash(r['mixed_device_ms'])} | {decode_ms:.2f} + "
+                     f"{r['lone_ms']:.2f} | {r['mixed_ms'] / both:.2f} | {ms_or_dash(r['after_ms'])} |")
     if continued:
         lines += ["", "| prompt tokens of a step continuing a prompt | steps | gap ms |", "|---|---|---|"]
         lines += [f"| {pt} | {len(g)} | {statistics.median(g):.2f} |" for pt, g in sorted(continued.items())]

@@ -22,7 +22,8 @@ MS = 1e-3
 
 
 def decode_step(n: int = 4) -> SchedulerOutput:
-    return SchedulerOutput([ScheduledRequest(f"r{i}", [0], 100, [], True, last_token_in_flight=True) for i in range(n)])
+    rows = [ScheduledRequest(f"r{i}", [0], 100, [], True, last_token_in_flight=True) for i in range(n)]
+    return SchedulerOutput(rows, decode_only=True)
 
 
 def prompt_step() -> SchedulerOutput:
@@ -198,3 +199,22 @@ def test_by_default_launches_are_not_held_behind_shorter_decode_steps():
 
 def test_late_launch_true_holds_launches_behind_short_decode_steps_too():
     assert deadlines_given(AUTO_MIN_DECODE_S / 4, late_launch=True) > 0
+
+
+def test_the_scheduler_marks_a_step_decode_only_when_it_carries_no_prompt_tokens():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), KVCacheManager(64, 16),
+                      max_model_len=512)
+    engine = LLMEngine(sched, ScriptedExecutor([5, 6, 7]), None, vocab_size=VOCAB)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    kinds = []
+    schedule = sched.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        out = schedule()
+        kinds.append(out.decode_only)
+        return out
+
+    sched.schedule = recording_schedule  # type: ignore[method-assign]
+    while engine.has_unfinished:
+        engine.step()
+    assert kinds[:3] == [False, True, True]

@@ -97,3 +97,8 @@ def test_min_tokens_counts_the_token_in_flight(llm: LLM) -> None:
 def test_late_launches_are_not_started_on_a_cpu_which_has_no_device_times(llm: LLM) -> None:
     assert not llm.engine.start_late_launches()
     assert llm.engine.late is None and llm.engine.launch_deadline() is None
+
+
+def test_the_offline_llm_asks_for_no_late_launches_by_default(llm: LLM) -> None:
+    """Nothing arrives while generate() drives the engine, so its steps are not held or timed."""
+    assert llm.engine.scheduler.config.late_launch is False

@@ -213,7 +213,8 @@ class SchedulerConfig:
     # decode steps of at least 8 ms on the device (`AUTO_MIN_DECODE_S`). On two H200s that took 2-19 ms
     # off the median TTFT of the 70B's shapes (decode steps of 9-21 ms), where the 8B's 3.4-7.5 ms steps
     # gained 0-5 ms in one A/B and lost 0.3 ms of median ITL in another
-    # (`benchmark/results/NVIDIA_H200/late_launch/`). True: behind every decode step; False: never.
+    # (`benchmark/results/NVIDIA_H200/late_launch/`). True: behind every decode step; False: never (the
+    # offline `LLM`'s default: nothing arrives while its generate() drives the engine).
     late_launch: bool | None = None
     # `--speculative-config`: draft tokens verified in each decode step (`spec_decode/`); None: off.
     speculative: SpeculativeConfig | None = None

@@ -57,11 +57,6 @@ class DeviceTimes(Protocol):
         ...
 
 
-def decode_only(out: SchedulerOutput) -> bool:
-    """A step of one decode token a row: no prompt tokens, no draft tokens."""
-    return all(len(r.new_token_ids) == 1 and not r.is_new and not r.num_draft_tokens for r in out.requests)
-
-
 def _average(old: float | None, new: float) -> float:
     return new if old is None else old + ALPHA * (new - old)
 
@@ -77,7 +72,7 @@ class LateLaunch:
         self.margin_s = MIN_MARGIN_S
         self.num_deadlines = 0  # launches held to a deadline
         self.num_late = 0  # of those, launches that found the step before them ended
-        # Whether each launched step not yet collected is `decode_only`, oldest first: steps are
+        # Whether each launched step not yet collected is `out.decode_only`, oldest first: steps are
         # collected in the order they were launched.
         self._decode_steps: deque[bool] = deque()
         self._last_end: float | None = None  # when the last wait for a step ended, if it waited
@@ -88,7 +83,7 @@ class LateLaunch:
         engine loop held it to a deadline; `found_done`: the step it was launched behind had ended by
         then (None: unknown, or launched behind none)."""
         self.launch_s = _average(self.launch_s, end - start)
-        self._decode_steps.append(decode_only(out))
+        self._decode_steps.append(out.decode_only)
         if at_deadline and found_done is not None:
             self.num_deadlines += 1
             if found_done:

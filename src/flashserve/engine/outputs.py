@@ -73,6 +73,9 @@ class SchedulerOutput:
     # Every request of the step may have its next step scheduled before this one's results are
     # on the host (`SamplingParams.schedules_ahead`).
     schedules_ahead: bool = True
+    # One token a row and no draft tokens: no prompt chunk, nothing to verify. The scheduler sets it
+    # from what it counted while building the step (late launches ask it of every step).
+    decode_only: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -87,7 +90,7 @@ class SchedulerOutput:
         with rank 0, which alone samples) and no bitmask."""
         rows = [r if r.params is None or r.params.grammar is None else replace(r, params=replace(r.params, grammar=None))
                 for r in self.requests]
-        return SchedulerOutput(rows, self.finished_ids, self.preempted_ids, None, self.schedules_ahead)
+        return replace(self, requests=rows, token_bitmask=None)
 
 
 @dataclass(slots=True)

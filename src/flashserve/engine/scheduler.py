@@ -274,7 +274,7 @@ class Scheduler:
             # See engine/speculative.py: a step whose requests may speculate next is not scheduled ahead.
             ahead = not any(self.speculator.wants(r) for r, _ in scheduled)
         bitmask = step_masks(scheduled, requests, drafts, self.vocab_size)
-        return SchedulerOutput(requests, finished, preempted, bitmask, ahead)
+        return SchedulerOutput(requests, finished, preempted, bitmask, ahead, decode_only=not prefill and not drafts)
 
     def update(self, out: SchedulerOutput, results: Sequence[SampledTokens]) -> list[Request]:
         """Apply a step's results; `results[i]` belongs to `out.requests[i]`.

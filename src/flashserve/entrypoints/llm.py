@@ -160,6 +160,9 @@ class LLM:
                              "`flashserve serve --data-parallel-size N` (or run one LLM per GPU)")
         cache_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
         sched_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
+        # Late launches hold a launch while the loop driving the engine receives requests; here the
+        # caller's generate() drives it and nothing arrives meanwhile, so steps go untimed by default.
+        sched_kw.setdefault("late_launch", False)
         speculative = kwargs.pop("speculative_config", None)  # vLLM's name: a dict, JSON or SpeculativeConfig
         if speculative is not None:
             sched_kw["speculative"] = _speculative_config(speculative)
